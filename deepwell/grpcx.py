@@ -1,0 +1,192 @@
+"""gRPC helpers shared by every deepwell server and client.
+
+- Every server gets the standard ``grpc.health.v1`` health service and server
+  reflection (``build_server``).
+- Message limits: the default 4 MiB is too small for 1M-token prompts, so servers and
+  channels built here accept up to ``MAX_MESSAGE_BYTES``.
+- Request ids travel in the ``x-request-id`` metadata key: ``RequestIdServerInterceptor``
+  binds the incoming id (or a new one) into the structlog context of the RPC, and
+  ``RequestIdClientInterceptor`` forwards the id bound in the caller's context.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from deepwell import logs
+
+REQUEST_ID_KEY = "x-request-id"
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("deepwell_request_id", default=None)
+
+
+def current_request_id() -> str | None:
+    return _request_id.get()
+
+
+def set_request_id(request_id: str) -> contextvars.Token[str | None]:
+    logs.bind_context(request_id=request_id)
+    return _request_id.set(request_id)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_bytes),
+        ("grpc.max_receive_message_length", max_bytes),
+    ]
+
+
+def channel_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    return [
+        *message_options(max_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def metadata_value(metadata: Iterable[tuple[str, str | bytes]] | None, key: str) -> str | None:
+    for k, v in metadata or ():
+        if k == key:
+            return v.decode() if isinstance(v, bytes) else v
+    return None
+
+
+class RequestIdServerInterceptor(grpc.aio.ServerInterceptor):
+    """Binds ``x-request-id`` (or a fresh id) into the RPC's logging context."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        rid = metadata_value(handler_call_details.invocation_metadata, REQUEST_ID_KEY) or new_request_id()
+        set_request_id(rid)
+        logs.bind_context(rpc=handler_call_details.method)
+        return await continuation(handler_call_details)
+
+
+class _ClientRequestId:
+    def _metadata(self, details: Any) -> Any:
+        rid = current_request_id()
+        if rid is None or metadata_value(details.metadata, REQUEST_ID_KEY) is not None:
+            return details
+        md = list(details.metadata or ()) + [(REQUEST_ID_KEY, rid)]
+        return details._replace(metadata=md) if hasattr(details, "_replace") else _with_metadata(details, md)
+
+
+def _with_metadata(details: Any, md: list[tuple[str, str]]) -> Any:
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials, details.wait_for_ready)
+
+
+class RequestIdClientInterceptor(
+    _ClientRequestId,
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    """Adds the caller's bound request id to outgoing metadata (aio channels)."""
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._metadata(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._metadata(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._metadata(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._metadata(details), request_iterator)
+
+
+def aio_channel(address: str, max_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An insecure aio channel with deepwell's limits and request-id forwarding."""
+    return grpc.aio.insecure_channel(
+        address, options=channel_options(max_bytes), interceptors=[RequestIdClientInterceptor()]
+    )
+
+
+@dataclass
+class ServerHandle:
+    server: grpc.aio.Server
+    health: Any  # grpc_health.v1.health.aio.HealthServicer
+    bound_port: int
+    address: str
+
+    async def set_serving(self, service: str = "", serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await _maybe_await(self.health.set(service, status))
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await _maybe_await(self.health.enter_graceful_shutdown())
+        await self.server.stop(grace_s)
+
+
+async def _maybe_await(value: Any) -> Any:
+    if hasattr(value, "__await__"):
+        return await value
+    return value
+
+
+def build_server(
+    address: str,
+    register: Sequence[Callable[[grpc.aio.Server], None]],
+    service_names: Sequence[str],
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> ServerHandle:
+    """Create (not start) an aio server with health + reflection on ``address``.
+
+    ``address`` is ``host:port`` (port 0 picks a free one) or ``unix:/path``.
+    ``register`` are callables adding the servicers; ``service_names`` their full names
+    (e.g. ``engine_pb2.DESCRIPTOR.services_by_name['Engine'].full_name``). All named
+    services start NOT_SERVING; call ``set_serving`` when ready.
+    """
+    server = grpc.aio.server(
+        options=message_options(max_bytes), interceptors=[RequestIdServerInterceptor(), *interceptors]
+    )
+    for add in register:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    if port == 0 and not address.startswith("unix:"):
+        raise OSError(f"could not bind gRPC server to {address!r} (address in use?)")
+    return ServerHandle(server=server, health=health_servicer, bound_port=port, address=address)
+
+
+async def wait_healthy(address: str, service: str = "", timeout_s: float = 30.0) -> bool:
+    """Poll ``grpc.health.v1`` on ``address`` until SERVING or ``timeout_s`` passes."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+    return False

@@ -1,0 +1,108 @@
+"""The contract between the scheduler side of the engine and the model side.
+
+The scheduler (``engine_service.scheduler`` and friends) decides *which* tokens run in a
+step and *where* their KV and recurrent state live; the model runner
+(``engine_service.models`` / ``engine_service.runner``) does the maths. They meet only
+through the types below, so each side is testable alone (the scheduler against a fake
+runner, the runner against HF transformers with a trivial page allocator).
+
+Memory model
+------------
+- Attention layers keep K/V in a paged pool: page ``p`` holds positions
+  ``[i * page_size, (i + 1) * page_size)`` of a sequence whose block table has ``p`` at
+  index ``i``. The scheduler owns page allocation and refcounts (``BlockManager``); the
+  runner owns the page tensors and writes/reads them through the block tables it is
+  given.
+- Recurrent (Gated DeltaNet) layers keep conv + recurrent state per *state slot*; the
+  scheduler assigns one slot per running sequence. A sequence's state in its slot always
+  corresponds to exactly ``start`` tokens (its computed tokens).
+- Snapshots: after a step whose slice ended exactly at a position ``p`` the scheduler may
+  call ``snapshot_state(slot)``; ``restore_state(slot, snap)`` later puts the recurrent
+  state back to position ``p``; attention KV for positions ``< p`` is untouched by later
+  steps, so truncating the block table to ``p`` and restoring the snapshot resumes at
+  ``p`` exactly as if the sequence had stopped there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's part of a forward step."""
+
+    state_slot: int  # row in the recurrent-state pool (-1 for attention-only models)
+    block_table: Sequence[int]  # page ids covering positions [0, start + num_tokens)
+    start: int  # tokens already computed (the first position of this slice)
+    num_tokens: int  # new tokens in this step, >= 1
+    need_logits: bool = True  # return logits for the slice's last token
+
+
+@dataclass
+class ForwardBatch:
+    """A step: the slices' new tokens concatenated in slice order."""
+
+    input_ids: torch.Tensor  # [sum(num_tokens)] int64, on the runner's device
+    seqs: list[SeqSlice]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """What one KV page and one state slot cost, so the scheduler can size its pools."""
+
+    page_size: int  # tokens per page
+    bytes_per_page: int  # all attention layers together
+    bytes_per_state_slot: int  # all recurrent layers together (0 for attention-only)
+    num_attention_layers: int
+    num_recurrent_layers: int
+
+    @property
+    def hybrid(self) -> bool:
+        return self.num_recurrent_layers > 0
+
+
+class StateSnapshot(Protocol):
+    """Opaque copy of one slot's recurrent state (conv + recurrent, every GDN layer)."""
+
+    position: int
+
+
+class ModelRunner(Protocol):
+    """What the scheduler needs from the model side."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    def memory_spec(self) -> MemorySpec: ...
+
+    def allocate(self, num_pages: int, num_state_slots: int) -> None:
+        """Create the KV page pool and the state pool (called once, before forward)."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step; return fp32 logits [num slices with need_logits, vocab]."""
+
+    def reset_state(self, slot: int) -> None:
+        """Zero a state slot before a new sequence starts in it."""
+
+    def snapshot_state(self, slot: int, position: int) -> StateSnapshot: ...
+
+    def restore_state(self, slot: int, snapshot: StateSnapshot) -> None: ...
+
+    def copy_state(self, src_slot: int, dst_slot: int) -> None: ...
+
+

@@ -1,0 +1,27 @@
+"""Shared pytest setup: the ``gpu`` and ``slow`` markers skip unless their resources exist."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    run_slow = os.environ.get("DEEPWELL_SLOW") == "1"
+    has_gpu = _cuda_available()
+    skip_slow = pytest.mark.skip(reason="slow test: set DEEPWELL_SLOW=1 to run")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
