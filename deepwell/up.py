@@ -99,7 +99,7 @@ def plan(cfg: UpConfig, run_dir: Path) -> list[Child]:
     if cfg.kvcache:
         children.append(Child(
             "kvcache",
-            [py, "-m", "kvcache_daemon", "--listen", kv_address, "--arena-path", str(run_dir / "arena"),
+            [py, "-m", "kvcache_daemon", "--address", kv_address, "--arena-path", str(run_dir / "arena"),
              "--arena-bytes", str(cfg.kvcache_arena_bytes), *log],
             lambda: grpc_healthy(kv_address, timeout_s=1.0),
         ))

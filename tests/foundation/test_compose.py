@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,17 @@ def test_engine_reserves_gpus_and_shares_the_arena(compose: dict) -> None:
     assert "arena" in mounts["kvcache"] & mounts["engine"]
     assert "run" in mounts["kvcache"] & mounts["engine"]  # the daemon's unix socket
     assert compose["volumes"]["arena"]["driver_opts"]["type"] == "tmpfs"
+
+
+@pytest.mark.parametrize("service", ["kvcache", "engine", "gateway"])
+def test_environment_names_real_settings(compose: dict, service: str) -> None:
+    """Every DEEPWELL_* variable in compose.yaml is one the service's CLI reads."""
+    env = compose["services"][service].get("environment", {})
+    result = subprocess.run([sys.executable, "-m", "deepwell.cli", service, "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for key in env:
+        assert key in result.stdout, f"{service}: {key} is not a setting of 'deepwell {service}'"
 
 
 def test_ports_are_loopback_only(compose: dict) -> None:
