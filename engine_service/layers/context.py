@@ -1,0 +1,43 @@
+"""Per-step batch metadata shared by every layer of one forward.
+
+``StepContext`` is built once per ``ForwardBatch`` by the runner: flat ``positions`` and
+KV ``slots`` (page * page_size + offset) for every new token, and per sequence the token
+range in the batch, its start position, the gather index of its cached tokens (for
+attention) and its state slot (for recurrent layers). Layers never see block tables.
+
+Single-token slices (decode) are also gathered into a ``DecodeGroup`` so layers can run
+them as one batched op: their batch rows, state slots, and the KV gather index padded to
+the longest context (``lengths`` masks the padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    offset: int  # first row of this sequence in the batch's token dimension
+    num_tokens: int
+    start: int  # position of the first new token
+    state_slot: int
+    token_index: torch.Tensor | None  # [start + num_tokens] flat KV rows, None if no attention
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    rows: torch.Tensor  # [B] batch rows of the single-token slices
+    state_slots: torch.Tensor  # [B] their state slots (hybrid models)
+    token_index: torch.Tensor | None  # [B, Lmax] flat KV rows, padded with row 0
+    lengths: torch.Tensor | None  # [B] context length (start + 1) of each
+
+
+@dataclass(frozen=True)
+class StepContext:
+    positions: torch.Tensor  # [T] int64
+    kv_slots: torch.Tensor | None  # [T] int64 flat KV rows for the new tokens
+    seqs: tuple[SeqInfo, ...]  # every slice
+    multi: tuple[SeqInfo, ...] = ()  # slices with num_tokens > 1 (run one by one)
+    decode: DecodeGroup | None = None  # slices with num_tokens == 1 (run batched)

@@ -1,0 +1,128 @@
+"""Gated DeltaNet token mixer (Qwen3.5 / Qwen3-Next linear-attention layers).
+
+Per token: ``in_proj_qkv`` -> causal depthwise conv (width K, SiLU, state = last K-1
+inputs) -> split q [Hk,Dk], k [Hk,Dk], v [Hv,Dv]; ``beta = sigmoid(in_proj_b)``,
+``g = -exp(A_log) * softplus(in_proj_a + dt_bias)``; gated delta rule with the sequence's
+fp32 recurrent state; ``out_proj(gated_rmsnorm(o, in_proj_z))``. Qwen3-Next checkpoints
+store the projections interleaved per key-head group (``in_proj_qkvz``/``in_proj_ba``);
+the loader de-interleaves them into this layout once (see ``models.qwen3_next``).
+
+State invariant: a slot's (conv, recurrent) rows hold the state after exactly ``start``
+tokens of its sequence; ``forward`` advances it by the slice's tokens in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_service.layers.backend import ReferenceBackend
+from engine_service.layers.context import StepContext
+from engine_service.layers.mlp import linear
+from engine_service.layers.norm import GatedRMSNorm
+
+
+@dataclass(frozen=True)
+class GDNSpec:
+    hidden: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_k_heads})"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+class Conv1dWeight(nn.Module):
+    """Holds ``conv1d.weight`` with HF's shape ``[C, 1, K]``."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: GDNSpec, backend: ReferenceBackend) -> None:
+        super().__init__()
+        self.spec = spec
+        self.backend = backend
+        self.in_proj_qkv = linear(spec.hidden, spec.conv_dim)
+        self.in_proj_z = linear(spec.hidden, spec.value_dim)
+        self.in_proj_b = linear(spec.hidden, spec.num_v_heads)
+        self.in_proj_a = linear(spec.hidden, spec.num_v_heads)
+        self.conv1d = Conv1dWeight(spec.conv_dim, spec.conv_kernel)
+        self.dt_bias = nn.Parameter(torch.empty(spec.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(spec.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(spec.head_v_dim, spec.eps, backend)
+        self.out_proj = linear(spec.value_dim, spec.hidden)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, conv_state: torch.Tensor, rec_state: torch.Tensor
+    ) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(t, s.num_v_heads, s.head_v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        weight = self.conv1d.weight.squeeze(1)
+        core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=x.device)
+        for seq in ctx.multi:
+            rows = slice(seq.offset, seq.offset + seq.num_tokens)
+            slot = seq.state_slot
+            conv_out, conv_state[slot] = self.backend.causal_conv1d(
+                mixed[rows], conv_state[slot], weight
+            )
+            n = seq.num_tokens
+            q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+            o, rec_state[slot] = self.backend.gated_delta_rule(
+                q.reshape(n, s.num_k_heads, s.head_k_dim),
+                k.reshape(n, s.num_k_heads, s.head_k_dim),
+                v.reshape(n, s.num_v_heads, s.head_v_dim),
+                g[rows],
+                beta[rows],
+                rec_state[slot],
+            )
+            core[rows] = o
+        dec = ctx.decode
+        if dec is not None:
+            slots, n = dec.state_slots, dec.rows.shape[0]
+            conv_out, new_conv = self.backend.causal_conv1d_decode(
+                mixed[dec.rows], conv_state[slots], weight
+            )
+            conv_state[slots] = new_conv
+            q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+            o, new_rec = self.backend.gated_delta_rule_decode(
+                q.reshape(n, s.num_k_heads, s.head_k_dim),
+                k.reshape(n, s.num_k_heads, s.head_k_dim),
+                v.reshape(n, s.num_v_heads, s.head_v_dim),
+                g[dec.rows],
+                beta[dec.rows],
+                rec_state[slots],
+            )
+            rec_state[slots] = new_rec
+            core[dec.rows] = o
+        out = self.norm(core.to(x.dtype), z)
+        return self.out_proj(out.reshape(t, s.value_dim))

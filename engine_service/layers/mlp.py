@@ -1,0 +1,27 @@
+"""SwiGLU MLP: ``down(silu(gate(x)) * up(x))`` with HF parameter names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
+    """An uninitialised, frozen linear layer (weights come from the checkpoint)."""
+    layer = nn.Linear(in_features, out_features, bias=bias, device="meta")
+    layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+    if bias:
+        layer.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+    return layer
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = linear(hidden, intermediate, bias)
+        self.up_proj = linear(hidden, intermediate, bias)
+        self.down_proj = linear(intermediate, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,75 @@
+"""Prometheus metrics of the engine, served over HTTP at ``/metrics``.
+
+Each ``EngineMetrics`` has its own ``CollectorRegistry`` (several engines in one test
+process never collide). It is the engine's ``StepObserver``: gauges are set from the
+engine snapshot after every step, counters advance by the step's prefilled / decoded
+tokens, and TTFT / inter-token latency go to histograms (seconds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from engine_service.engine import Snapshot, StepObserver
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class EngineMetrics(StepObserver):
+    def __init__(self, model: str = "") -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = ["model"]
+        self.running = Gauge("deepwell_engine_requests_running", "Requests being computed", labels, registry=r)
+        self.waiting = Gauge("deepwell_engine_requests_waiting", "Requests queued", labels, registry=r)
+        self.pages_used = Gauge("deepwell_engine_kv_pages_used", "KV pages in use", labels, registry=r)
+        self.pages_total = Gauge("deepwell_engine_kv_pages_total", "KV pages in the pool", labels, registry=r)
+        self.slots_used = Gauge("deepwell_engine_state_slots_used", "Recurrent-state slots in use", labels,
+                                registry=r)
+        self.slots_total = Gauge("deepwell_engine_state_slots_total", "Recurrent-state slots", labels, registry=r)
+        self.prefilled = Counter("deepwell_engine_tokens_prefilled", "Prompt tokens computed", labels, registry=r)
+        self.decoded = Counter("deepwell_engine_tokens_decoded", "Tokens generated", labels, registry=r)
+        self.finished = Counter("deepwell_engine_requests_finished", "Requests finished", labels + ["reason"],
+                                registry=r)
+        self.ttft = Histogram("deepwell_engine_time_to_first_token_seconds", "Arrival to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("deepwell_engine_inter_token_latency_seconds", "Gap between a request's tokens",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.model = model
+        self._server: Any = None
+
+    def on_step(self, snap: Snapshot, prefilled: int, decoded: int) -> None:
+        m = self.model
+        self.running.labels(m).set(snap.requests_running)
+        self.waiting.labels(m).set(snap.requests_waiting)
+        self.pages_used.labels(m).set(snap.kv_pages_used)
+        self.pages_total.labels(m).set(snap.kv_pages_total)
+        self.slots_used.labels(m).set(snap.state_slots_used)
+        self.slots_total.labels(m).set(snap.state_slots_total)
+        if prefilled:
+            self.prefilled.labels(m).inc(prefilled)
+        if decoded:
+            self.decoded.labels(m).inc(decoded)
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.labels(self.model).observe(ttft_s)
+
+    def on_token_gap(self, gap_s: float) -> None:
+        self.itl.labels(self.model).observe(gap_s)
+
+    def on_finished(self, reason: str) -> None:
+        self.finished.labels(self.model, reason).inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP server on a daemon thread; returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return int(server.server_address[1])
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,129 @@
+"""The one decoder every registered family builds: embeddings, a stack of
+(token mixer + MLP) blocks with pre-norm residuals, final norm, LM head, optional MTP.
+
+Parameter names equal HF's ``*ForCausalLM`` names (``model.layers.{i}.self_attn...``,
+``model.layers.{i}.linear_attn...``, ``lm_head.weight``), so checkpoints load by name.
+Attention layer ``i`` uses KV pool layer ``attn_index[i]``; GDN layer ``i`` uses state
+pool layer ``state_index[i]``. ``forward`` returns final hidden states *before* the
+final norm; ``logits(h)`` applies norm + LM head to the rows that need logits only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_service.layers.attention import Attention
+from engine_service.layers.backend import ReferenceBackend
+from engine_service.layers.context import StepContext
+from engine_service.layers.gdn import GatedDeltaNet
+from engine_service.layers.mlp import SwiGLU, linear
+from engine_service.layers.moe import SparseMoE
+from engine_service.layers.norm import RMSNorm
+from engine_service.layers.rope import RotaryEmbedding
+from engine_service.memory import KVPool, StatePool
+from engine_service.models.spec import FULL, ModelArgs
+
+
+def make_mlp(args: ModelArgs, use_moe: bool, backend: ReferenceBackend) -> nn.Module:
+    if use_moe and args.moe is not None:
+        m = args.moe
+        return SparseMoE(
+            args.hidden, m.num_experts, m.top_k, m.intermediate, m.shared_intermediate,
+            m.norm_topk_prob, backend,
+        )
+    return SwiGLU(args.hidden, args.intermediate, args.mlp_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, args: ModelArgs, use_moe: bool, backend: ReferenceBackend, kind: str
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == FULL:
+            self.self_attn = Attention(args.attention, backend)
+        else:
+            assert args.gdn is not None
+            self.linear_attn = GatedDeltaNet(args.gdn, backend)
+        self.mlp = make_mlp(args, use_moe, backend)
+        zc = args.zero_centered_norm
+        self.input_layernorm = RMSNorm(args.hidden, args.rms_eps, zc, backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden, args.rms_eps, zc, backend)
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: ModelArgs, backend: ReferenceBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden, device="meta")
+        self.embed_tokens.weight = nn.Parameter(
+            torch.empty(args.vocab_size, args.hidden), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, i in args.moe_layers, backend, kind)
+            for i, kind in enumerate(args.layer_types)
+        )
+        self.norm = RMSNorm(args.hidden, args.rms_eps, args.zero_centered_norm, backend)
+
+
+class MTPModule(nn.Module):
+    """Multi-token-prediction weights (``mtp.*``), loaded for later speculation.
+
+    Layout as in Qwen3.5/Qwen3-Next checkpoints: ``fc`` [H, 2H], ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden``, ``layers.{i}`` (full-attention decoder layers) and ``norm``.
+    No forward yet: speculative decoding is a later issue.
+    """
+
+    def __init__(self, args: ModelArgs, backend: ReferenceBackend) -> None:
+        super().__init__()
+        zc = args.zero_centered_norm
+        self.fc = linear(2 * args.hidden, args.hidden)
+        self.pre_fc_norm_embedding = RMSNorm(args.hidden, args.rms_eps, zc, backend)
+        self.pre_fc_norm_hidden = RMSNorm(args.hidden, args.rms_eps, zc, backend)
+        self.layers = nn.ModuleList(
+            DecoderLayer(args, args.moe is not None, backend, FULL) for _ in range(args.mtp_layers)
+        )
+        self.norm = RMSNorm(args.hidden, args.rms_eps, zc, backend)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, args: ModelArgs, backend: ReferenceBackend) -> None:
+        super().__init__()
+        self.args = args
+        self.model = TextModel(args, backend)
+        if args.tie_embeddings:
+            self.lm_head = nn.Linear(args.hidden, args.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = linear(args.hidden, args.vocab_size)
+        self.rotary = RotaryEmbedding(args.rope)
+        self.mtp: MTPModule | None = MTPModule(args, backend) if args.mtp_layers > 0 else None
+        self.attn_index = {layer: j for j, layer in enumerate(args.attention_layers)}
+        self.state_index = {layer: j for j, layer in enumerate(args.recurrent_layers)}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: StepContext,
+        kv: KVPool | None,
+        state: StatePool | None,
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        cos_sin = None
+        if self.attn_index:
+            cos_sin = self.rotary.cos_sin(ctx.positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer.input_layernorm(h)
+            if layer.kind == FULL:
+                assert kv is not None and cos_sin is not None
+                x = layer.self_attn(x, cos_sin, ctx, kv.layer(self.attn_index[i]))
+            else:
+                assert state is not None
+                j = self.state_index[i]
+                x = layer.linear_attn(x, ctx, state.conv[j], state.recurrent[j])
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden)).float()

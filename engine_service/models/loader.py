@@ -1,0 +1,159 @@
+"""Build a model from a config and stream checkpoint tensors into it.
+
+``build_model`` allocates every parameter once, uninitialised, directly on the target
+device in the target dtype (no CPU staging copy, no 2x peak). ``load_weights`` consumes a
+``(hf_name, tensor)`` stream: names are normalised (VLM ``model.language_model.`` and
+``language_model.`` prefixes), vision tower / projector tensors and rotary buffers are
+skipped, the family adapter reshapes fused layouts, and each tensor is copied into its
+parameter and dropped.
+
+Failure rules: a mis-shaped tensor fails at once naming it and the expected shape; after
+the stream, missing language-model tensors fail listing them with their shapes. ``mtp.*``
+tensors load into ``model.mtp`` when their layout matches and never fail the load: an
+incomplete or mismatched MTP set drops the MTP module (logged). Unknown tensors are
+logged and skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepwell.logs import get_logger
+from engine_service.layers.backend import ReferenceBackend
+from engine_service.models.decoder import CausalLM
+from engine_service.models.registry import Family, resolve
+from engine_service.models.weights import WeightTargets, missing_error
+
+log = get_logger(__name__)
+
+_SKIP_PREFIXES = (
+    "model.visual.",
+    "visual.",
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+    "vision_model.",
+    "model.vision_model.",
+)
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.mtp.", "mtp."),
+)
+
+
+def normalize_name(name: str) -> str | None:
+    """The decoder's parameter name for a checkpoint tensor, or None to skip it."""
+    if name.startswith(_SKIP_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
+        return None
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+@contextlib.contextmanager
+def _defaults(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(
+    config: dict[str, Any],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    backend: ReferenceBackend | None = None,
+) -> tuple[CausalLM, Family, dict[str, Any]]:
+    family, tc = resolve(config)
+    args = family.build_args(tc)
+    with _defaults(torch.device(device), dtype):
+        model = CausalLM(args, backend or ReferenceBackend())
+    model.eval()
+    return model, family, tc
+
+
+@dataclass
+class _LoadState:
+    skipped: int = 0
+    unexpected: list[str] = field(default_factory=list)
+    mtp_error: str | None = None
+
+
+def _offer(
+    model: CausalLM,
+    main: WeightTargets,
+    mtp: WeightTargets,
+    state: _LoadState,
+    pieces: Iterable[tuple[str, torch.Tensor]],
+) -> None:
+    """Copy one checkpoint tensor's pieces into their parameters (locals die on return)."""
+    for pname, t in pieces:
+        if pname.startswith("mtp."):
+            if model.mtp is None:
+                state.skipped += 1
+                continue
+            try:
+                if not mtp.offer(pname, t):
+                    state.mtp_error = state.mtp_error or f"unexpected MTP tensor {pname}"
+            except ValueError as exc:
+                state.mtp_error = state.mtp_error or str(exc)
+        elif not main.offer(pname, t):
+            if pname == "lm_head.weight" and model.args.tie_embeddings:
+                continue
+            state.unexpected.append(pname)
+
+
+def load_weights(
+    model: CausalLM,
+    family: Family,
+    text_cfg: dict[str, Any],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> None:
+    main = WeightTargets()
+    main.add_module(model.model, "model.")
+    if not model.args.tie_embeddings:
+        main.add_module(model.lm_head, "lm_head.")
+    mtp = WeightTargets()
+    if model.mtp is not None:
+        mtp.add_module(model.mtp, "mtp.")
+    state = _LoadState()
+    adapt = family.adapter_for(text_cfg)
+    for raw, tensor in tensors:
+        name = normalize_name(raw)
+        if name is None:
+            state.skipped += 1
+        else:
+            _offer(model, main, mtp, state, adapt(name, tensor))
+        # drop our reference before the stream reads the next tensor (peak: one tensor)
+        del tensor
+    missing = main.missing()
+    if missing:
+        raise missing_error(missing)
+    if model.mtp is not None:
+        gone = mtp.missing()
+        if gone or state.mtp_error:
+            reason = state.mtp_error or f"{len(gone)} MTP tensors missing (e.g. {gone[0][0]})"
+            log.warning("mtp_weights_dropped", reason=reason)
+            model.mtp = None
+    if state.unexpected:
+        log.warning(
+            "unexpected_tensors_skipped", count=len(state.unexpected), first=state.unexpected[:5]
+        )
+    log.info(
+        "weights_loaded",
+        architecture=model.args.architecture,
+        skipped=state.skipped,
+        mtp=model.mtp is not None,
+    )

@@ -1,0 +1,327 @@
+"""EngineCore on the FakeRunner: batching invariance, preemption, snapshots, events, errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_service.engine import AdmittedEvent, EngineCore, EngineLimits, FinishedEvent, InvalidRequest, TokensEvent
+from engine_service.sampling import SamplingParams
+from engine_service.scheduler import Finish, QueueFull
+from tests.engine.test_scheduler_fakerunner import FakeRunner, greedy_reference
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def core(runner: FakeRunner, num_pages: int = 64, slots: int = 8, conc: int = 8, budget: int = 16,
+         queue: int = 16, ctx: int = 256, chunk: int = 0) -> EngineCore:
+    return EngineCore(runner, EngineLimits(num_pages, slots, conc, budget, queue, ctx, chunk), eos_ids=())
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 97 for i in range(n)]
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def __call__(self, ev) -> None:
+        self.events.append(ev)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events if isinstance(e, TokensEvent) for t in e.token_ids]
+
+    @property
+    def finished(self) -> FinishedEvent:
+        fin = [e for e in self.events if isinstance(e, FinishedEvent)]
+        assert len(fin) == 1
+        return fin[0]
+
+
+def drive(c: EngineCore, arrivals: dict[int, list], max_steps: int = 1000) -> None:
+    """Step ``c``; before step i submit the requests in ``arrivals[i]``."""
+    for i in range(max_steps):
+        for req in arrivals.get(i, []):
+            c.submit(req)
+        c.step()
+        if not c.has_work() and i >= max(arrivals, default=0):
+            return
+    raise AssertionError("engine did not drain")
+
+
+@pytest.mark.parametrize("budget,page_size,num_pages,chunk", [(16, 4, 64, 0), (5, 4, 64, 0), (3, 2, 24, 0),
+                                                              (64, 8, 40, 0), (32, 4, 64, 7)])
+def test_concurrent_requests_equal_alone(budget: int, page_size: int, num_pages: int, chunk: int) -> None:
+    specs = [(1, 23, 9, 0), (2, 5, 12, 0), (3, 40, 6, 2), (4, 11, 10, 5)]  # seed, prompt len, max tokens, arrival
+    runner = FakeRunner(page_size=page_size)
+    c = core(runner, num_pages=num_pages, budget=budget, chunk=chunk)
+    sinks, arrivals = {}, {}
+    for seed, n, mt, at in specs:
+        sinks[seed] = Collector()
+        req = c.make_request(prompt(seed, n), SamplingParams(temperature=0.0, max_tokens=mt), request_id=f"r{seed}",
+                             sink=sinks[seed])
+        arrivals.setdefault(at, []).append(req)
+    drive(c, arrivals)
+    for seed, n, mt, _ in specs:
+        assert sinks[seed].tokens == greedy_reference(runner, prompt(seed, n), mt)
+        assert sinks[seed].finished.reason is Finish.LENGTH
+        assert sinks[seed].finished.completion_tokens == mt
+    assert c.blocks.used_pages == 0 and c.blocks.used_slots == 0
+    c.blocks.check()
+
+
+def test_preemption_under_pressure_keeps_outputs() -> None:
+    runner = FakeRunner(page_size=2)
+    c = core(runner, num_pages=14, budget=8)
+    sinks = {}
+    reqs = []
+    for seed in range(4):
+        sinks[seed] = Collector()
+        reqs.append(c.make_request(prompt(seed, 6), SamplingParams(temperature=0.0, max_tokens=14),
+                                   request_id=f"p{seed}", sink=sinks[seed]))
+    drive(c, {0: reqs})
+    assert sum(r.num_preemptions for r in reqs) > 0
+    for seed in range(4):
+        assert sinks[seed].tokens == greedy_reference(runner, prompt(seed, 6), 14)
+        assert sum(isinstance(e, AdmittedEvent) for e in sinks[seed].events) == 1
+
+
+def test_seeded_sampling_is_batch_invariant() -> None:
+    def run(together: bool) -> list[list[int]]:
+        runner = FakeRunner()
+        c = core(runner, budget=7)
+        outs = []
+        reqs = []
+        for seed in range(3):
+            col = Collector()
+            outs.append(col)
+            reqs.append(c.make_request(prompt(seed, 9 + seed), SamplingParams(temperature=0.9, top_p=0.9, seed=seed,
+                                                                               max_tokens=8), sink=col))
+        if together:
+            drive(c, {0: reqs})
+        else:
+            for r in reqs:
+                drive(c, {0: [r]})
+        return [o.tokens for o in outs]
+
+    assert run(True) == run(False)
+
+
+def test_snapshot_at_turn_boundary_then_restore_continues_identically() -> None:
+    runner = FakeRunner(page_size=4)
+    c = core(runner, budget=6)
+    p = prompt(7, 14)
+    col = Collector()
+    req = c.make_request(p, SamplingParams(temperature=0.0, max_tokens=20), request_id="t", turn_boundary=9, sink=col)
+    c.submit(req)
+    for _ in range(8):
+        c.step()
+    slot = c.blocks.state_slot("t")
+    assert runner.snapshots == [(slot, 9)]
+    assert [call[0][1:] for call in runner.forward_calls[:3]] == [(0, 6), (6, 3), (9, 5)]  # cut at 9
+    first = list(req.output_ids)
+    assert len(first) == 6  # the third step ends the prompt and samples; five decodes follow
+    # rewind: truncate the pages to the checkpoint, restore the state, drop what followed
+    with c.lock:
+        pos, snap = c.blocks.rewind_to_checkpoint("t")
+        runner.restore_state(slot, snap)
+        req.num_computed = pos
+        del req.tokens[len(p):]
+        c.blocks.check()
+    for _ in range(12):
+        c.step()
+    assert req.output_ids[: len(first)] == first
+    assert req.output_ids == greedy_reference(runner, p, 12)
+    assert col.tokens[:6] == first  # (the stream is the client's; the rewind here is bookkeeping only)
+
+
+def test_event_sequence_and_usage() -> None:
+    runner = FakeRunner()
+    c = core(runner)
+    col = Collector()
+    c.submit(c.make_request(prompt(1, 5), SamplingParams(temperature=0.0, max_tokens=3, logprobs=2), sink=col))
+    drive(c, {})
+    kinds = [type(e).__name__ for e in col.events]
+    assert kinds == ["AdmittedEvent", "TokensEvent", "TokensEvent", "TokensEvent", "FinishedEvent"]
+    adm = col.events[0]
+    assert (adm.prompt_tokens, adm.max_tokens) == (5, 3)
+    assert all(len(e.logprobs[0].top) == 2 for e in col.events[1:4])
+    fin = col.finished
+    assert (fin.prompt_tokens, fin.completion_tokens, fin.reason) == (5, 3, Finish.LENGTH)
+    assert c.counters.tokens_decoded == 3 and c.counters.tokens_prefilled == 5
+
+
+def test_stop_token_is_reported_not_streamed() -> None:
+    runner = FakeRunner()
+    ref = greedy_reference(runner, prompt(2, 6), 4)
+    c = EngineCore(runner, EngineLimits(32, 4, 4, 16, 4, 256), eos_ids=[ref[2]])
+    col = Collector()
+    c.submit(c.make_request(prompt(2, 6), SamplingParams(temperature=0.0, max_tokens=10), sink=col))
+    drive(c, {})
+    assert col.tokens == ref[:2]
+    assert (col.finished.reason, col.finished.stop_token_id, col.finished.completion_tokens) == (
+        Finish.STOP, ref[2], 3)
+
+
+def test_internal_error_fails_only_that_step_and_engine_keeps_serving() -> None:
+    runner = FakeRunner()
+    c = core(runner, budget=64)
+    bad, good = Collector(), Collector()
+    runner.fail_on_token = 96
+    c.submit(c.make_request([1, 96, 2], GREEDY, sink=bad))
+    c.step()
+    assert bad.finished.reason is Finish.ERROR and "injected failure" in bad.finished.error
+    assert c.blocks.used_pages == 0
+    c.submit(c.make_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2), sink=good))
+    drive(c, {})
+    assert good.finished.reason is Finish.LENGTH and good.tokens == greedy_reference(runner, [1, 2, 3], 2)
+
+
+def test_non_finite_logits_fail_only_that_request() -> None:
+    runner = FakeRunner()
+    c = core(runner, budget=64)
+    bad, good = Collector(), Collector()
+    runner.nan_on_token = 95
+    c.submit(c.make_request([1, 95, 2], GREEDY, sink=bad))
+    c.submit(c.make_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=3), sink=good))
+    drive(c, {})
+    assert bad.finished.reason is Finish.ERROR and bad.finished.error == "internal error: model produced non-finite logits"
+    assert good.finished.reason is Finish.LENGTH and good.tokens == greedy_reference(runner, [1, 2, 3], 3)
+    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)
+
+
+def test_bad_input_messages() -> None:
+    c = core(FakeRunner(vocab=97), ctx=64)
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        c.make_request([], GREEDY)
+    with pytest.raises(InvalidRequest, match=r"token id 97 outside the vocabulary \[0, 97\)"):
+        c.make_request([1, 97], GREEDY)
+    with pytest.raises(InvalidRequest, match="prompt of 64 tokens is longer than the context: 64 tokens"):
+        c.make_request([1] * 64, GREEDY)
+    with pytest.raises(InvalidRequest, match="top_p"):
+        c.make_request([1], SamplingParams(top_p=2.0))
+    r = c.make_request([1] * 60, GREEDY)
+    assert r.max_tokens == 4  # clamped to the context
+    c.submit(r)
+    with pytest.raises(InvalidRequest, match="already in use"):
+        c.submit(c.make_request([1], GREEDY, request_id=r.request_id))
+
+
+def test_queue_full() -> None:
+    c = core(FakeRunner(), queue=1)
+    c.submit(c.make_request([1], GREEDY))
+    with pytest.raises(QueueFull):
+        c.submit(c.make_request([2], GREEDY))
+
+
+def test_cancel_emits_finished_once_and_frees() -> None:
+    c = core(FakeRunner(), budget=4)
+    col = Collector()
+    r = c.make_request(prompt(3, 20), GREEDY, sink=col)
+    c.submit(r)
+    c.step()
+    assert c.blocks.used_pages > 0
+    assert c.cancel(r.request_id)
+    assert not c.cancel(r.request_id)
+    assert col.finished.reason is Finish.CANCELLED
+    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)
+
+
+def test_attention_only_model_uses_no_slots() -> None:
+    runner = FakeRunner(hybrid=False)
+    c = core(runner, budget=5)
+    col = Collector()
+    c.submit(c.make_request(prompt(5, 12), SamplingParams(temperature=0.0, max_tokens=4), turn_boundary=7, sink=col))
+    drive(c, {})
+    assert c.blocks.num_state_slots == 0
+    assert col.tokens == greedy_reference(runner, prompt(5, 12), 4)
+    assert runner.snapshots == []  # KV-only models need no state snapshot
+
+_req = st.tuples(st.integers(1, 30), st.integers(1, 8), st.integers(0, 12), st.booleans())  # len, max, arrival, cancel
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_req, min_size=1, max_size=6), st.integers(1, 20), st.sampled_from([2, 4, 8]), st.integers(0, 2),
+       st.integers(0, 6))
+def test_random_workloads_match_reference(reqs, budget: int, page_size: int, slack: int, chunk: int) -> None:
+    runner = FakeRunner(page_size=page_size)
+    longest = max(n + mt for n, mt, _, _ in reqs)
+    num_pages = -(-longest // page_size) + slack  # the largest request always fits, little more
+    c = core(runner, num_pages=num_pages, slots=3, conc=3, budget=budget, chunk=chunk)
+    sinks, reqs_by_step, cancels = [], {}, {}
+    for i, (n, mt, at, cancel) in enumerate(reqs):
+        col = Collector()
+        sinks.append(col)
+        r = c.make_request(prompt(i, n), SamplingParams(temperature=0.0, max_tokens=mt), request_id=f"r{i}", sink=col)
+        reqs_by_step.setdefault(at, []).append(r)
+        if cancel:
+            cancels.setdefault(at + 3, []).append(r.request_id)
+    for step in range(3000):
+        for r in reqs_by_step.get(step, []):
+            c.submit(r)
+        for rid in cancels.get(step, []):
+            c.cancel(rid)
+        c.step()
+        c.blocks.check()
+        assert c.blocks.used_slots == c.scheduler.num_running
+        if not c.has_work() and step > 15:
+            break
+    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)
+    for i, (n, mt, _, _) in enumerate(reqs):
+        fin = sinks[i].finished
+        ref = greedy_reference(runner, prompt(i, n), mt)
+        if fin.reason is Finish.CANCELLED:
+            assert sinks[i].tokens == ref[: len(sinks[i].tokens)]
+        else:
+            assert fin.reason is Finish.LENGTH and sinks[i].tokens == ref
+
+
+def _wait_finished(col: Collector) -> FinishedEvent:
+    import time
+
+    for _ in range(2000):
+        fin = [e for e in col.events if isinstance(e, FinishedEvent)]
+        if fin:
+            return fin[0]
+        time.sleep(0.005)
+    raise AssertionError("request never finished")
+
+
+def test_engine_thread_serves_survives_a_scheduler_bug_and_stops() -> None:
+    from engine_service.engine import Engine
+
+    runner = FakeRunner()
+    c = core(runner)
+    eng = Engine(c)
+    eng.start()
+    try:
+        ok = Collector()
+        eng.submit(c.make_request([4, 5, 6], SamplingParams(temperature=0.0, max_tokens=3), sink=ok))
+        assert _wait_finished(ok).reason is Finish.LENGTH and ok.tokens == greedy_reference(runner, [4, 5, 6], 3)
+
+        real_schedule = c.scheduler.schedule
+        calls = []
+
+        def broken():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("scheduler bug")
+            return real_schedule()
+
+        c.scheduler.schedule = broken  # type: ignore[method-assign]
+        hit = Collector()
+        eng.submit(c.make_request([7, 8], GREEDY, sink=hit))
+        fin = _wait_finished(hit)
+        assert fin.reason is Finish.ERROR and fin.error == "internal error: scheduler bug"
+        after = Collector()
+        eng.submit(c.make_request([7, 8], SamplingParams(temperature=0.0, max_tokens=2), sink=after))
+        assert _wait_finished(after).reason is Finish.LENGTH
+        pending = Collector()
+        eng.submit(c.make_request([9], SamplingParams(temperature=0.0, max_tokens=0), sink=pending))
+    finally:
+        eng.stop()
+    assert pending.finished.reason in (Finish.CANCELLED, Finish.LENGTH)
+    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)

