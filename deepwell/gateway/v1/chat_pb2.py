@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65\x65pwell/gateway/v1/chat.proto\x12\x13\x64\x65\x65pwell.gateway.v1\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x92\x01\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\treasoning\x18\x03 \x01(\t\x12\x31\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1d.deepwell.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\x87\x05\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.deepwell.gateway.v1.Message\x12(\n\x05tools\x18\x03 \x03(\x0b\x32\x19.deepwell.gateway.v1.Tool\x12\x13\n\x0btool_choice\x18\x04 \x01(\t\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12\x19\n\x11preserve_thinking\x18\x0f \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x10 \x01(\t\x12\x12\n\nsession_id\x18\x11 \x01(\t\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x12\n\x10_enable_thinkingB\x15\n\x13_repetition_penalty\"T\n\tChatUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"Z\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"8\n\rToolCallStart\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\">\n\x16ToolCallArgumentsDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rjson_fragment\x18\x02 \x01(\t\"I\n\x0bToolCallEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12+\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1d.deepwell.gateway.v1.ToolCall\"v\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rstop_sequence\x18\x02 \x01(\t\x12-\n\x05usage\x18\x03 \x01(\x0b\x32\x1e.deepwell.gateway.v1.ChatUsage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xee\x02\n\tChatEvent\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1c.deepwell.gateway.v1.StartedH\x00\x12\x17\n\rcontent_delta\x18\x02 \x01(\tH\x00\x12\x19\n\x0freasoning_delta\x18\x03 \x01(\tH\x00\x12=\n\x0ftool_call_start\x18\x04 \x01(\x0b\x32\".deepwell.gateway.v1.ToolCallStartH\x00\x12\x46\n\x0ftool_call_delta\x18\x05 \x01(\x0b\x32+.deepwell.gateway.v1.ToolCallArgumentsDeltaH\x00\x12\x39\n\rtool_call_end\x18\x06 \x01(\x0b\x32 .deepwell.gateway.v1.ToolCallEndH\x00\x12\x31\n\x08\x66inished\x18\x07 \x01(\x0b\x32\x1d.deepwell.gateway.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"(\n\x10\x43ountTokensReply\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\"\x13\n\x11ListModelsRequest\"@\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"A\n\x0fListModelsReply\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.deepwell.gateway.v1.ModelCard2\x8a\x02\n\x04\x43hat\x12N\n\x08\x43omplete\x12 .deepwell.gateway.v1.ChatRequest\x1a\x1e.deepwell.gateway.v1.ChatEvent0\x01\x12V\n\x0b\x43ountTokens\x12 .deepwell.gateway.v1.ChatRequest\x1a%.deepwell.gateway.v1.CountTokensReply\x12Z\n\nListModels\x12&.deepwell.gateway.v1.ListModelsRequest\x1a$.deepwell.gateway.v1.ListModelsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65\x65pwell/gateway/v1/chat.proto\x12\x13\x64\x65\x65pwell.gateway.v1\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\x92\x01\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\treasoning\x18\x03 \x01(\t\x12\x31\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1d.deepwell.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xc1\x05\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x08messages\x18\x02 \x03(\x0b\x32\x1c.deepwell.gateway.v1.Message\x12(\n\x05tools\x18\x03 \x03(\x0b\x32\x19.deepwell.gateway.v1.Tool\x12\x13\n\x0btool_choice\x18\x04 \x01(\t\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x0e \x01(\x08H\x08\x88\x01\x01\x12\x19\n\x11preserve_thinking\x18\x0f \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x10 \x01(\t\x12\x12\n\nsession_id\x18\x11 \x01(\t\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\t\x88\x01\x01\x12 \n\x13parallel_tool_calls\x18\x13 \x01(\x08H\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x12\n\x10_enable_thinkingB\x15\n\x13_repetition_penaltyB\x16\n\x14_parallel_tool_calls\"T\n\tChatUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"Z\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"8\n\rToolCallStart\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\">\n\x16ToolCallArgumentsDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\rjson_fragment\x18\x02 \x01(\t\"I\n\x0bToolCallEnd\x12\r\n\x05index\x18\x01 \x01(\r\x12+\n\x04\x63\x61ll\x18\x02 \x01(\x0b\x32\x1d.deepwell.gateway.v1.ToolCall\"v\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rstop_sequence\x18\x02 \x01(\t\x12-\n\x05usage\x18\x03 \x01(\x0b\x32\x1e.deepwell.gateway.v1.ChatUsage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xee\x02\n\tChatEvent\x12/\n\x07started\x18\x01 \x01(\x0b\x32\x1c.deepwell.gateway.v1.StartedH\x00\x12\x17\n\rcontent_delta\x18\x02 \x01(\tH\x00\x12\x19\n\x0freasoning_delta\x18\x03 \x01(\tH\x00\x12=\n\x0ftool_call_start\x18\x04 \x01(\x0b\x32\".deepwell.gateway.v1.ToolCallStartH\x00\x12\x46\n\x0ftool_call_delta\x18\x05 \x01(\x0b\x32+.deepwell.gateway.v1.ToolCallArgumentsDeltaH\x00\x12\x39\n\rtool_call_end\x18\x06 \x01(\x0b\x32 .deepwell.gateway.v1.ToolCallEndH\x00\x12\x31\n\x08\x66inished\x18\x07 \x01(\x0b\x32\x1d.deepwell.gateway.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"(\n\x10\x43ountTokensReply\x12\x14\n\x0cinput_tokens\x18\x01 \x01(\r\"\x13\n\x11ListModelsRequest\"@\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\"A\n\x0fListModelsReply\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.deepwell.gateway.v1.ModelCard2\x8a\x02\n\x04\x43hat\x12N\n\x08\x43omplete\x12 .deepwell.gateway.v1.ChatRequest\x1a\x1e.deepwell.gateway.v1.ChatEvent0\x01\x12V\n\x0b\x43ountTokens\x12 .deepwell.gateway.v1.ChatRequest\x1a%.deepwell.gateway.v1.CountTokensReply\x12Z\n\nListModels\x12&.deepwell.gateway.v1.ListModelsRequest\x1a$.deepwell.gateway.v1.ListModelsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOL']._serialized_start=266
   _globals['_TOOL']._serialized_end=332
   _globals['_CHATREQUEST']._serialized_start=335
-  _globals['_CHATREQUEST']._serialized_end=982
-  _globals['_CHATUSAGE']._serialized_start=984
-  _globals['_CHATUSAGE']._serialized_end=1068
-  _globals['_STARTED']._serialized_start=1070
-  _globals['_STARTED']._serialized_end=1160
-  _globals['_TOOLCALLSTART']._serialized_start=1162
-  _globals['_TOOLCALLSTART']._serialized_end=1218
-  _globals['_TOOLCALLARGUMENTSDELTA']._serialized_start=1220
-  _globals['_TOOLCALLARGUMENTSDELTA']._serialized_end=1282
-  _globals['_TOOLCALLEND']._serialized_start=1284
-  _globals['_TOOLCALLEND']._serialized_end=1357
-  _globals['_FINISHED']._serialized_start=1359
-  _globals['_FINISHED']._serialized_end=1477
-  _globals['_CHATEVENT']._serialized_start=1480
-  _globals['_CHATEVENT']._serialized_end=1846
-  _globals['_COUNTTOKENSREPLY']._serialized_start=1848
-  _globals['_COUNTTOKENSREPLY']._serialized_end=1888
-  _globals['_LISTMODELSREQUEST']._serialized_start=1890
-  _globals['_LISTMODELSREQUEST']._serialized_end=1909
-  _globals['_MODELCARD']._serialized_start=1911
-  _globals['_MODELCARD']._serialized_end=1975
-  _globals['_LISTMODELSREPLY']._serialized_start=1977
-  _globals['_LISTMODELSREPLY']._serialized_end=2042
-  _globals['_CHAT']._serialized_start=2045
-  _globals['_CHAT']._serialized_end=2311
+  _globals['_CHATREQUEST']._serialized_end=1040
+  _globals['_CHATUSAGE']._serialized_start=1042
+  _globals['_CHATUSAGE']._serialized_end=1126
+  _globals['_STARTED']._serialized_start=1128
+  _globals['_STARTED']._serialized_end=1218
+  _globals['_TOOLCALLSTART']._serialized_start=1220
+  _globals['_TOOLCALLSTART']._serialized_end=1276
+  _globals['_TOOLCALLARGUMENTSDELTA']._serialized_start=1278
+  _globals['_TOOLCALLARGUMENTSDELTA']._serialized_end=1340
+  _globals['_TOOLCALLEND']._serialized_start=1342
+  _globals['_TOOLCALLEND']._serialized_end=1415
+  _globals['_FINISHED']._serialized_start=1417
+  _globals['_FINISHED']._serialized_end=1535
+  _globals['_CHATEVENT']._serialized_start=1538
+  _globals['_CHATEVENT']._serialized_end=1904
+  _globals['_COUNTTOKENSREPLY']._serialized_start=1906
+  _globals['_COUNTTOKENSREPLY']._serialized_end=1946
+  _globals['_LISTMODELSREQUEST']._serialized_start=1948
+  _globals['_LISTMODELSREQUEST']._serialized_end=1967
+  _globals['_MODELCARD']._serialized_start=1969
+  _globals['_MODELCARD']._serialized_end=2033
+  _globals['_LISTMODELSREPLY']._serialized_start=2035
+  _globals['_LISTMODELSREPLY']._serialized_end=2100
+  _globals['_CHAT']._serialized_start=2103
+  _globals['_CHAT']._serialized_end=2369
 # @@protoc_insertion_point(module_scope)

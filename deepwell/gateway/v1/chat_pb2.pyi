@@ -43,7 +43,7 @@ class Tool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed", "presence_penalty", "frequency_penalty", "enable_thinking", "preserve_thinking", "chat_template_kwargs_json", "session_id", "repetition_penalty")
+    __slots__ = ("model", "messages", "tools", "tool_choice", "temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "seed", "presence_penalty", "frequency_penalty", "enable_thinking", "preserve_thinking", "chat_template_kwargs_json", "session_id", "repetition_penalty", "parallel_tool_calls")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class ChatRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
@@ -80,7 +81,8 @@ class ChatRequest(_message.Message):
     chat_template_kwargs_json: str
     session_id: str
     repetition_penalty: float
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., enable_thinking: bool = ..., preserve_thinking: bool = ..., chat_template_kwargs_json: _Optional[str] = ..., session_id: _Optional[str] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+    parallel_tool_calls: bool
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., enable_thinking: bool = ..., preserve_thinking: bool = ..., chat_template_kwargs_json: _Optional[str] = ..., session_id: _Optional[str] = ..., repetition_penalty: _Optional[float] = ..., parallel_tool_calls: bool = ...) -> None: ...
 
 class ChatUsage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -1,0 +1,67 @@
+"""Opt-in JSONL request log: one line per finished request, never any prompt text.
+
+Fields: ``ts`` (unix seconds at finish), ``request_id``, ``tenant``, ``session`` (the
+namespaced session key or null), ``endpoint``, ``status`` (HTTP-style code), ``engine``,
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (a dict per reuse level plus
+``total``), ``timings`` (gateway ``ttft_ms`` / ``total_ms`` and the engine's
+``queue_ms`` / ``prefill_ms`` / ``decode_ms``), ``finish_reason``, ``tool_parse``
+(``ok`` | ``failure`` | ``none``) and ``tool_parse_reasons``. Writes are line-atomic
+(one ``write`` of a full line on an append-mode file) and serialized by a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+CACHE_LEVELS = ("resident_frontier", "resident_checkpoint", "host_entry", "session_lookup", "shared_prefix")
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    tenant: str
+    endpoint: str
+    session: str | None = None
+    status: int = 200
+    engine: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    finish_reason: str | None = None
+    tool_parse: str = "none"
+    tool_parse_reasons: list[str] = field(default_factory=list)
+
+
+class RequestLog:
+    """Appends ``RequestRecord`` lines to ``path``; a no-op when ``path`` is empty."""
+
+    def __init__(self, path: str) -> None:
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8", buffering=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
+    def write(self, record: RequestRecord) -> None:
+        if self._file is None:
+            return
+        payload: dict[str, Any] = {"ts": round(time.time(), 3), **asdict(record)}
+        line = json.dumps(payload, separators=(",", ":"), ensure_ascii=False) + "\n"
+        with self._lock:
+            self._file.write(line)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

@@ -1,0 +1,63 @@
+"""Run the gateway: the HTTP app (uvicorn) and, when configured, the gRPC Chat service,
+in one asyncio loop, until SIGINT/SIGTERM.
+
+Prints ``gateway http listening on http://HOST:PORT`` (and the gRPC line) once bound, and
+writes the bound HTTP port to ``--port-file`` when given (port 0 picks a free port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from deepwell import logs
+from gateway.config import GatewayConfig
+from gateway.http.app import build_state, create_app
+
+log = logs.get_logger("gateway.server")
+
+
+async def serve(config: GatewayConfig) -> int:
+    state = build_state(config)
+    app = create_app(config, state)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None, access_log=False,
+                               lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uv_config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    grpc_handle = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    http_task = asyncio.create_task(server.serve(), name="uvicorn")
+    while not server.started:
+        if http_task.done():
+            await http_task
+            print(f"gateway: could not listen on {config.host}:{config.port}", file=sys.stderr)
+            return 1
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    print(f"gateway http listening on http://{config.host}:{port}", flush=True)
+    if config.grpc_listen:
+        from gateway.grpc_chat import start_chat_server
+
+        grpc_handle = await start_chat_server(config.grpc_listen, state)
+        print(f"gateway grpc Chat listening on {grpc_handle.address.rsplit(':', 1)[0]}:{grpc_handle.bound_port}",
+              flush=True)
+    if config.port_file:
+        Path(config.port_file).write_text(str(port))
+    log.info("gateway_started", http_port=port, engines=list(config.engines),
+             grpc=grpc_handle.bound_port if grpc_handle else None)
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    if grpc_handle is not None:
+        await grpc_handle.stop(2.0)
+    await http_task
+    stop_task.cancel()
+    log.info("gateway_stopped")
+    return 0
