@@ -6,6 +6,17 @@ import os
 
 import pytest
 
+# Triton kernels run through the interpreter where there is no GPU. Set before anything
+# imports triton (its @jit reads the variable when a kernel is defined).
+if "TRITON_INTERPRET" not in os.environ:
+    try:
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
+
 
 def _cuda_available() -> bool:
     try:

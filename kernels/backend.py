@@ -1,0 +1,174 @@
+"""The KV-cache/attention backend the engine calls: ``reference`` on CPU, ``triton`` on CUDA.
+
+Usage (one attention layer; the engine keeps one ``KVCacheLayer`` per attention layer)::
+
+    layout = KVLayout.make("nvfp4", num_kv_heads=4, head_dim=256)   # hadamard on by default
+    layer = KVCacheLayer.allocate(layout, num_pages, device)        # bytes: layout.page_bytes/page
+    layer.scales.copy_(calibration.calibrate(layout, k_cal, v_cal)) # optional, else 1.0
+    be = get_backend(device)                                        # "triton" on CUDA
+
+    # every step: K after RoPE, both [N, Hkv, d]; tokens of many sequences in any order
+    be.append(layer, k, v, slots)               # slots[i] = page * 64 + offset, -1 = skip
+    # decode / speculative verify: T = 1..16 new tokens per sequence, q [B * T, Hq, d]
+    o = be.decode_attention(q, layer, block_tables, context_lens, tokens_per_seq=T, sm_scale=s)
+    # prefill chunks (varlen): q [sum(q_lens), Hq, d], sequences back to back
+    o = be.prefill_attention(q, layer, block_tables, context_lens, q_lens, sm_scale=s)
+
+Contract:
+- Append first, then attend: ``context_lens[b]`` counts every cached token of sequence
+  ``b`` *including* the new ones; new token ``t`` of ``b`` is at position
+  ``context_lens[b] - q_len[b] + t`` and sees positions up to its own (causal).
+- ``block_tables``: int32 ``[B, max_pages]``, page ``block_tables[b, i]`` holds positions
+  ``[64 i, 64 i + 64)``. ``slots_from_positions`` builds append slots from it.
+- Q and K are given after RoPE and *unrotated*: the backend applies the Hadamard transform
+  (``layout.hadamard``) to K before quantization and to Q before QK. Outputs have q's dtype
+  (or ``out``'s, e.g. fp32). V is never rotated, so outputs need no inverse transform.
+- Both backends write identical cache bytes (the Triton append is bit-exact); attention
+  agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
+- ``decode_attention`` launches a grid that depends only on ``B``, ``T`` and
+  ``num_splits`` (default from ``B`` and the SM count, never from context lengths), so a
+  step is capturable in a CUDA graph; pass ``validate=False`` when capturing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.kv_append import reference as append_ref
+from kernels.kv_append.reference import slots_from_positions
+from kernels.kv_formats.layout import KVLayout, check_global_scales
+from kernels.paged_attention import reference as attn_ref
+from kernels.paged_attention.reference import rotate_q
+
+__all__ = ["KVCacheLayer", "ReferenceBackend", "TritonBackend", "get_backend", "slots_from_positions"]
+
+
+@dataclass
+class KVCacheLayer:
+    """One attention layer's cache: ``data`` uint8 [pages, 2, Hkv, head_page_bytes] and
+    power-of-two fp32 global ``scales`` [2, Hkv] (K row, V row)."""
+
+    layout: KVLayout
+    data: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def allocate(cls, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> KVCacheLayer:
+        return cls(layout, layout.allocate(num_pages, device), layout.default_scales(device))
+
+    def check(self) -> None:
+        self.layout.check_cache(self.data)
+        check_global_scales(self.scales, self.layout)
+
+
+def _check_q(q: torch.Tensor, layer: KVCacheLayer) -> None:
+    lay = layer.layout
+    if q.dim() != 3 or q.shape[2] != lay.head_dim or q.shape[1] % lay.num_kv_heads:
+        raise ValueError(f"q must be [tokens, Hq, {lay.head_dim}] with Hq a multiple of {lay.num_kv_heads}, got {list(q.shape)}")
+
+
+def _starts(q_lens: list[int], device: torch.device) -> torch.Tensor:
+    starts = [0]
+    for n in q_lens[:-1]:
+        starts.append(starts[-1] + n)
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+class ReferenceBackend:
+    """Plain torch (fp32 attention); the meaning of every op, and the CPU path."""
+
+    name = "reference"
+
+    def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales)
+
+    def _attend(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
+                q_lens: list[int], sm_scale: float, out: Tensor | None) -> Tensor:
+        _check_q(q, layer)
+        if sum(q_lens) != q.shape[0]:
+            raise ValueError(f"q has {q.shape[0]} tokens but q_lens sum to {sum(q_lens)}")
+        qr = rotate_q(q, layer.layout)
+        lens = torch.tensor(q_lens, dtype=torch.int32)
+        res = attn_ref.paged_attention(
+            qr, layer.data, layer.layout, layer.scales, block_tables,
+            context_lens, _starts(q_lens, q.device), lens, sm_scale,
+        )
+        if out is None:
+            return res.to(q.dtype)
+        out.copy_(res)
+        return out
+
+    def decode_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor, *,
+                         tokens_per_seq: int = 1, sm_scale: float, num_splits: int | None = None,
+                         out: Tensor | None = None, validate: bool = True) -> Tensor:
+        b = block_tables.shape[0]
+        return self._attend(q, layer, block_tables, context_lens, [tokens_per_seq] * b, sm_scale, out)
+
+    def prefill_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
+                          q_lens: Sequence[int], *, sm_scale: float, out: Tensor | None = None) -> Tensor:
+        return self._attend(q, layer, block_tables, context_lens, list(q_lens), sm_scale, out)
+
+
+class TritonBackend:
+    """Triton kernels (CUDA; also the interpreter under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def __init__(self, max_splits: int = 64) -> None:
+        self.max_splits = max_splits
+
+    def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, validate: bool = True) -> None:
+        from kernels.kv_append import triton_kernel
+
+        triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales, validate=validate)
+
+    def default_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
+        """Enough programs for ~2 waves of the GPU, from the batch shape only."""
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        want = max(1, (2 * sms) // max(1, batch * num_kv_heads))
+        return min(self.max_splits, 1 << (want.bit_length() - 1))
+
+    def decode_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor, *,
+                         tokens_per_seq: int = 1, sm_scale: float, num_splits: int | None = None,
+                         out: Tensor | None = None, validate: bool = True) -> Tensor:
+        from kernels.paged_attention import triton_kernel
+
+        if validate:
+            _check_q(q, layer)
+        b, t = block_tables.shape[0], tokens_per_seq
+        if validate and (q.shape[0] != b * t or not 1 <= t <= 16):
+            raise ValueError(f"decode needs q [B * T, Hq, d] with 1 <= T <= 16; got {list(q.shape)} for B={b}, T={t}")
+        splits = num_splits or self.default_splits(b, layer.layout.num_kv_heads, q.device)
+        dev = q.device
+        q_len = torch.full((b,), t, dtype=torch.int32, device=dev)
+        q_start = torch.arange(0, b * t, t, dtype=torch.int32, device=dev)
+        return triton_kernel.paged_attention(
+            rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
+            q_start, q_len, sm_scale, q_lens_host=[t] * b, num_splits=splits, out=out,
+        )
+
+    def prefill_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
+                          q_lens: Sequence[int], *, sm_scale: float, out: Tensor | None = None) -> Tensor:
+        from kernels.paged_attention import triton_kernel
+
+        _check_q(q, layer)
+        lens = [int(n) for n in q_lens]
+        if sum(lens) != q.shape[0]:
+            raise ValueError(f"q has {q.shape[0]} tokens but q_lens sum to {sum(lens)}")
+        dev = q.device
+        return triton_kernel.paged_attention(
+            rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
+            _starts(lens, dev), torch.tensor(lens, dtype=torch.int32, device=dev), sm_scale,
+            q_lens_host=lens, num_splits=1, out=out,
+            # fastest measured on the H200 (docs/kernels.md): 64-row blocks, 4 warps, no pipelining
+            block_m=64, num_warps=4, num_stages=1, precise_p=False,
+        )
+
+
+def get_backend(device: torch.device | str) -> ReferenceBackend | TritonBackend:
+    """``triton`` on CUDA, ``reference`` elsewhere."""
+    return TritonBackend() if torch.device(device).type == "cuda" else ReferenceBackend()

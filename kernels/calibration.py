@@ -1,0 +1,144 @@
+"""Global-scale calibration and block-scale health counters for the scaled KV formats.
+
+``calibrate(layout, k, v)`` picks one power-of-two fp32 global scale per (K|V, KV head)
+from K/V seen on a calibration prompt (K rotated first when the layout rotates):
+
+- nvfp4: the ``percentile`` of block amaxes ``P`` should give a block scale
+  ``P / (6 g)`` at or below ``448 / headroom`` (near the top of E4M3's normal range, with
+  ``headroom`` to spare for blocks larger than the calibration saw), i.e.
+  ``g = pow2_ceil(P / (6 * 448 / headroom))``; ``g`` is raised further if needed so the
+  largest block seen does not saturate.
+- fp8: the same rule on element magnitudes: ``g = pow2_ceil(P / (448 / headroom))``,
+  raised so the largest element seen does not saturate.
+- bf16 / int8: 1.0 (their scales are not global).
+
+Powers of two keep quantization exact-arithmetic (``1/g`` is exact) at a cost of at most
+one bit of headroom. ``count_scales`` reports, per K and V, how many block scales (nvfp4)
+or elements (fp8) are zero, subnormal (``0 < scale < 2**-6``, including those that round to
+zero) and saturated (``> 448``); ``ScaleCounter`` accumulates those for metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.hadamard.reference import fwht
+from kernels.kv_formats import nvfp4
+from kernels.kv_formats.e4m3 import E4M3_MAX, E4M3_MIN_NORMAL
+from kernels.kv_formats.layout import KVFormat, KVLayout, pow2_at_least
+
+
+@dataclass(frozen=True)
+class ScaleCounts:
+    blocks: int = 0
+    zero: int = 0
+    subnormal: int = 0
+    saturated: int = 0
+
+    def __add__(self, other: ScaleCounts) -> ScaleCounts:
+        return ScaleCounts(
+            self.blocks + other.blocks,
+            self.zero + other.zero,
+            self.subnormal + other.subnormal,
+            self.saturated + other.saturated,
+        )
+
+
+def _rows(layout: KVLayout, x: torch.Tensor, kv: int) -> torch.Tensor:
+    x = x.to(torch.float32)
+    return fwht(x) if kv == 0 and layout.hadamard else x
+
+
+def _scale_inputs(layout: KVLayout, x: torch.Tensor, kv: int, g: torch.Tensor) -> torch.Tensor | None:
+    """What E4M3 rounds, shaped [N, H, blocks]: block amax * enc (nvfp4) or |x| / g (fp8)."""
+    return _rotated_scale_inputs(layout, _rows(layout, x, kv), g)
+
+
+def _rotated_scale_inputs(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    n, h, d = rows.shape
+    gg = g.to(torch.float32).to(rows.device).view(1, h, 1)
+    if layout.fmt is KVFormat.NVFP4:
+        amax = rows.abs().view(n, h, d // nvfp4.BLOCK, nvfp4.BLOCK).amax(-1)
+        return amax * (nvfp4.INV_6 * (1.0 / gg))
+    if layout.fmt is KVFormat.FP8:
+        return rows.abs() * (1.0 / gg)
+    return None
+
+
+def _counts(s: torch.Tensor | None, rows: int) -> ScaleCounts:
+    if s is None:
+        return ScaleCounts(blocks=rows)
+    return ScaleCounts(
+        blocks=s.numel(),
+        zero=int((s == 0).sum()),
+        subnormal=int(((s > 0) & (s < E4M3_MIN_NORMAL)).sum()),
+        saturated=int((s > E4M3_MAX).sum()),
+    )
+
+
+def count_scales(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, global_scales: torch.Tensor) -> dict[str, ScaleCounts]:
+    """Zero / subnormal / saturated block scales of encoding ``k``, ``v`` [N, H, d]."""
+    return {
+        name: _counts(_scale_inputs(layout, x, kv, global_scales[kv]), x.shape[0] * x.shape[1])
+        for kv, name, x in ((0, "k", k), (1, "v", v))
+    }
+
+
+def count_rows(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> ScaleCounts:
+    """``count_scales`` for rows [N, H, d] that are already rotated (K) or never are (V)."""
+    return _counts(_rotated_scale_inputs(layout, rows.to(torch.float32), g), rows.shape[0] * rows.shape[1])
+
+
+def calibrate(
+    layout: KVLayout,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    percentile: float = 99.9,
+    headroom: float = 4.0,
+) -> torch.Tensor:
+    """Power-of-two global scales fp32 [2, H] for ``k``, ``v`` [N, H, d] (see module doc)."""
+    if not 0.0 < percentile <= 100.0:
+        raise ValueError(f"invalid percentile={percentile}: must be in (0, 100]")
+    if headroom < 1.0:
+        raise ValueError(f"invalid headroom={headroom}: must be >= 1")
+    h = layout.num_kv_heads
+    scales = torch.ones(2, h, dtype=torch.float32)
+    if layout.fmt not in (KVFormat.NVFP4, KVFormat.FP8):
+        return scales
+    unit = torch.ones(h, dtype=torch.float32)
+    divisor = 6.0 if layout.fmt is KVFormat.NVFP4 else 1.0
+    for kv, x in ((0, k), (1, v)):
+        # magnitudes at g = 1, undoing nvfp4's 1/6 so both formats compare against 448
+        s = _scale_inputs(layout, x, kv, unit).float().cpu() * divisor
+        for head in range(h):
+            vals = s[:, head].reshape(-1)
+            vals = vals[vals > 0]
+            if vals.numel() == 0:
+                continue
+            p = float(torch.quantile(vals[: 1 << 24], percentile / 100.0))
+            g = pow2_at_least(p / (divisor * E4M3_MAX / headroom))
+            g = max(g, pow2_at_least(float(vals.max()) / (divisor * E4M3_MAX)))
+            scales[kv, head] = g
+    return scales
+
+
+class ScaleCounter:
+    """Running totals of ``count_scales`` (for metrics and tests)."""
+
+    def __init__(self) -> None:
+        self.k = ScaleCounts()
+        self.v = ScaleCounts()
+
+    def update(self, layout: KVLayout, k: torch.Tensor, v: torch.Tensor, global_scales: torch.Tensor) -> None:
+        c = count_scales(layout, k, v, global_scales)
+        self.k = self.k + c["k"]
+        self.v = self.v + c["v"]
+
+    def add(self, kv: int, counts: ScaleCounts) -> None:
+        if kv == 0:
+            self.k = self.k + counts
+        else:
+            self.v = self.v + counts

@@ -1,0 +1,98 @@
+"""Reference KV append: (Hadamard on K) + quantize + scatter into the paged cache.
+
+``append(cache, layout, k, v, slots, global_scales)`` writes token ``i`` of ``k``/``v``
+(``[N, num_kv_heads, head_dim]``, any float dtype) into slot ``slots[i]`` (``page * 64 +
+offset``; ``-1`` skips the token). K is rotated by ``hadamard.fwht`` first when
+``layout.hadamard``; V never is. The bytes written are exactly ``codec.encode`` of the
+(rotated) fp32 rows, placed as ``layout`` documents. Nothing else in the cache changes.
+
+``gather(cache, layout, block_table, length, global_scales)`` reads back the first
+``length`` tokens of one sequence dequantized to fp32 ``(k, v)`` ``[length, H, d]`` (K in
+the rotated space when the layout rotates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.hadamard.reference import fwht
+from kernels.kv_formats.layout import KVLayout, check_global_scales
+
+
+def slots_from_positions(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, page_size: int = 64) -> torch.Tensor:
+    """Slot of each token from its sequence's block table row and its position."""
+    pages = block_tables[seq_index.long(), positions.long() // page_size].long()
+    return pages * page_size + positions.long() % page_size
+
+
+def _regions(cache: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    p, _, h, _ = cache.shape
+    ps = layout.page_size
+    codes = cache[..., : layout.scale_offset].view(p, 2, h, ps, layout.code_bytes)
+    scales = cache[..., layout.scale_offset :].view(p, 2, h, ps, layout.scale_bytes)
+    return codes, scales
+
+
+def encode_rows(x: torch.Tensor, layout: KVLayout, kv: int, global_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` [N, H, d] as K (kv=0) or V (kv=1) -> codes [N, H, cb], scales [N, H, sb]."""
+    n, h, d = x.shape
+    rows = x.to(torch.float32)
+    if kv == 0 and layout.hadamard:
+        rows = fwht(rows)
+    g = global_scales[kv].to(torch.float32).expand(n, h).reshape(-1)
+    codes, scales = layout.codec.encode(rows.reshape(n * h, d), g)
+    return codes.view(n, h, -1), scales.view(n, h, -1)
+
+
+def append(
+    cache: torch.Tensor,
+    layout: KVLayout,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    global_scales: torch.Tensor,
+) -> None:
+    layout.check_cache(cache)
+    check_global_scales(global_scales, layout)
+    n = k.shape[0]
+    want = (n, layout.num_kv_heads, layout.head_dim)
+    if tuple(k.shape) != want or tuple(v.shape) != want:
+        raise ValueError(f"k and v must be {list(want)}, got {list(k.shape)} and {list(v.shape)}")
+    if tuple(slots.shape) != (n,):
+        raise ValueError(f"slots must be [{n}], got {list(slots.shape)}")
+    keep = slots >= 0
+    slots = slots[keep].long()
+    if slots.numel() == 0:
+        return
+    if int(slots.max()) >= cache.shape[0] * layout.page_size:
+        raise ValueError(f"slot {int(slots.max())} is outside the cache ({cache.shape[0]} pages)")
+    page, off = slots // layout.page_size, slots % layout.page_size
+    codes_r, scales_r = _regions(cache, layout)
+    for kv, x in ((0, k[keep]), (1, v[keep])):
+        codes, scales = encode_rows(x, layout, kv, global_scales)
+        codes_r[page, kv, :, off] = codes
+        if layout.scale_bytes:
+            scales_r[page, kv, :, off] = scales
+
+
+def gather(
+    cache: torch.Tensor,
+    layout: KVLayout,
+    block_table: torch.Tensor,
+    length: int,
+    global_scales: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized fp32 (k, v) [length, H, d] of one sequence (K in the rotated space)."""
+    pos = torch.arange(length, device=cache.device)
+    page = block_table.to(cache.device).long()[pos // layout.page_size]
+    off = pos % layout.page_size
+    codes_r, scales_r = _regions(cache, layout)
+    h, d = layout.num_kv_heads, layout.head_dim
+    out = []
+    for kv in (0, 1):
+        codes = codes_r[page, kv, :, off]
+        scales = scales_r[page, kv, :, off]
+        g = global_scales[kv].to(torch.float32).expand(length, h).reshape(-1)
+        x = layout.codec.decode(codes.reshape(length * h, -1), scales.reshape(length * h, -1), g)
+        out.append(x.view(length, h, d))
+    return out[0], out[1]

@@ -1,0 +1,162 @@
+"""Triton fused KV append: (Hadamard on K) + quantize + scatter, byte-identical to ``reference``.
+
+One program encodes ``BLOCK_T`` tokens of one KV head of K or V (grid ``[cdiv(N,
+BLOCK_T), num_kv_heads, 2]``) and writes their code and scale rows into the pages named by
+``slots``. Every arithmetic step mirrors the reference codec exactly (see
+``kernels.kv_formats``): the Hadamard butterflies in the same order, E4M3 rounding from
+exponent bits and the (y + 1.5*2**23) - 1.5*2**23 round-half-even, nvfp4 magnitudes by
+comparisons against exact thresholds, int8 through the correctly rounded ``div_rn``.
+Works for prefill chunks and decode steps alike (tokens of many sequences in one call).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.hadamard.reference import scale as hadamard_scale
+from kernels.hadamard.triton_fn import fwht_rows
+from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
+from kernels.kv_formats.int8 import INV_127
+from kernels.kv_formats.nvfp4 import INV_6
+
+FMT_ID = {KVFormat.BF16: 0, KVFormat.FP8: 1, KVFormat.INT8: 2, KVFormat.NVFP4: 3}
+# the kernel spells int8's fp32(1/127) as a literal (jit code cannot read module globals)
+assert INV_127 == 0.007874015718698502
+
+
+@triton.jit
+def e4m3_encode(v):
+    """fp32 v >= 0 -> (int32 E4M3 code, fp32 rounded value); see kv_formats.e4m3."""
+    v = tl.minimum(v, 448.0)
+    e = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) - 127, -6)
+    y = v * ((130 - e) << 23).to(tl.float32, bitcast=True)
+    r = (y + 12582912.0) - 12582912.0
+    code = ((e + 7) << 3) + r.to(tl.int32) - 8
+    val = r * ((e + 124) << 23).to(tl.float32, bitcast=True)
+    return code, val
+
+
+@triton.jit
+def kv_append_fwd_kernel(
+    cache_ptr, k_ptr, v_ptr, slot_ptr, inv_g_ptr, enc_ptr,
+    N, NUM_HEADS,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_cp, stride_ckv, stride_ch,
+    FMT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
+    HADAMARD: tl.constexpr, PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    kv = tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + offs_t, mask=offs_t < N, other=-1).to(tl.int64)
+    valid = slot >= 0
+    page = tl.where(valid, slot // PAGE, 0)
+    off = tl.where(valid, slot % PAGE, 0)
+    offs_d = tl.arange(0, D)
+    row = offs_t.to(tl.int64)[:, None]
+    if kv == 0:
+        x = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        if HADAMARD:
+            x = fwht_rows(x, BLOCK_T, D, LOG2D, HSCALE)
+    else:
+        x = tl.load(v_ptr + row * stride_vn + h * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+    base = cache_ptr + page * stride_cp + kv * stride_ckv + h * stride_ch
+    code_row = base + off * CODE_BYTES
+    scale_row = base + SCALE_OFF + off * SCALE_BYTES
+    if FMT == 0:
+        # round-half-even to bf16 from the bits (the interpreter's own cast truncates)
+        b = x.to(tl.int32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        ptrs = code_row.to(tl.pointer_type(tl.int16))[:, None] + offs_d[None, :]
+        tl.store(ptrs, (b >> 16).to(tl.int16), mask=valid[:, None])
+    elif FMT == 1:
+        inv_g = tl.load(inv_g_ptr + kv * NUM_HEADS + h)
+        code, _ = e4m3_encode(tl.abs(x * inv_g))
+        code = code | (((x < 0) & (code != 0)).to(tl.int32) << 7)
+        tl.store(code_row[:, None] + offs_d[None, :], code.to(tl.uint8), mask=valid[:, None])
+    elif FMT == 2:
+        s = tl.max(tl.abs(x), axis=1) * 0.007874015718698502  # fp32(1/127), see int8.INV_127
+        safe = tl.where(s > 0, s, 1.0)
+        y = tl.math.div_rn(x, safe[:, None])
+        r = (y + 12582912.0) - 12582912.0
+        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        q = tl.where(s[:, None] > 0, r, 0.0).to(tl.int32).to(tl.int8)
+        tl.store(code_row.to(tl.pointer_type(tl.int8))[:, None] + offs_d[None, :], q, mask=valid[:, None])
+        tl.store(scale_row.to(tl.pointer_type(tl.float32)), s, mask=valid)
+    else:
+        inv_g = tl.load(inv_g_ptr + kv * NUM_HEADS + h)
+        enc = tl.load(enc_ptr + kv * NUM_HEADS + h)
+        xb = tl.reshape(x, [BLOCK_T, D // 16, 16])
+        ab = tl.abs(xb)
+        s_code, s_val = e4m3_encode(tl.max(ab, axis=2) * enc)
+        a = ab * inv_g
+        sb = s_val[:, :, None]
+        idx = (a > 0.25 * sb).to(tl.int32)
+        idx += (a >= 0.75 * sb).to(tl.int32)
+        idx += (a > 1.25 * sb).to(tl.int32)
+        idx += (a >= 1.75 * sb).to(tl.int32)
+        idx += (a > 2.5 * sb).to(tl.int32)
+        idx += (a >= 3.5 * sb).to(tl.int32)
+        idx += (a > 5.0 * sb).to(tl.int32)
+        idx = tl.where(sb > 0, idx, 0)
+        nib = idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
+        halves = tl.permute(tl.reshape(nib, [BLOCK_T, 2, D // 2]), (0, 2, 1))
+        lo, hi = tl.split(halves)
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        offs_c = tl.arange(0, D // 2)
+        tl.store(code_row[:, None] + offs_c[None, :], packed, mask=valid[:, None])
+        offs_s = tl.arange(0, D // 16)
+        tl.store(scale_row[:, None] + offs_s[None, :], s_code.to(tl.uint8), mask=valid[:, None])
+
+
+def scale_terms(global_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1/g, fp32(1/6)/g) per (K|V, head): exact, since g is a power of two."""
+    inv_g = (1.0 / global_scales.to(torch.float32)).contiguous()
+    return inv_g, (inv_g * INV_6).contiguous()
+
+
+def append(
+    cache: torch.Tensor,
+    layout: KVLayout,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    global_scales: torch.Tensor,
+    *,
+    block_t: int | None = None,
+    validate: bool = True,
+) -> None:
+    """Same contract as ``reference.append``; ``validate=False`` skips host-side checks
+    (for CUDA-graph capture: they read scales back to the host)."""
+    n = k.shape[0]
+    if validate:
+        layout.check_cache(cache)
+        check_global_scales(global_scales, layout)
+        want = (n, layout.num_kv_heads, layout.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(f"k and v must be {list(want)}, got {list(k.shape)} and {list(v.shape)}")
+        if tuple(slots.shape) != (n,):
+            raise ValueError(f"slots must be [{n}], got {list(slots.shape)}")
+    if n == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must be contiguous in the last dimension")
+    inv_g, enc = scale_terms(global_scales)
+    d = layout.head_dim
+    bt = block_t or (16 if d <= 128 else 8)
+    grid = (triton.cdiv(n, bt), layout.num_kv_heads, 2)
+    kv_append_fwd_kernel[grid](
+        cache, k, v, slots, inv_g, enc,
+        n, layout.num_kv_heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2),
+        FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(d)), HSCALE=hadamard_scale(d),
+        HADAMARD=layout.hadamard, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
+        SCALE_BYTES=max(layout.scale_bytes, 1), SCALE_OFF=layout.scale_offset, BLOCK_T=bt,
+    )

@@ -1,0 +1,139 @@
+"""Paged KV layout shared by every format and both backends.
+
+One attention layer's cache is ONE ``uint8`` tensor ``[num_pages, 2, num_kv_heads,
+head_page_bytes]`` (index 1: 0 = K, 1 = V), so a page of a layer is one contiguous byte
+range (``2 * num_kv_heads * head_page_bytes``) that the KV daemon can move without knowing
+the format. Inside one (page, K|V, head) block of ``head_page_bytes`` bytes:
+
+    [ codes: page_size rows x code_bytes(d) ][ scales: page_size rows x scale_bytes(d) ]
+
+row ``i`` being the token at position ``page_index * page_size + i`` of its sequence.
+Per-format row encodings are documented in ``bf16``/``fp8``/``int8``/``nvfp4``.
+
+Global scales of a layer: fp32 ``[2, num_kv_heads]`` (K row, V row), each a power of two
+(``1.0`` for formats that ignore them). A slot is ``page_id * page_size + offset``;
+slot ``-1`` means "skip this token" (padding).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+
+from kernels.kv_formats import bf16, fp8, int8, nvfp4
+
+PAGE_SIZE = 64
+HEAD_DIMS = (64, 128, 256)
+
+
+class KVFormat(str, enum.Enum):
+    BF16 = "bf16"
+    FP8 = "fp8"
+    INT8 = "int8"
+    NVFP4 = "nvfp4"
+
+
+CODECS: dict[KVFormat, ModuleType] = {
+    KVFormat.BF16: bf16,
+    KVFormat.FP8: fp8,
+    KVFormat.INT8: int8,
+    KVFormat.NVFP4: nvfp4,
+}
+
+
+def default_hadamard(fmt: KVFormat) -> bool:
+    """Hadamard on K by default only where it helps: the 4-bit format."""
+    return fmt is KVFormat.NVFP4
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one attention layer's paged cache in a given format."""
+
+    fmt: KVFormat = field(metadata={"help": "KV format: bf16, fp8, int8 or nvfp4"})
+    num_kv_heads: int = field(metadata={"help": "KV heads of the layer"})
+    head_dim: int = field(metadata={"help": "head dimension (64, 128 or 256)"})
+    hadamard: bool = field(default=True, metadata={"help": "rotate K (and Q) by a Hadamard transform"})
+    page_size: int = field(default=PAGE_SIZE, metadata={"help": "tokens per page"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fmt", KVFormat(self.fmt))
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"invalid head_dim={self.head_dim}: must be one of {HEAD_DIMS}")
+        if self.num_kv_heads < 1:
+            raise ValueError(f"invalid num_kv_heads={self.num_kv_heads}: must be >= 1")
+        if self.page_size != PAGE_SIZE:
+            raise ValueError(f"invalid page_size={self.page_size}: kernels are built for {PAGE_SIZE}")
+
+    @classmethod
+    def make(cls, fmt: str | KVFormat, num_kv_heads: int, head_dim: int, hadamard: bool | None = None) -> KVLayout:
+        f = KVFormat(fmt)
+        return cls(f, num_kv_heads, head_dim, default_hadamard(f) if hadamard is None else hadamard)
+
+    @property
+    def codec(self) -> ModuleType:
+        return CODECS[self.fmt]
+
+    @property
+    def code_bytes(self) -> int:
+        """Code bytes per token per head."""
+        return self.codec.code_bytes(self.head_dim)
+
+    @property
+    def scale_bytes(self) -> int:
+        """Scale bytes per token per head."""
+        return self.codec.scale_bytes(self.head_dim)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes per token per head for K (and again for V)."""
+        return self.code_bytes + self.scale_bytes
+
+    @property
+    def head_page_bytes(self) -> int:
+        return self.page_size * self.token_bytes
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scale region inside a (page, K|V, head) block."""
+        return self.page_size * self.code_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of this layer (K and V, all KV heads)."""
+        return 2 * self.num_kv_heads * self.head_page_bytes
+
+    @property
+    def rotate_k(self) -> bool:
+        return self.hadamard
+
+    def allocate(self, num_pages: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.zeros(num_pages, 2, self.num_kv_heads, self.head_page_bytes, dtype=torch.uint8, device=device)
+
+    def check_cache(self, cache: torch.Tensor) -> None:
+        want = (2, self.num_kv_heads, self.head_page_bytes)
+        if cache.dtype != torch.uint8 or cache.dim() != 4 or tuple(cache.shape[1:]) != want:
+            raise ValueError(f"cache must be uint8 [pages, {want[0]}, {want[1]}, {want[2]}], got {cache.dtype} {list(cache.shape)}")
+        if not cache.is_contiguous():
+            raise ValueError("cache must be contiguous")
+
+    def default_scales(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.ones(2, self.num_kv_heads, dtype=torch.float32, device=device)
+
+
+def check_global_scales(scales: torch.Tensor, layout: KVLayout) -> None:
+    """Global scales must be fp32 [2, num_kv_heads], positive powers of two."""
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (2, layout.num_kv_heads):
+        raise ValueError(f"global scales must be float32 [2, {layout.num_kv_heads}], got {scales.dtype} {list(scales.shape)}")
+    mant, _ = torch.frexp(scales.detach().cpu())
+    if not bool(((mant == 0.5) & (scales.detach().cpu() > 0)).all()):
+        raise ValueError(f"global scales must be positive powers of two, got {scales.tolist()}")
+
+
+def pow2_at_least(x: float) -> float:
+    """Smallest power of two >= x (x > 0)."""
+    return float(2.0 ** math.ceil(math.log2(x)))

@@ -1,0 +1,130 @@
+"""KV append: reference semantics (page boundaries, untouched bytes, chunking invariance) and
+the Triton kernel's byte-identity with the reference (interpreter on CPU, full size on GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kv_append import reference as ref
+from kernels.kv_formats import KVLayout, e4m3
+from tests.kernels.helpers import POISON, fragmented_tables
+
+FORMATS = ["bf16", "fp8", "int8", "nvfp4"]
+
+
+def _edge_rows(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows mixing the codec edge cases: zeros, E2M1/E4M3 ties, saturation, tiny values."""
+    x = torch.randn(n, d, generator=gen) * torch.exp2(torch.randint(-12, 10, (n, 1), generator=gen).float())
+    blocks = x.view(n, d // 16, 16)
+    kind = torch.randint(0, 6, (n, d // 16), generator=gen)
+    blocks[kind == 0] = 0.0
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2)
+    blocks[kind == 1] = ties * torch.where(torch.rand(16, generator=gen) < 0.5, -1.0, 1.0)
+    blocks[kind == 2] = torch.full((16,), 1e-7)
+    blocks[kind == 3] = blocks[kind == 3] * 1e4
+    return x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("length", [63, 64, 65])
+def test_page_boundaries_and_untouched_bytes(fmt, length):
+    lay = KVLayout.make(fmt, 2, 64)
+    gen = torch.Generator().manual_seed(length)
+    tables, num_pages = fragmented_tables([length, 130], gen)
+    cache = torch.full((num_pages, 2, 2, lay.head_page_bytes), POISON, dtype=torch.uint8)
+    k = torch.randn(length, 2, 64, generator=gen)
+    v = torch.randn(length, 2, 64, generator=gen)
+    slots = ref.slots_from_positions(tables, torch.zeros(length, dtype=torch.long), torch.arange(length))
+    ref.append(cache, lay, k, v, slots, lay.default_scales())
+    kk, vv = ref.gather(cache, lay, tables[0], length, lay.default_scales())
+    ek, _ = ref.encode_rows(k, lay, 0, lay.default_scales())
+    # the bytes of every written row are the codec's; everything else is still poison
+    written = torch.zeros(num_pages, 64, dtype=torch.bool)
+    written[slots // 64, slots % 64] = True
+    rows = cache[..., : lay.scale_offset].view(num_pages, 2, 2, 64, lay.code_bytes)
+    assert torch.equal(rows[slots // 64, 0, :, slots % 64], ek)
+    assert bool((rows.permute(0, 3, 1, 2, 4)[~written] == POISON).all())
+    if lay.scale_bytes:
+        srows = cache[..., lay.scale_offset :].view(num_pages, 2, 2, 64, lay.scale_bytes)
+        assert bool((srows.permute(0, 3, 1, 2, 4)[~written] == POISON).all())
+    assert kk.shape == (length, 2, 64) and bool(torch.isfinite(kk).all() and torch.isfinite(vv).all())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_chunked_prefill_equals_token_by_token(fmt):
+    lay = KVLayout.make(fmt, 2, 64)
+    gen = torch.Generator().manual_seed(7)
+    n = 300
+    tables, num_pages = fragmented_tables([n], gen)
+    k = torch.randn(n, 2, 64, generator=gen)
+    v = torch.randn(n, 2, 64, generator=gen)
+    pos = torch.arange(n)
+    slots = ref.slots_from_positions(tables, torch.zeros(n, dtype=torch.long), pos)
+    scales = torch.tensor([[0.5, 2.0], [1.0, 0.25]]) if fmt in ("fp8", "nvfp4") else lay.default_scales()
+    caches = []
+    for chunk in (n, 128, 17, 1):
+        c = torch.full((num_pages, 2, 2, lay.head_page_bytes), POISON, dtype=torch.uint8)
+        for s in range(0, n, chunk):
+            ref.append(c, lay, k[s : s + chunk], v[s : s + chunk], slots[s : s + chunk], scales)
+        caches.append(c)
+    for c in caches[1:]:
+        assert torch.equal(c, caches[0])
+
+
+def test_append_rejects_bad_input():
+    lay = KVLayout.make("nvfp4", 2, 64)
+    cache = lay.allocate(2)
+    k = torch.randn(3, 2, 64)
+    with pytest.raises(ValueError, match="powers of two"):
+        ref.append(cache, lay, k, k, torch.arange(3), torch.full((2, 2), 0.3))
+    with pytest.raises(ValueError, match="outside the cache"):
+        ref.append(cache, lay, k, k, torch.tensor([0, 1, 128]), lay.default_scales())
+    with pytest.raises(ValueError, match="must be"):
+        ref.append(cache, lay, k[:, :1], k, torch.arange(3), lay.default_scales())
+
+
+def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str) -> None:
+    from kernels.kv_append import triton_kernel
+
+    lay = KVLayout.make(fmt, 3, d, hadamard)
+    gen = torch.Generator().manual_seed(seed)
+    pages = (n + 63) // 64 + 2
+    slots = torch.randperm(pages * 64, generator=gen)[:n]
+    slots[torch.rand(n, generator=gen) < 0.05] = -1
+    k = _edge_rows(n * 3, d, gen).view(n, 3, d).to(torch.bfloat16)
+    v = _edge_rows(n * 3, d, gen).view(n, 3, d).to(torch.bfloat16)
+    scales = torch.exp2(torch.randint(-4, 4, (2, 3), generator=gen).float())
+    if fmt in ("bf16", "int8"):
+        scales = lay.default_scales()
+    c_ref = torch.full((pages, 2, 3, lay.head_page_bytes), POISON, dtype=torch.uint8)
+    ref.append(c_ref, lay, k, v, slots, scales)
+    c_tri = torch.full_like(c_ref, POISON).to(device)
+    triton_kernel.append(c_tri, lay, k.to(device), v.to(device), slots.to(device), scales.to(device))
+    diff = (c_tri.cpu() != c_ref).nonzero()
+    assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:5].tolist()}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("d,hadamard", [(64, True), (128, False), (256, True)])
+def test_triton_append_byte_identical(fmt, d, hadamard):
+    _parity(fmt, d, hadamard, 70 if d < 256 else 33, seed=d + len(fmt), device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_edge_rows_hit_edge_cases():
+    from kernels.calibration import count_scales
+
+    lay = KVLayout.make("nvfp4", 1, 64, False)
+    x = _edge_rows(400, 64, torch.Generator().manual_seed(3)).view(400, 1, 64)
+    c = count_scales(lay, x, x, lay.default_scales())["k"]
+    assert c.zero > 0 and c.subnormal > 0 and c.saturated > 0
+    assert e4m3.E4M3_MAX == 448.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_triton_append_byte_identical_full_size(fmt, d):
+    # >= 1e6 random 16-value blocks per format and head dim (plus the edge-case blocks)
+    n = (1 << 20) * 16 // (3 * d) + 1
+    _parity(fmt, d, True, n, seed=100 + d, device="cuda")

