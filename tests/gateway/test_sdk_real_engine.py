@@ -29,7 +29,8 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 MAX_CONTEXT = 2048
 
-pytestmark = pytest.mark.slow  # loads the real model: ~10-45 s on 2 busy cores
+# Runs by default: this is the acceptance check that the official SDKs work against the
+# real engine (SmolLM2 on CPU); it loads the model once per module (~10-45 s on 2 cores).
 
 
 @pytest.fixture(scope="module")

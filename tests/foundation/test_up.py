@@ -1,0 +1,124 @@
+"""`deepwell up` end to end: starts daemon + engine + gateway, serves a chat completion,
+shuts everything down on SIGINT, and stops everything when a child dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.engine.fixtures_smollm2 import smollm2_gguf_path
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+    port, grpc_port, engine_port, metrics_port = _free_ports(4)
+    argv = [sys.executable, "-m", "deepwell.cli", "up", "--model", str(smollm2_gguf_path()),
+            "--port", str(port), "--grpc-port", str(grpc_port), "--engine-port", str(engine_port),
+            "--engine-metrics-port", str(metrics_port), "--kvcache-arena-bytes", str(64 << 20),
+            "--device", "cpu", "--startup-timeout-s", "240", "--log-level", "warning"]
+    log = open(tmp_path / "up.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+    deadline = time.monotonic() + 300
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if "Press Ctrl-C to stop." in line:
+            return proc, port
+    proc.kill()
+    proc.wait()
+    raise AssertionError("deepwell up did not come up:\n" + "".join(seen) + (tmp_path / "up.log").read_text()[-4000:])
+
+
+def test_up_serves_and_shuts_down_on_sigint(tmp_path: Path) -> None:
+    proc, port = _start_up(tmp_path)
+    kids = _children(proc.pid)
+    try:
+        assert len(kids) == 3, kids  # daemon, engine, gateway
+        body = {"model": "default", "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(k) for k in kids), "children outlived deepwell up"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+
+
+def test_up_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
+    proc, _ = _start_up(tmp_path)
+    kids = _children(proc.pid)
+    try:
+        engine = [k for k in kids if "engine_service" in Path(f"/proc/{k}/cmdline").read_text()]
+        assert len(engine) == 1
+        os.kill(engine[0], signal.SIGKILL)
+        assert proc.wait(60) == 1
+        assert not any(_alive(k) for k in kids if k != engine[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [("--port", "0", "invalid port=0"),
+                                                        ("--model", "/no/such/model", "no such file")])
+def test_up_rejects_bad_flags(flag: str, value: str, needle: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "deepwell.cli", "up", flag, value],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert needle in result.stderr
