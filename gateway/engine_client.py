@@ -230,7 +230,8 @@ class EngineClient:
 
     async def generate(self, request: engine_pb2.GenerateRequest) -> AsyncIterator[engine_pb2.GenerateResponse]:
         """Stream one request's events; cancelling the consumer cancels the engine call."""
-        call = self.stub.Generate(request)
+        # The engine logs under the same id (x-request-id metadata) that the client sees.
+        call = self.stub.Generate(request, metadata=[(grpcx.REQUEST_ID_KEY, request.request_id)])
         try:
             async for message in call:
                 yield message

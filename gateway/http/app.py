@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deepwell import __version__, logs
+from deepwell import __version__, grpcx, logs
 from gateway.accounting import RequestLog
 from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
@@ -143,7 +143,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
     def post(path: str, handler: Handler, endpoint: str) -> None:
         async def route(request: Request) -> Response:
             ctx = context(request, st.keys)
-            logs.bind_context(request_id=ctx.request_id)
+            grpcx.set_request_id(ctx.request_id)  # logged, and forwarded to engines as x-request-id
             data = await read_json(request, st.config.max_body_bytes)
             return await handler(st, request, ctx, data)
 

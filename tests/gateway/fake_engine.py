@@ -125,6 +125,7 @@ class FakeEngine:
     requests: list[engine_pb2.GenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     stream_closed: list[str] = field(default_factory=list)
+    metadata_request_ids: list[str | None] = field(default_factory=list)  # x-request-id per Generate
     port: int = 0
 
     def __post_init__(self) -> None:
@@ -210,6 +211,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
     def Generate(self, request, context):  # noqa: N802
         rid = request.request_id or uuid.uuid4().hex
         self.fake.requests.append(request)
+        self.fake.metadata_request_ids.append(dict(context.invocation_metadata()).get("x-request-id"))
         try:
             yield from self._generate(request, rid, context)
         except GeneratorExit:  # the server closed the stream: the client went away

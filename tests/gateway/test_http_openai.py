@@ -294,3 +294,16 @@ def test_non_stream_client_disconnect_cancels_engine_request(env):
         time.sleep(0.05)
     rid = engine.requests[-1].request_id
     assert rid in engine.stream_closed, gw.log_text()[-2000:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_id_travels_to_the_engine(env, stream):
+    """The client's x-request-id is the engine request id and its gRPC metadata."""
+    engine, gw = env
+    rid = f"trace-{int(stream)}"
+    body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "say hello"}]}
+    r = httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == rid
+    assert engine.requests[-1].request_id == rid
+    assert engine.metadata_request_ids[-1] == rid
