@@ -424,6 +424,16 @@ class Generation:
         """Non-streaming: every event (no keep-alives)."""
         return [ev async for ev in self.events()]
 
+    async def open_stream(self, keepalive_s: float) -> None:
+        """``prime``, closing the generation if that fails (the error propagates), then
+        count the stream as open. What every streaming front end does before its 200."""
+        try:
+            await self.prime(keepalive_s)
+        except BaseException:
+            await self.aclose()
+            raise
+        self.stream_opened()
+
     def stream_opened(self) -> None:
         self._active_stream = True
         self.service.metrics.active_streams.labels(self.p.endpoint).inc()

@@ -228,12 +228,7 @@ async def messages(app_state: Any, request: Request, ctx: RequestContext, data: 
     if not body.stream:
         events = await collect_until_disconnect(gen, request)
         return JSONResponse(_message_body(events, mid, prepared.model_name), headers={"x-request-id": ctx.request_id})
-    try:
-        await gen.prime(app_state.config.keepalive_s)
-    except BaseException:
-        await gen.aclose()
-        raise
-    gen.stream_opened()
+    await gen.open_stream(app_state.config.keepalive_s)
     return SSEResponse(_message_stream(gen, mid, prepared.model_name), headers={"x-request-id": ctx.request_id})
 
 

@@ -167,13 +167,8 @@ async def chat_completions(app_state: Any, request: Request, ctx: RequestContext
         events = await collect_until_disconnect(gen, request)
         return JSONResponse(_chat_body(events, cid, created, prepared.model_name),
                             headers={"x-request-id": ctx.request_id})
-    try:
-        await gen.prime(app_state.config.keepalive_s)
-    except BaseException:
-        await gen.aclose()
-        raise
+    await gen.open_stream(app_state.config.keepalive_s)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen.stream_opened()
     return SSEResponse(_chat_stream(gen, cid, created, prepared.model_name, include_usage),
                        headers={"x-request-id": ctx.request_id})
 
@@ -292,13 +287,8 @@ async def completions(app_state: Any, request: Request, ctx: RequestContext, dat
             "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": FINISH[fin.reason]}],
             "usage": usage_json(fin),
         }, headers={"x-request-id": ctx.request_id})
-    try:
-        await gen.prime(app_state.config.keepalive_s)
-    except BaseException:
-        await gen.aclose()
-        raise
+    await gen.open_stream(app_state.config.keepalive_s)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    gen.stream_opened()
     return SSEResponse(_completion_stream(gen, cid, created, prepared.model_name, include_usage),
                        headers={"x-request-id": ctx.request_id})
 

@@ -296,12 +296,7 @@ async def responses(app_state: Any, request: Request, ctx: RequestContext, data:
             raise GatewayError("internal", f"generation failed in the engine: {finished.error or 'unknown error'}")
         status = "incomplete" if finished.reason == "length" else "completed"
         return JSONResponse(builder.response(status, finished), headers={"x-request-id": ctx.request_id})
-    try:
-        await gen.prime(app_state.config.keepalive_s)
-    except BaseException:
-        await gen.aclose()
-        raise
-    gen.stream_opened()
+    await gen.open_stream(app_state.config.keepalive_s)
     return SSEResponse(_stream(gen, builder), headers={"x-request-id": ctx.request_id})
 
 
