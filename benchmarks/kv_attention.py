@@ -8,7 +8,9 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
 2. nvfp4 vs bf16 decode time at 128k; verify T=4 vs T=1 time at >= 16k;
 3. prefill attention TFLOP/s for a 4k chunk over a 64k nvfp4 prefix (causal FLOPs:
    4 * d * Hq * sum over queries of visible keys);
-4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay).
+4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay);
+5. the engine's decode call (``TritonBackend.decode_attention``: Q rotation, attention,
+   split merge) captured in a CUDA graph, against the attention kernel alone.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
 Times are medians of ``triton.testing.do_bench`` (or of CUDA-graph replays).
 """
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from kernels.backend import KVCacheLayer, TritonBackend  # noqa: E402
 from kernels.kv_append import triton_kernel as append_tk  # noqa: E402
 from kernels.kv_formats import KVLayout  # noqa: E402
 from kernels.paged_attention import triton_kernel as attn_tk  # noqa: E402
@@ -63,24 +66,22 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e-3
 
 
-def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load=None):
+def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load_k=None, nv_load_v=None,
+                ppt=None):
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
     if splits is None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         want = max(1, (2 * sms) // (batch * HKV))
         splits = min(64, 1 << (want.bit_length() - 1))
-    q_len = torch.full((batch,), t, dtype=torch.int32, device="cuda")
-    q_start = torch.arange(0, batch * t, t, dtype=torch.int32, device="cuda")
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)
-    bm = attn_tk.pick_block_m(t * (HQ // HKV), 64)
-    work = attn_tk.work_items([t] * batch, HQ // HKV, bm, q.device)
     scratch = (torch.empty(batch * t * HQ * splits * D, device="cuda"), torch.empty(batch * t * HQ * splits, device="cuda"))
 
-    def run():
-        attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, q_start, q_len, D**-0.5,
-                                q_lens_host=[t] * batch, num_splits=splits, out=out, work=work, scratch=scratch,
-                                num_warps=warps, num_stages=stages, unpack_asm=asm, nv_load=nv_load)
+    def run():  # the engine's decode call (uniform_t: row blocks derived in-kernel), Q pre-rotated
+        attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, None, None, D**-0.5,
+                                num_splits=splits, out=out, scratch=scratch, uniform_t=t,
+                                num_warps=warps, num_stages=stages, unpack_asm=asm, nv_load_k=nv_load_k,
+                                nv_load_v=nv_load_v, pages_per_tile=ppt)
 
     sec = bench(run)
     nbytes = batch * ctx * HKV * 2 * layout.token_bytes + 2 * q.numel() * 2
@@ -113,8 +114,11 @@ def sweep(fmt: str, batch: int, ctx: int) -> list[dict]:
     """Time decode variants at one point; remember the fastest in BEST[fmt]."""
     rows = []
     if fmt == "nvfp4":
-        cfgs = [dict(warps=4, stages=2, asm=a, nv_load=n) for a in (False, True) for n in (0, 1, 2)]
-        cfgs += [dict(warps=4, stages=3, asm=True, nv_load=0), dict(warps=2, stages=2, asm=True, nv_load=0)]
+        # (K, V) ways of reaching block scales; see kernels/paged_attention/triton_kernel.py
+        pairs = [(2, 2), (2, 5), (2, 6), (5, 5)]
+        cfgs = [dict(warps=4, stages=2, asm=True, nv_load_k=k, nv_load_v=v, ppt=n) for k, v in pairs for n in (1, 2)]
+        cfgs += [dict(warps=w, stages=s, asm=True, nv_load_k=2, nv_load_v=6, ppt=2) for w, s in ((4, 3), (8, 2))]
+        cfgs += [dict(warps=4, stages=2, asm=False, nv_load_k=2, nv_load_v=2, ppt=2)]
     else:
         cfgs = [dict(warps=4, stages=s) for s in (2, 3)]
     for cfg in cfgs:
@@ -127,7 +131,7 @@ def sweep(fmt: str, batch: int, ctx: int) -> list[dict]:
         print(f"sweep {fmt} B={batch} ctx={ctx} {cfg}: {sec*1e6:8.1f} us {bw/PEAK:6.1%}", flush=True)
     if rows:
         best = min(rows, key=lambda r: r["us"])
-        BEST[fmt] = {k: best[k] for k in ("warps", "stages", "asm", "nv_load") if k in best}
+        BEST[fmt] = {k: best[k] for k in ("warps", "stages", "asm", "nv_load_k", "nv_load_v", "ppt") if k in best}
         print(f"best {fmt}: {BEST[fmt]}", flush=True)
     return rows
 
@@ -138,7 +142,8 @@ def verify_table() -> list[dict]:
     for ctx in (16384, 131072):
         for batch in (1, 8):
             t1, _, _ = time_decode("nvfp4", batch, ctx, 1, **cfg)
-            t4, _, _ = time_decode("nvfp4", batch, ctx, 4, **cfg)
+            # T=4 (24-row blocks) with its own default key tile (one page: see default_pages_per_tile)
+            t4, _, _ = time_decode("nvfp4", batch, ctx, 4, **{k: v for k, v in cfg.items() if k != "ppt"})
             rows.append(dict(ctx=ctx, batch=batch, t1_us=t1 * 1e6, t4_us=t4 * 1e6, ratio=t4 / t1))
             print(f"verify nvfp4 ctx={ctx} B={batch}: T=1 {t1*1e6:.1f} us, T=4 {t4*1e6:.1f} us, ratio {t4/t1:.2f}", flush=True)
     return rows
@@ -154,20 +159,23 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
     out = torch.empty_like(q)
     pairs = chunk * prefix + chunk * (chunk + 1) // 2
     flops = 4 * D * HQ * pairs
-    asm = BEST.get(fmt, {}).get("asm", False)
-    nv_load = BEST.get(fmt, {}).get("nv_load", 0)
-    for bm, warps, stages in ((64, 4, 1), (128, 8, 1), (128, 8, 2), (128, 4, 1)):
+    asm = BEST.get(fmt, {}).get("asm", None)
+    nv_k = BEST.get(fmt, {}).get("nv_load_k", None)
+    nv_v = BEST.get(fmt, {}).get("nv_load_v", None)
+    for bm, warps, stages, ppt in ((64, 4, 2, 1), (64, 4, 1, 1), (128, 8, 1, 1)):
         work = attn_tk.work_items([chunk], HQ // HKV, bm, q.device)
         try:
             sec = bench(lambda: attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, q_start, q_len, D**-0.5,
                                                         q_lens_host=[chunk], num_splits=1, block_m=bm, out=out, work=work,
                                                         num_warps=warps, num_stages=stages, unpack_asm=asm,
-                                                        nv_load=nv_load, precise_p=False))
+                                                        nv_load_k=nv_k, nv_load_v=nv_v, pages_per_tile=ppt,
+                                                        page_max=False))
         except Exception as exc:
-            print(f"prefill {fmt} bm={bm} warps={warps} stages={stages}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            print(f"prefill {fmt} bm={bm} warps={warps} stages={stages} ppt={ppt}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        rows.append(dict(fmt=fmt, block_m=bm, warps=warps, stages=stages, asm=asm, ms=sec * 1e3, tflops=flops / sec / 1e12))
-        print(f"prefill {fmt} {chunk} over {prefix}: bm={bm} warps={warps} stages={stages} asm={asm} {sec*1e3:8.2f} ms {flops/sec/1e12:6.1f} TFLOP/s", flush=True)
+        rows.append(dict(fmt=fmt, block_m=bm, warps=warps, stages=stages, ppt=ppt, ms=sec * 1e3, tflops=flops / sec / 1e12))
+        print(f"prefill {fmt} {chunk} over {prefix}: bm={bm} warps={warps} stages={stages} pages/tile={ppt} {sec*1e3:8.2f} ms "
+              f"{flops/sec/1e12:6.1f} TFLOP/s", flush=True)
     return rows
 
 
@@ -196,6 +204,33 @@ def append_table() -> list[dict]:
     return rows
 
 
+def step_table() -> list[dict]:
+    rows = []
+    for batch, ctx in ((8, 131072), (64, 4096)):
+        layout, cache, tables, ctx_lens, q = decode_case("nvfp4", batch, ctx, 1)
+        layer = KVCacheLayer(layout, cache, layout.default_scales("cuda"))
+        be = TritonBackend()
+        out = torch.empty_like(q)
+
+        def call():
+            be.decode_attention(q, layer, tables, ctx_lens, sm_scale=D**-0.5, out=out, validate=False)
+
+        call()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                call()
+        step = bench(graph.replay)
+        kernel, _, splits = time_decode("nvfp4", batch, ctx, 1, **BEST.get("nvfp4", {}))
+        rows.append(dict(batch=batch, ctx=ctx, step_us=step * 1e6, kernel_us=kernel * 1e6))
+        print(f"step nvfp4 B={batch} ctx={ctx}: backend decode call in a graph {step*1e6:8.1f} us, "
+              f"attention kernel alone {kernel*1e6:8.1f} us", flush=True)
+        del cache
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
@@ -211,7 +246,8 @@ def main() -> int:
     if args.sweep:
         for fmt in ("nvfp4", "bf16", "fp8", "int8"):
             sections.append((f"sweep_{fmt}", lambda fmt=fmt: sweep(fmt, 8, 131072)))
-    sections += [("decode", lambda: decode_table(args.quick)), ("verify", verify_table), ("prefill", prefill_table)]
+    sections += [("decode", lambda: decode_table(args.quick)), ("verify", verify_table), ("prefill", prefill_table),
+                 ("step", step_table)]
     for name, fn in sections:
         try:
             res[name] = fn()

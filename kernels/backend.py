@@ -143,12 +143,11 @@ class TritonBackend:
         if validate and (q.shape[0] != b * t or not 1 <= t <= 16):
             raise ValueError(f"decode needs q [B * T, Hq, d] with 1 <= T <= 16; got {list(q.shape)} for B={b}, T={t}")
         splits = num_splits or self.default_splits(b, layer.layout.num_kv_heads, q.device)
-        dev = q.device
-        q_len = torch.full((b,), t, dtype=torch.int32, device=dev)
-        q_start = torch.arange(0, b * t, t, dtype=torch.int32, device=dev)
+        # two launches (Q rotation, attention) + the split merge: global scales and row
+        # blocks are derived in-kernel, so nothing else runs and a step is graph-capturable
         return triton_kernel.paged_attention(
-            rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
-            q_start, q_len, sm_scale, q_lens_host=[t] * b, num_splits=splits, out=out,
+            _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
+            None, None, sm_scale, num_splits=splits, out=out, uniform_t=t,
         )
 
     def prefill_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
@@ -161,12 +160,19 @@ class TritonBackend:
             raise ValueError(f"q has {q.shape[0]} tokens but q_lens sum to {sum(lens)}")
         dev = q.device
         return triton_kernel.paged_attention(
-            rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
+            _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
             _starts(lens, dev), torch.tensor(lens, dtype=torch.int32, device=dev), sm_scale,
             q_lens_host=lens, num_splits=1, out=out,
-            # fastest measured on the H200 (docs/kernels.md): 64-row blocks, 4 warps, no pipelining
-            block_m=64, num_warps=4, num_stages=1, precise_p=False,
+            # fastest measured on the H200 (docs/kernels.md): 64-row blocks, 4 warps, 2 stages
+            block_m=64, num_warps=4, num_stages=2, pages_per_tile=1, page_max=False,
         )
+
+
+def _rotate_q(q: Tensor, layout: KVLayout) -> Tensor:
+    """``reference.rotate_q`` as one Triton launch (bit-identical)."""
+    from kernels.hadamard import triton_fn
+
+    return triton_fn.rotate(q) if layout.hadamard else q
 
 
 def get_backend(device: torch.device | str) -> ReferenceBackend | TritonBackend:

@@ -59,10 +59,40 @@ def test_prefill_chunk_over_long_prefix(fmt):
 
 
 @pytest.mark.parametrize("asm", [False, True])
-@pytest.mark.parametrize("nv_load", [0, 1, 2])
+@pytest.mark.parametrize("nv_load", [0, 1, 2, 3, 5, 6])
 def test_nvfp4_unpack_variants(asm, nv_load):
     case = build_case(KVLayout.make("nvfp4", 4, 256), [20000, 65, 3000], seed=8, device="cuda")
     ql = [4, 4, 4]
     q = torch.randn(sum(ql), 24, 256, device="cuda").to(torch.bfloat16)
-    out, starts, lens = _run(case, q, ql, 8, unpack_asm=asm, nv_load=nv_load)
+    out, starts, lens = _run(case, q, ql, 8, unpack_asm=asm, nv_load_k=nv_load, nv_load_v=nv_load)
     assert rel_l2(out, _oracle_gpu(case, q, starts, lens)) <= 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8", "bf16"])
+def test_chunked_prefill_and_decode_write_identical_bytes(fmt):
+    """Triton append of one 4,100-token sequence (fragmented pages) in prefill chunks of 2048
+    and of 512, and token by token as decode steps, leaves identical cache bytes, equal to
+    the reference append's."""
+    from kernels.kv_append import reference as append_ref
+    from kernels.kv_append import triton_kernel as append_tk
+    from tests.kernels.helpers import POISON, fragmented_tables, random_scales
+
+    lay = KVLayout.make(fmt, 4, 256)
+    gen = torch.Generator().manual_seed(21)
+    n = 4100
+    tables, num_pages = fragmented_tables([n], gen, device="cuda")
+    scales = random_scales(lay, gen).to("cuda")
+    k = (torch.randn(n, 4, 256, generator=gen) * 2).to(torch.bfloat16).to("cuda")
+    v = (torch.randn(n, 4, 256, generator=gen) * 2).to(torch.bfloat16).to("cuda")
+    slots = append_ref.slots_from_positions(tables, torch.zeros(n, dtype=torch.long, device="cuda"),
+                                            torch.arange(n, device="cuda"))
+    caches = []
+    for chunk in (2048, 512, 1):
+        cache = torch.full((num_pages, 2, 4, lay.head_page_bytes), POISON, dtype=torch.uint8, device="cuda")
+        for s in range(0, n, chunk):
+            append_tk.append(cache, lay, k[s : s + chunk], v[s : s + chunk], slots[s : s + chunk], scales)
+        caches.append(cache)
+    ref = torch.full_like(caches[0], POISON)
+    append_ref.append(ref, lay, k, v, slots, scales)
+    for cache in caches:
+        assert torch.equal(cache, ref)
