@@ -2,6 +2,7 @@
 
     python benchmarks/engine_bench.py                      # SmolLM2-135M GGUF (embedded default), CPU fp32
     python benchmarks/engine_bench.py --model DIR --device cuda --concurrency 1 4 16
+    python benchmarks/engine_bench.py --kv-dtype nvfp4            # quantized KV (calibrated at start)
 
 Runs the real ``EngineCore`` (scheduler + runner + sampler, no gRPC) in this process.
 Prefill: ``c`` requests of ``--prompt`` random tokens with ``max_tokens=1``; figure =
@@ -17,6 +18,8 @@ import time
 
 import torch
 
+from engine_service.cli import calibrate_kv
+from engine_service.config import KV_DTYPES, KV_HADAMARD
 from engine_service.engine import EngineCore, EngineLimits, TokensEvent
 from engine_service.loading import open_model
 from engine_service.runner import build_runner
@@ -65,6 +68,10 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=32, help="generated tokens per request")
     ap.add_argument("--token-budget", type=int, default=512)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    ap.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                    help="KV cache format (as deepwell engine --kv-dtype)")
+    ap.add_argument("--kv-hadamard", default="auto", choices=list(KV_HADAMARD),
+                    help="Hadamard rotation of K for quantized formats (as deepwell engine --kv-hadamard)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,13 +81,18 @@ def main() -> None:
 
         path = str(ensure_default_model())
     dtype = getattr(torch, args.dtype)
-    runner = build_runner(open_model(path), device=args.device, dtype=dtype, page_size=64)
+    source = open_model(path)
+    runner = build_runner(source, device=args.device, dtype=dtype, page_size=64, kv_dtype=args.kv_dtype,
+                          kv_hadamard=args.kv_hadamard)
     c_max = max(args.concurrency)
     pages = c_max * -(-(args.prompt + args.decode) // 64) + 1
     core = EngineCore(runner, EngineLimits(num_pages=pages, num_state_slots=c_max, max_concurrency=c_max,
                                            token_budget=args.token_budget, queue_size=c_max, max_context=1 << 30))
+    calibrate_kv(source, runner)  # quantized fp8 / nvfp4 only, as the engine does at start-up
     prefill_tps(core, 1, 32)  # warm-up
-    print(f"model={path} device={args.device} dtype={args.dtype} threads={torch.get_num_threads()} "
+    print(f"model={path} device={args.device} dtype={args.dtype} kv={runner.kv_dtype_name}"
+          f"{'+hadamard' if runner.quant_layout is not None and runner.quant_layout.hadamard else ''} "
+          f"bytes/page={runner.memory_spec().bytes_per_page} threads={torch.get_num_threads()} "
           f"prompt={args.prompt} decode={args.decode} token_budget={args.token_budget}")
     for c in args.concurrency:
         p = prefill_tps(core, c, args.prompt)

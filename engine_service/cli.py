@@ -1,7 +1,9 @@
 """``deepwell engine`` / ``python -m engine_service``: serve one model over gRPC.
 
 Start-up: open the model (``--model`` or the embedded SmolLM2 default), build the runner,
-size the KV pool (``config.py`` rules), start the step thread, the Prometheus server and
+size the KV pool (``config.py`` rules), calibrate a quantized KV cache's global scales
+(fp8 / nvfp4: one scratch forward of ``kv_calibration.CALIBRATION_TEXT``, exported as
+``deepwell_engine_kv_*`` gauges), start the step thread, the Prometheus server and
 the gRPC server (health + reflection), mark it SERVING, then print
 ``engine listening on <host>:<port>`` (and write ``--port-file``). SIGINT / SIGTERM: mark
 NOT_SERVING, finish every request as cancelled, stop the server, exit 0.
@@ -23,7 +25,8 @@ HELP = "serve a model over gRPC (deepwell.engine.v1.Engine): scheduler, model ru
 DESCRIPTION = (
     "Load a model (HF safetensors directory or .gguf file; without --model the embedded "
     "SmolLM2-135M-Instruct, fetched once from PyPI) and serve deepwell.engine.v1.Engine over "
-    "gRPC with continuous batching, chunked prefill and paged KV. Prints the address it "
+    "gRPC with continuous batching, chunked prefill and paged KV (float, or fp8/int8/nvfp4 "
+    "quantized with --kv-dtype, global scales calibrated at start-up). Prints the address it "
     "listens on; stops cleanly on SIGINT/SIGTERM."
 )
 
@@ -84,6 +87,7 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any) ->
 
 
 def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None) -> EngineCore:
+    """EngineCore over ``runner`` (which it allocates); then the KV calibration, if any."""
     from engine_service.engine import EngineCore, EngineLimits
     from engine_service.service import default_sampling, eos_ids_of
 
@@ -92,8 +96,33 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,
                           token_budget=cfg.token_budget, queue_size=cfg.queue_size, chunk_tokens=cfg.chunk_tokens,
                           max_context=cfg.max_context or runner.max_context)
-    return EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
+    core = EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
                       defaults=default_sampling(source.generation_config), observer=observer)
+    calibrate_kv(source, runner)
+    return core
+
+
+def calibrate_kv(source: Any, runner: Any) -> Any:
+    """Calibrate a quantized KV pool's global scales on the built-in text (tokenized with the
+    model's ``tokenizer.json``); returns the ``KVCalibration`` or ``None`` when not needed."""
+    from engine_service.kv_calibration import calibration_token_ids
+    from engine_service.kv_quant import SCALED_FORMATS
+
+    if getattr(runner, "quant_layout", None) is None or runner.kv_dtype_name not in SCALED_FORMATS:
+        return None
+    opener = source.files.get("tokenizer.json")
+    ids, how = calibration_token_ids(opener() if opener is not None else None, runner.vocab_size)
+    return runner.calibrate_kv(ids, source=how)
+
+
+def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
+    from engine_service.kv_quant import KVSettingsError
+
+    try:
+        return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
+                            kv_hadamard=cfg.kv_hadamard)
+    except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
+        raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
 
 
 async def serve(cfg: EngineConfig) -> int:
@@ -127,16 +156,17 @@ async def serve(cfg: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
     source = await loop.run_in_executor(None, open_model, model_path)
     runner = await loop.run_in_executor(
-        None, lambda: build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype,
-                                   page_size=cfg.page_size))
+        None, lambda: _build_runner(build_runner, cfg, source, device, dtype))
     model_id = cfg.served_model_name or default_name or source.model_id or Path(model_path).stem
     metrics = EngineMetrics(model_id)
-    core = build_core(cfg, source, runner, observer=metrics)
+    core = await loop.run_in_executor(None, lambda: build_core(cfg, source, runner, observer=metrics))
+    if runner.kv_calibration is not None:
+        metrics.set_kv_calibration(runner.kv_calibration)
     files = await loop.run_in_executor(None, load_files, source.files)
     text_cfg = source.text_config()
     info = build_model_info(
         model_id=model_id, architecture=runner.architecture, model_type=str(text_cfg.get("model_type", "")),
-        core=core, kv_dtype=str(runner.kv_dtype).removeprefix("torch."), config=text_cfg,
+        core=core, kv_dtype=runner.kv_dtype_name, config=text_cfg,
         generation_config=source.generation_config, chat_template=source.chat_template or "", files=files,
         engine_id=cfg.engine_id or f"{socket.gethostname()}:{os.getpid()}")
     stop = asyncio.Event()

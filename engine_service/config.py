@@ -8,6 +8,11 @@ applied at start-up (``engine_service.cli``):
   than ``max_concurrency`` full-context sequences need.
 - ``state_slots = 0`` gives hybrid models one recurrent-state slot per concurrent request.
 - The served context is ``min(max_context or the model's, num_pages * page_size)``.
+- ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv_quant``):
+  it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
+  when the runner is built); a page then costs its true quantized bytes, so the same
+  memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` (auto = on for nvfp4
+  only) applies to quantized formats only; ``on`` with a float kv_dtype is an error.
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ from deepwell import configs
 ENV_PREFIX = "ENGINE"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32")
+FLOAT_KV_DTYPES = ("auto", "bf16", "fp16", "fp32")
+QUANT_KV_DTYPES = ("fp8", "int8", "nvfp4")  # engine_service.kv_quant.QUANT_FORMATS
+KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
+KV_HADAMARD = ("auto", "on", "off")
+QUANT_PAGE_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -37,8 +46,13 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "weights/activations dtype: auto (float32 on CPU, "
                                                          "bfloat16 on CUDA), float32, bfloat16, float16",
                                                  "choices": DTYPES})
-    kv_dtype: str = field(default="auto", metadata={"help": "KV cache dtype: auto (= dtype), bf16, fp16, fp32",
+    kv_dtype: str = field(default="auto", metadata={"help": "KV cache format: auto (= dtype), bf16, fp16, fp32 "
+                                                            "(float pool), or fp8, int8, nvfp4 (quantized paged "
+                                                            "cache; needs --page-size 64 and head_dim 64/128/256)",
                                                     "choices": KV_DTYPES})
+    kv_hadamard: str = field(default="auto", metadata={"help": "Hadamard rotation of K before quantizing: auto (on "
+                                                               "for nvfp4 only), on, off (quantized kv dtypes only)",
+                                                       "choices": KV_HADAMARD})
     page_size: int = field(default=64, metadata={"help": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})
     memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: fraction of free memory after the "
@@ -72,9 +86,16 @@ class EngineConfig:
         c(self.device in DEVICES or (self.device.startswith("cuda:") and self.device[5:].isdigit()), "device",
           self.device, "must be auto, cpu, cuda or cuda:N")
         c(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
-        c(self.kv_dtype in KV_DTYPES, "kv_dtype", self.kv_dtype,
-          f"must be one of {', '.join(KV_DTYPES)} (fp8/int8/nvfp4 come with the kernels)")
+        c(self.kv_dtype in KV_DTYPES, "kv_dtype", self.kv_dtype, f"must be one of {', '.join(KV_DTYPES)}")
+        c(self.kv_hadamard in KV_HADAMARD, "kv_hadamard", self.kv_hadamard, f"must be one of {', '.join(KV_HADAMARD)}")
         c(1 <= self.page_size <= 4096, "page_size", self.page_size, "must be in 1..4096")
+        quant = self.kv_dtype in QUANT_KV_DTYPES
+        c(not quant or self.page_size == QUANT_PAGE_SIZE, "page_size", self.page_size,
+          f"must be {QUANT_PAGE_SIZE} with kv_dtype={self.kv_dtype} (the kernels' page); set --page-size "
+          f"{QUANT_PAGE_SIZE} or use a float kv_dtype")
+        c(quant or self.kv_hadamard != "on", "kv_hadamard", self.kv_hadamard,
+          f"applies to quantized kv dtypes ({', '.join(QUANT_KV_DTYPES)}) only, not kv_dtype={self.kv_dtype}; "
+          "use auto or off")
         c(self.num_pages >= 0, "num_pages", self.num_pages, "must be >= 0 (0 = from memory)")
         c(0.0 < self.memory_fraction <= 1.0, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         c(self.cpu_kv_gib > 0, "cpu_kv_gib", self.cpu_kv_gib, "must be > 0")

@@ -9,8 +9,10 @@ manager (``runner_api``). Layout:
 - State: per GDN layer, conv ``[slots, conv_dim, K - 1]`` in the model dtype and recurrent
   ``[slots, Hv, Dk, Dv]`` in fp32 (always: the recurrence accumulates).
 
-KV dtypes: ``auto`` (= model dtype), ``bf16``, ``fp16``, ``fp32``. The quantized formats
-(``fp8``, ``int8``, ``nvfp4``) come with ``kernels/`` and are refused here by name.
+KV dtypes here: ``auto`` (= model dtype), ``bf16``, ``fp16``, ``fp32``. The quantized
+formats (``fp8``, ``int8``, ``nvfp4``) are ``engine_service.kv_quant.QuantKVPool`` (the
+``kernels/`` paged cache); both pools hand each attention layer an ``AttentionKV``
+(``layer(i)``), so the model code never branches on the format.
 Snapshots are full copies of one slot's rows in every GDN layer (bit-exact restore).
 """
 
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_service.layers.backend import ReferenceBackend
+from engine_service.layers.context import StepContext
+
 KV_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -28,17 +33,19 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float32": torch.float32,
 }
-FUTURE_KV_DTYPES = ("fp8", "int8", "nvfp4")
+QUANT_KV_DTYPES = ("fp8", "int8", "nvfp4")  # engine_service.kv_quant
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a float KV pool (``ValueError`` for anything else)."""
     if kv_dtype == "auto":
         return model_dtype
     if kv_dtype in KV_DTYPES:
         return KV_DTYPES[kv_dtype]
-    if kv_dtype in FUTURE_KV_DTYPES:
-        raise ValueError(f"kv dtype {kv_dtype!r} is not implemented yet (needs kernels/)")
-    raise ValueError(f"unknown kv dtype {kv_dtype!r}; use auto, {', '.join(sorted(KV_DTYPES))}")
+    raise ValueError(
+        f"unknown kv dtype {kv_dtype!r}; use auto, {', '.join(sorted(KV_DTYPES))} "
+        f"or a quantized format ({', '.join(QUANT_KV_DTYPES)})"
+    )
 
 
 @dataclass(frozen=True)
@@ -73,22 +80,61 @@ class StateLayout:
         return self.num_layers * (conv + rec)
 
 
+@dataclass(frozen=True)
+class FloatLayerKV:
+    """``AttentionKV`` over one layer's flat float K/V rows: scatter on write; per
+    multi-token slice a gather + causal attention, and all decode slices batched."""
+
+    k_cache: torch.Tensor  # [num_pages * page_size, Hkv, D]
+    v_cache: torch.Tensor
+    ops: ReferenceBackend
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        assert ctx.kv_slots is not None
+        self.ops.write_kv(self.k_cache, self.v_cache, ctx.kv_slots, k, v)
+
+    def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for seq in ctx.multi:
+            rows = slice(seq.offset, seq.offset + seq.num_tokens)
+            assert seq.token_index is not None
+            out[rows] = self.ops.paged_attention(
+                q[rows], self.k_cache, self.v_cache, seq.token_index, seq.start, scale
+            )
+        dec = ctx.decode
+        if dec is not None:
+            assert dec.token_index is not None and dec.lengths is not None
+            out[dec.rows] = self.ops.paged_decode_attention(
+                q[dec.rows], self.k_cache, self.v_cache, dec.token_index, dec.lengths, scale
+            )
+        return out
+
+
 class KVPool:
-    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+    """The float KV pool: per attention layer K and V pages in ``layout.dtype``."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device: torch.device,
+        ops: ReferenceBackend | None = None,
+    ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.layout = layout
         self.num_pages = num_pages
+        self.ops = ops or ReferenceBackend()
         shape = (num_pages, layout.page_size, layout.num_kv_heads, layout.head_dim)
         n, dt = layout.num_layers, layout.dtype
         self.k = [torch.zeros(shape, dtype=dt, device=device) for _ in range(n)]
         self.v = [torch.zeros(shape, dtype=dt, device=device) for _ in range(n)]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat ``[num_pages * page_size, Hkv, D]`` views of layer ``i``'s K and V."""
+    def layer(self, i: int) -> FloatLayerKV:
+        """Layer ``i``'s store over flat ``[num_pages * page_size, Hkv, D]`` views."""
         lay = self.layout
         flat = (self.num_pages * lay.page_size, lay.num_kv_heads, lay.head_dim)
-        return self.k[i].view(flat), self.v[i].view(flat)
+        return FloatLayerKV(self.k[i].view(flat), self.v[i].view(flat), self.ops)
 
 
 @dataclass

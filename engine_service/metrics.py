@@ -4,6 +4,11 @@ Each ``EngineMetrics`` has its own ``CollectorRegistry`` (several engines in one
 process never collide). It is the engine's ``StepObserver``: gauges are set from the
 engine snapshot after every step, counters advance by the step's prefilled / decoded
 tokens, and TTFT / inter-token latency go to histograms (seconds).
+
+A quantized KV cache's start-up calibration (``set_kv_calibration``) sets
+``deepwell_engine_kv_scale_blocks{kv="k|v",kind="zero|subnormal|saturated|total"}`` (block
+scales - fp8: elements - of the calibration K/V under the calibrated global scales) and
+``deepwell_engine_kv_global_scale{kv="k|v",stat="min|max"}`` (over layers and KV heads).
 """
 
 from __future__ import annotations
@@ -37,8 +42,26 @@ class EngineMetrics(StepObserver):
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("deepwell_engine_inter_token_latency_seconds", "Gap between a request's tokens",
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_scale_blocks = Gauge("deepwell_engine_kv_scale_blocks",
+                                     "Quantized-KV block scales of the start-up calibration K/V, by kind",
+                                     labels + ["kv", "kind"], registry=r)
+        self.kv_global_scale = Gauge("deepwell_engine_kv_global_scale",
+                                     "Calibrated KV global scales (power of two), min/max over layers and heads",
+                                     labels + ["kv", "stat"], registry=r)
         self.model = model
         self._server: Any = None
+
+    def set_kv_calibration(self, cal: Any) -> None:
+        """Export a ``kv_calibration.KVCalibration``."""
+        m = self.model
+        for kv, counts in ((0, cal.k), (1, cal.v)):
+            name = "kv"[kv]
+            for kind, value in (("zero", counts.zero), ("subnormal", counts.subnormal),
+                                ("saturated", counts.saturated), ("total", counts.blocks)):
+                self.kv_scale_blocks.labels(m, name, kind).set(value)
+            lo, hi = cal.scale_range(kv)
+            self.kv_global_scale.labels(m, name, "min").set(lo)
+            self.kv_global_scale.labels(m, name, "max").set(hi)
 
     def on_step(self, snap: Snapshot, prefilled: int, decoded: int) -> None:
         m = self.model

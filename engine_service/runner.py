@@ -7,6 +7,13 @@ runner whose pools are created by ``allocate``. One ``forward`` runs a whole
 sequence, attention reads the pool through the slice's block table and GDN layers advance
 the slice's state slot.
 
+KV pools: a float ``memory.KVPool`` for ``kv_dtype`` auto/bf16/fp16/fp32, or a
+``kv_quant.QuantKVPool`` (the ``kernels/`` paged cache) for fp8/int8/nvfp4 — then the page
+size must be 64 and head_dim one of 64/128/256 (``ValueError`` at construction), the step
+context carries int32 block tables instead of gather indices, and ``calibrate_kv``
+(called once after ``allocate``) sets the global scales from a scratch forward that
+touches neither pool nor any state slot.
+
 Checked per step (``ValueError`` with the reason, nothing written): token count matches
 the slices, ``num_tokens >= 1``, block tables cover ``start + num_tokens`` with page ids
 in the pool, token ids in the vocabulary, and for hybrid models distinct state slots in
@@ -18,13 +25,24 @@ Same code on CPU and CUDA; nothing here assumes a device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from deepwell.logs import get_logger
-from engine_service.layers.backend import get_backend
-from engine_service.layers.context import DecodeGroup, SeqInfo, StepContext
+from engine_service.kv_calibration import KVCalibration, RecordingPool, calibrate_layers
+from engine_service.kv_quant import (
+    SCALED_FORMATS,
+    KVSettingsError,
+    QuantKVPool,
+    describe,
+    is_quantized,
+    quant_layout,
+)
+from engine_service.layers.backend import ReferenceBackend, get_backend
+from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
 from engine_service.loading.source import ModelSource
 from engine_service.memory import (
     KVLayout,
@@ -36,7 +54,7 @@ from engine_service.memory import (
 )
 from engine_service.models import build_model, load_weights
 from engine_service.models.decoder import CausalLM
-from engine_service.runner_api import ForwardBatch, MemorySpec
+from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
 
 log = get_logger(__name__)
 
@@ -56,6 +74,8 @@ class TorchModelRunner:
         dtype: torch.dtype,
         kv_dtype: str = "auto",
         page_size: int = DEFAULT_PAGE_SIZE,
+        kv_hadamard: str = "auto",
+        ops: ReferenceBackend | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -63,9 +83,15 @@ class TorchModelRunner:
         self.args = model.args
         self._device = device
         self.dtype = dtype
-        self.kv_dtype = resolve_kv_dtype(kv_dtype, dtype)
+        self.ops = ops or ReferenceBackend()
         self.page_size = page_size
         a = self.args
+        quantized = is_quantized(kv_dtype)
+        if not quantized and kv_hadamard == "on":
+            raise KVSettingsError(f"kv_hadamard 'on' needs a quantized kv dtype (fp8, int8, nvfp4), "
+                                  f"not {kv_dtype!r}: use auto or off")
+        # float pools: the KV dtype; quantized: the model dtype (used by the calibration scratch pool)
+        self.kv_dtype = dtype if quantized else resolve_kv_dtype(kv_dtype, dtype)
         self.kv_layout = KVLayout(
             num_layers=len(a.attention_layers),
             num_kv_heads=a.attention.num_kv_heads,
@@ -73,6 +99,12 @@ class TorchModelRunner:
             page_size=page_size,
             dtype=self.kv_dtype,
         )
+        self.quant_layout = (
+            quant_layout(kv_dtype, a.attention.num_kv_heads, a.attention.head_dim, page_size, kv_hadamard)
+            if quantized and self.kv_layout.num_layers else None
+        )
+        self.kv_calibration: KVCalibration | None = None
+        self._kv_written = False  # a forward has written the serving KV pool (scales are then fixed)
         self.state_layout: StateLayout | None = None
         if a.gdn is not None and a.recurrent_layers:
             self.state_layout = StateLayout(
@@ -84,7 +116,7 @@ class TorchModelRunner:
                 head_v_dim=a.gdn.head_v_dim,
                 conv_dtype=dtype,
             )
-        self.kv: KVPool | None = None
+        self.kv: KVPool | QuantKVPool | None = None
         self.state: StatePool | None = None
         self._slot_pos: list[int] = []  # tokens each state slot's contents correspond to
 
@@ -105,10 +137,24 @@ class TorchModelRunner:
     def architecture(self) -> str:
         return self.args.architecture
 
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV format as reported in ModelInfo: ``nvfp4``/``fp8``/``int8`` or the float dtype."""
+        if self.quant_layout is not None:
+            return self.quant_layout.fmt.value
+        return str(self.kv_dtype).removeprefix("torch.")
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        """True bytes of one page over every attention layer (K and V, all KV heads)."""
+        if self.quant_layout is not None:
+            return QuantKVPool.page_bytes(self.quant_layout, self.kv_layout.num_layers)
+        return self.kv_layout.bytes_per_page
+
     def memory_spec(self) -> MemorySpec:
         return MemorySpec(
             page_size=self.page_size,
-            bytes_per_page=self.kv_layout.bytes_per_page,
+            bytes_per_page=self.kv_bytes_per_page,
             bytes_per_state_slot=self.state_layout.bytes_per_slot if self.state_layout else 0,
             num_attention_layers=self.kv_layout.num_layers,
             num_recurrent_layers=self.state_layout.num_layers if self.state_layout else 0,
@@ -117,8 +163,10 @@ class TorchModelRunner:
     def allocate(self, num_pages: int, num_state_slots: int) -> None:
         if self.kv is not None or self.state is not None:
             raise RuntimeError("pools are already allocated")
-        if self.kv_layout.num_layers:
-            self.kv = KVPool(self.kv_layout, num_pages, self._device)
+        if self.quant_layout is not None:
+            self.kv = QuantKVPool(self.quant_layout, self.kv_layout.num_layers, num_pages, self._device)
+        elif self.kv_layout.num_layers:
+            self.kv = KVPool(self.kv_layout, num_pages, self._device, self.ops)
         if self.state_layout is not None:
             self.state = StatePool(self.state_layout, num_state_slots, self._device)
             self._slot_pos = [0] * num_state_slots
@@ -126,11 +174,79 @@ class TorchModelRunner:
             "pools_allocated",
             num_pages=num_pages,
             num_state_slots=num_state_slots if self.state_layout else 0,
-            kv_bytes=num_pages * self.kv_layout.bytes_per_page,
+            kv_format=describe(self.quant_layout) if self.quant_layout else self.kv_dtype_name,
+            kv_backend=self.kv.backend.name if isinstance(self.kv, QuantKVPool) else self.ops.name,
+            bytes_per_page=self.kv_bytes_per_page,
+            kv_bytes=num_pages * self.kv_bytes_per_page,
         )
 
+    # -- quantized KV: global scales ----------------------------------------------------
+    def kv_scales(self) -> list[torch.Tensor]:
+        """Every attention layer's global scales fp32 ``[2, Hkv]`` (quantized KV only)."""
+        return self._quant_pool().scales()
+
+    def set_kv_scales(self, scales: Sequence[torch.Tensor]) -> None:
+        """Install per-layer global scales by hand (quantized KV only, before the first forward)."""
+        self._scales_settable().set_scales(scales)
+
+    def _quant_pool(self) -> QuantKVPool:
+        if not isinstance(self.kv, QuantKVPool):
+            raise ValueError(f"kv dtype {self.kv_dtype_name!r} has no global scales (not a quantized pool, "
+                             "or allocate() was not called)")
+        return self.kv
+
+    def _scales_settable(self) -> QuantKVPool:
+        pool = self._quant_pool()
+        if self._kv_written:
+            raise RuntimeError("global scales are fixed once the KV pool holds tokens (they were encoded with "
+                               "the current scales): set or calibrate them before the first forward")
+        return pool
+
+    def calibrate_kv(self, token_ids: Sequence[int], source: str = "token_ids") -> KVCalibration | None:
+        """Set the quantized pool's global scales from one scratch forward of ``token_ids``.
+
+        The forward writes a temporary float KV pool and a temporary state slot only, so
+        the serving pools and slots are untouched. Returns ``None`` (nothing to do) for
+        float pools and int8; ``ValueError`` for an empty sequence or before ``allocate``;
+        ``RuntimeError`` once a forward has written the pool (call it before serving).
+        """
+        if self.quant_layout is None:
+            return None
+        pool = self._scales_settable()
+        if self.quant_layout.fmt.value not in SCALED_FORMATS:
+            log.info("kv_calibration_skipped", kv_format=self.kv_dtype_name, reason="format has no global scales")
+            return None
+        ids = [int(t) for t in token_ids][: self.max_context]
+        if not ids:
+            raise ValueError("calibration needs at least one token id")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"calibration token ids must be in [0, {self.vocab_size})")
+        n, ps = len(ids), self.page_size
+        pages = -(-n // ps)
+        scratch = RecordingPool(KVPool(self.kv_layout, pages, self._device, self.ops))
+        state = StatePool(self.state_layout, 1, self._device) if self.state_layout is not None else None
+        batch = ForwardBatch(torch.tensor(ids, dtype=torch.long),
+                             [SeqSlice(0 if state else -1, list(range(pages)), 0, n, need_logits=False)])
+        ctx = self._context(batch, scratch, state, [0])
+        with torch.inference_mode():
+            self.model(batch.input_ids.to(self._device), ctx, scratch, state)  # type: ignore[arg-type]
+        report = calibrate_layers(self.quant_layout, scratch.captured(), source=source, tokens=n,
+                                  name=describe(self.quant_layout))
+        pool.set_scales(report.scales)
+        self.kv_calibration = report
+        (k_lo, k_hi), (v_lo, v_hi) = report.scale_range(0), report.scale_range(1)
+        log.info("kv_calibrated", kv_format=report.kv_format, tokens=n, source=source,
+                 k_scale_min=k_lo, k_scale_max=k_hi, v_scale_min=v_lo, v_scale_max=v_hi,
+                 k_blocks=report.k.blocks, k_zero=report.k.zero, k_subnormal=report.k.subnormal,
+                 k_saturated=report.k.saturated, v_blocks=report.v.blocks, v_zero=report.v.zero,
+                 v_subnormal=report.v.subnormal, v_saturated=report.v.saturated)
+        return report
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        ctx = self._context(batch)
+        if self.kv is None and self.kv_layout.num_layers:
+            raise RuntimeError("allocate() must be called before forward()")
+        ctx = self._context(batch, self.kv, self.state, self._slot_pos)
+        self._kv_written = self.kv is not None
         ids = batch.input_ids.to(self._device, torch.long)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
@@ -184,19 +300,23 @@ class TorchModelRunner:
             self._slot_pos[dst_slot] = self._slot_pos[src_slot]
 
     # -- step metadata --------------------------------------------------------------
-    def _context(self, batch: ForwardBatch) -> StepContext:
-        if self.kv is None and self.kv_layout.num_layers:
-            raise RuntimeError("allocate() must be called before forward()")
+    def _context(self, batch: ForwardBatch, kv: Any, state: StatePool | None,
+                 slot_pos: list[int]) -> StepContext:
+        """Validate ``batch`` against ``kv``/``state`` (whose slots are at ``slot_pos``) and
+        build the step metadata: gather indices for a float pool, page tables for a
+        quantized one."""
         if not batch.seqs:
             raise ValueError("empty batch")
         total = sum(s.num_tokens for s in batch.seqs)
         if total != batch.num_tokens:
             raise ValueError(f"slices cover {total} tokens but input_ids has {batch.num_tokens}")
         ps = self.page_size
-        num_pages = self.kv.num_pages if self.kv is not None else 0
+        quant = isinstance(kv, QuantKVPool)
+        num_pages = kv.num_pages if kv is not None else 0
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         seqs: list[SeqInfo] = []
+        tables: list[list[int]] = []  # per slice, quantized pool only
         used_slots: set[int] = set()
         offset = 0
         for s in batch.seqs:
@@ -205,47 +325,72 @@ class TorchModelRunner:
             end = s.start + s.num_tokens
             if end > self.max_context:
                 raise ValueError(f"position {end} exceeds the model's context {self.max_context}")
-            if self.state is not None:
-                self.state.check_slot(s.state_slot)
+            if state is not None:
+                state.check_slot(s.state_slot)
                 if s.state_slot in used_slots:
                     raise ValueError(f"state slot {s.state_slot} used twice in one batch")
-                if self._slot_pos[s.state_slot] != s.start:
+                if slot_pos[s.state_slot] != s.start:
                     raise ValueError(
-                        f"state slot {s.state_slot} holds position {self._slot_pos[s.state_slot]} "
+                        f"state slot {s.state_slot} holds position {slot_pos[s.state_slot]} "
                         f"but the slice starts at {s.start} (reset or restore the slot first)"
                     )
                 used_slots.add(s.state_slot)
             token_index = None
-            if self.kv is not None:
+            if kv is not None:
                 need = -(-end // ps)
                 if len(s.block_table) < need:
                     raise ValueError(
                         f"block table has {len(s.block_table)} pages, "
                         f"{need} needed for {end} tokens"
                     )
-                table = torch.as_tensor(list(s.block_table[:need]), dtype=torch.long)
-                if int(table.min()) < 0 or int(table.max()) >= num_pages:
+                pages = [int(p) for p in s.block_table[:need]]
+                if min(pages) < 0 or max(pages) >= num_pages:
                     raise ValueError(f"page ids must be in [0, {num_pages})")
-                pos = torch.arange(end)
-                token_index = (table[pos // ps] * ps + pos % ps).to(self._device)
-                slots.append(token_index[s.start :])
+                table = torch.tensor(pages, dtype=torch.long)
+                if quant:
+                    tables.append(pages)
+                    pos = torch.arange(s.start, end)
+                    slots.append((table[pos // ps] * ps + pos % ps).to(self._device))
+                else:
+                    pos = torch.arange(end)
+                    token_index = (table[pos // ps] * ps + pos % ps).to(self._device)
+                    slots.append(token_index[s.start :])
             positions.append(torch.arange(s.start, end))
             seqs.append(SeqInfo(offset, s.num_tokens, s.start, s.state_slot, token_index))
             offset += s.num_tokens
-        multi = tuple(s for s in seqs if s.num_tokens > 1)
-        single = [s for s in seqs if s.num_tokens == 1]
+        multi_i = [i for i, s in enumerate(seqs) if s.num_tokens > 1]
+        single_i = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
+        prefill = dec_pages = None
+        if quant:
+            prefill = self._page_tables([seqs[i] for i in multi_i], [tables[i] for i in multi_i])
+            dec_pages = self._page_tables([seqs[i] for i in single_i], [tables[i] for i in single_i])
+        single = [seqs[i] for i in single_i]
         return StepContext(
             positions=torch.cat(positions).to(self._device),
             kv_slots=torch.cat(slots) if slots else None,
             seqs=tuple(seqs),
-            multi=multi,
-            decode=self._decode_group(single) if single else None,
+            multi=tuple(seqs[i] for i in multi_i),
+            decode=self._decode_group(single, dec_pages) if single else None,
+            prefill=prefill,
         )
 
-    def _decode_group(self, single: list[SeqInfo]) -> DecodeGroup:
+    def _page_tables(self, seqs: list[SeqInfo], tables: list[list[int]]) -> PageTables | None:
+        if not seqs:
+            return None
+        dev = self._device
+        width = max(len(t) for t in tables)
+        padded = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        rows = torch.cat([torch.arange(s.offset, s.offset + s.num_tokens) for s in seqs])
+        lens = torch.tensor([s.start + s.num_tokens for s in seqs], dtype=torch.int32)
+        return PageTables(rows=rows.to(dev), block_tables=padded.to(dev), context_lens=lens.to(dev),
+                          q_lens=tuple(s.num_tokens for s in seqs))
+
+    def _decode_group(self, single: list[SeqInfo], pages: PageTables | None) -> DecodeGroup:
         dev = self._device
         index = lengths = None
-        if self.kv is not None:
+        if single[0].token_index is not None:
             lens = [s.start + 1 for s in single]
             padded = torch.zeros(len(single), max(lens), dtype=torch.long, device=dev)
             for i, s in enumerate(single):
@@ -257,6 +402,7 @@ class TorchModelRunner:
             state_slots=torch.tensor([s.state_slot for s in single], dtype=torch.long, device=dev),
             token_index=index,
             lengths=lengths,
+            pages=pages,
         )
 
 
@@ -267,10 +413,15 @@ def build_runner(
     kv_dtype: str = "auto",
     page_size: int = DEFAULT_PAGE_SIZE,
     backend: str = "reference",
+    kv_hadamard: str = "auto",
 ) -> TorchModelRunner:
-    """Build the model for ``source`` on ``device`` and stream its weights in."""
+    """Build the model for ``source`` on ``device`` and stream its weights in.
+
+    The runner (and so every KV setting) is checked before the weights load."""
     dev = torch.device(device)
-    model, family, text_cfg = build_model(source.config, dev, dtype, get_backend(backend))
+    ops = get_backend(backend)
+    model, family, text_cfg = build_model(source.config, dev, dtype, ops)
+    runner = TorchModelRunner(model, dev, dtype, kv_dtype, page_size, kv_hadamard, ops)
     load_weights(model, family, text_cfg, source.iter_tensors())
     log.info(
         "runner_built",
@@ -278,5 +429,6 @@ def build_runner(
         architecture=model.args.architecture,
         device=str(dev),
         dtype=str(dtype),
+        kv_dtype=runner.kv_dtype_name,
     )
-    return TorchModelRunner(model, dev, dtype, kv_dtype, page_size)
+    return runner

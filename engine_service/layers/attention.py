@@ -7,11 +7,17 @@ reads KV head ``h // (Hq / Hkv)``.
 
 Invariant: the new tokens' K/V are written to their pool rows *before* attention reads, so
 a sequence's queries see positions ``[0, start + i]`` from the pool only.
+
+Where K/V live is the ``AttentionKV`` the decoder hands in for this layer: the float pool
+(``memory.FloatLayerKV``: gather + reference attention) or a quantized paged cache
+(``kv_quant.QuantLayerKV``: ``kernels.backend`` append + decode/varlen prefill attention).
+Both get Q and K after RoPE (and q/k norm) and return ``[T, Hq, D]`` in q's dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -44,6 +50,17 @@ class AttentionSpec:
             )
 
 
+class AttentionKV(Protocol):
+    """One attention layer's KV store for one forward step."""
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        """Store the step's new K/V ``[T, Hkv, D]`` (after RoPE) at ``ctx.kv_slots``."""
+
+    def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+        """Causal attention of every new query ``[T, Hq, D]`` over its sequence's cache."""
+        ...
+
+
 class Attention(nn.Module):
     def __init__(self, spec: AttentionSpec, backend: ReferenceBackend) -> None:
         super().__init__()
@@ -67,7 +84,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         ctx: StepContext,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv: AttentionKV,
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
@@ -85,22 +102,8 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        k_cache, v_cache = kv
-        assert ctx.kv_slots is not None
-        self.backend.write_kv(k_cache, v_cache, ctx.kv_slots, k, v)
-        out = torch.empty_like(q)
-        for seq in ctx.multi:
-            rows = slice(seq.offset, seq.offset + seq.num_tokens)
-            assert seq.token_index is not None
-            out[rows] = self.backend.paged_attention(
-                q[rows], k_cache, v_cache, seq.token_index, seq.start, self.scale
-            )
-        dec = ctx.decode
-        if dec is not None:
-            assert dec.token_index is not None and dec.lengths is not None
-            out[dec.rows] = self.backend.paged_decode_attention(
-                q[dec.rows], k_cache, v_cache, dec.token_index, dec.lengths, self.scale
-            )
+        kv.write(k, v, ctx)
+        out = kv.attend(q, ctx, self.scale)
         out = out.reshape(t, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -2,12 +2,19 @@
 
 ``StepContext`` is built once per ``ForwardBatch`` by the runner: flat ``positions`` and
 KV ``slots`` (page * page_size + offset) for every new token, and per sequence the token
-range in the batch, its start position, the gather index of its cached tokens (for
-attention) and its state slot (for recurrent layers). Layers never see block tables.
+range in the batch, its start position, the gather index of its cached tokens (float KV
+pool) and its state slot (for recurrent layers). Layers never see block tables; only the
+KV store of an attention layer reads the page tables below.
 
 Single-token slices (decode) are also gathered into a ``DecodeGroup`` so layers can run
 them as one batched op: their batch rows, state slots, and the KV gather index padded to
 the longest context (``lengths`` masks the padding).
+
+With a quantized KV store (``engine_service.kv_quant``) the runner fills ``PageTables``
+instead of gather indices: int32 block tables ``[B, max_pages]`` (padded with page 0) and
+int32 context lengths ``[B]`` (cached tokens *including* the new ones), for the
+multi-token slices (``StepContext.prefill``, one varlen kernel call) and the decode group
+(``DecodeGroup.pages``). Exactly one of the two forms is present for a step with KV.
 """
 
 from __future__ import annotations
@@ -23,15 +30,26 @@ class SeqInfo:
     num_tokens: int
     start: int  # position of the first new token
     state_slot: int
-    token_index: torch.Tensor | None  # [start + num_tokens] flat KV rows, None if no attention
+    token_index: torch.Tensor | None  # [start + num_tokens] flat KV rows; None: no float KV pool
+
+
+@dataclass(frozen=True)
+class PageTables:
+    """Some slices in paged-kernel form (quantized KV store)."""
+
+    rows: torch.Tensor  # [sum(q_lens)] int64 batch rows of the slices' tokens, back to back
+    block_tables: torch.Tensor  # [B, max_pages] int32, padded with 0
+    context_lens: torch.Tensor  # [B] int32: start + num_tokens
+    q_lens: tuple[int, ...]  # new tokens of each slice
 
 
 @dataclass(frozen=True)
 class DecodeGroup:
     rows: torch.Tensor  # [B] batch rows of the single-token slices
     state_slots: torch.Tensor  # [B] their state slots (hybrid models)
-    token_index: torch.Tensor | None  # [B, Lmax] flat KV rows, padded with row 0
-    lengths: torch.Tensor | None  # [B] context length (start + 1) of each
+    token_index: torch.Tensor | None  # [B, Lmax] flat KV rows, padded with row 0 (float pool)
+    lengths: torch.Tensor | None  # [B] context length (start + 1) of each (float pool)
+    pages: PageTables | None = None  # quantized KV store
 
 
 @dataclass(frozen=True)
@@ -41,3 +59,4 @@ class StepContext:
     seqs: tuple[SeqInfo, ...]  # every slice
     multi: tuple[SeqInfo, ...] = ()  # slices with num_tokens > 1 (run one by one)
     decode: DecodeGroup | None = None  # slices with num_tokens == 1 (run batched)
+    prefill: PageTables | None = None  # the ``multi`` slices, quantized KV store only

@@ -28,7 +28,7 @@ def test_defaults_flags_and_env() -> None:
 
 @pytest.mark.parametrize("kw,msg", [
     ({"token_budget": 0}, "invalid token_budget=0"), ({"device": "tpu"}, "invalid device='tpu'"),
-    ({"kv_dtype": "nvfp4"}, "invalid kv_dtype='nvfp4'"), ({"listen": "nowhere"}, "invalid listen='nowhere'"),
+    ({"kv_dtype": "q4"}, "invalid kv_dtype='q4'"), ({"listen": "nowhere"}, "invalid listen='nowhere'"),
     ({"memory_fraction": 0.0}, "invalid memory_fraction=0.0"), ({"metrics_port": -2}, "invalid metrics_port=-2"),
     ({"max_concurrency": 0}, "invalid max_concurrency=0"), ({"page_size": 0}, "invalid page_size=0"),
 ])

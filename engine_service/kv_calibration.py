@@ -1,0 +1,147 @@
+'''Start-up calibration of the quantized KV cache's global scales.
+
+After the pools are allocated the engine runs ONE forward of ``CALIBRATION_TEXT`` (English
+prose, Python code and JSON tool-call-like text, ~400 tokens) through the model with a
+scratch float KV pool and a scratch state slot (``TorchModelRunner.calibrate_kv``), so
+nothing is written to the serving pools or to any serving state slot. ``RecordingPool``
+captures every attention layer's K (after RoPE, unrotated) and V on their way into the
+scratch pool; ``calibrate_layers`` turns them into per-layer power-of-two global scales
+with ``kernels.calibration.calibrate`` and counts the block scales that the calibration
+K/V would get under those scales (``ScaleCounter``: zero / subnormal / saturated of total).
+
+Only fp8 and nvfp4 use global scales; float pools and int8 skip calibration. The token ids
+come from the model's ``tokenizer.json``; a model without a usable one is calibrated on a
+fixed pseudo-random sequence of token ids (seeded, logged as ``source="random_ids"``):
+real activations of the model, but less representative than text.
+'''
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_service.layers.context import StepContext
+from engine_service.memory import FloatLayerKV, KVPool
+from kernels.calibration import ScaleCounter, ScaleCounts, calibrate
+from kernels.kv_formats.layout import KVLayout
+
+CALIBRATION_TEXT = '''The harbour was quiet that morning. Fishing boats rocked against the pier while gulls \
+argued over scraps, and the old lighthouse keeper wrote in his log: wind from the north-east, \
+visibility good, two ships expected before noon. Nobody remembered when the bell had last rung.
+
+def merge_intervals(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge overlapping [start, end) intervals; the result is sorted by start."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+class Cache(dict):
+    def __missing__(self, key):
+        value = self[key] = compute(key) * 0.5 + 1e-3
+        return value
+
+<tool_call>
+{"name": "read_file", "arguments": {"path": "src/server/config.yaml", "offset": 120, "limit": 64}}
+</tool_call>
+{"role": "tool", "content": "port: 8080\\nworkers: 4\\nlog_level: debug\\ntimeout_s: 30.5", "ok": true}
+<tool_call>
+{"name": "search", "arguments": {"query": "ValueError: invalid literal for int() with base 10", "max_results": 5}}
+</tool_call>
+
+Results were mixed. In 1987, 42% of respondents said they preferred tea; by 2023 that share \
+had fallen to 31%, while coffee rose from 38% to 55%. Prices: EUR 3.20, USD 2.99, JPY 450.
+Q: What is 17 * 23? A: 391. Check: 17 * 20 = 340, 17 * 3 = 51, and 340 + 51 = 391.
+'''
+
+RANDOM_IDS = 400  # length of the fallback sequence
+_SEED = 1234
+
+
+def calibration_token_ids(tokenizer_json: bytes | None, vocab_size: int) -> tuple[list[int], str]:
+    """``(token ids, source)``: ``CALIBRATION_TEXT`` tokenized by ``tokenizer_json``, or a
+    fixed pseudo-random id sequence (``source="random_ids"``) when there is no usable one."""
+    if tokenizer_json:
+        try:
+            from tokenizers import Tokenizer
+
+            ids = Tokenizer.from_str(tokenizer_json.decode("utf-8")).encode(CALIBRATION_TEXT).ids
+        except Exception:  # tokenizers raises a plain Exception for a file it cannot parse
+            ids = []
+        ids = [i for i in ids if 0 <= i < vocab_size]
+        if ids:
+            return ids, "tokenizer"
+    gen = torch.Generator().manual_seed(_SEED)
+    return torch.randint(0, vocab_size, (RANDOM_IDS,), generator=gen).tolist(), "random_ids"
+
+
+@dataclass
+class _RecordingLayer:
+    """Stores into the scratch float layer and keeps fp32 copies of what it stored."""
+
+    inner: FloatLayerKV
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        self.k.append(k.detach().float().cpu())
+        self.v.append(v.detach().float().cpu())
+        self.inner.write(k, v, ctx)
+
+    def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+        return self.inner.attend(q, ctx, scale)
+
+
+class RecordingPool:
+    """A scratch float ``KVPool`` whose layers record the K/V written to them."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        n = pool.layout.num_layers
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    def layer(self, i: int) -> _RecordingLayer:
+        return _RecordingLayer(self.pool.layer(i), self.k[i], self.v[i])
+
+    def captured(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(k, v)`` fp32 ``[N, Hkv, D]`` (CPU)."""
+        return [(torch.cat(k), torch.cat(v)) for k, v in zip(self.k, self.v, strict=True)]
+
+
+@dataclass(frozen=True)
+class KVCalibration:
+    """Outcome of one calibration: per-layer scales and the block-scale health counts."""
+
+    kv_format: str
+    source: str  # "tokenizer" or "random_ids"
+    tokens: int
+    scales: tuple[torch.Tensor, ...] = field(repr=False)  # per attention layer fp32 [2, Hkv]
+    k: ScaleCounts = ScaleCounts()
+    v: ScaleCounts = ScaleCounts()
+
+    def scale_range(self, kv: int) -> tuple[float, float]:
+        """(min, max) global scale over every layer and head, for K (0) or V (1)."""
+        vals = torch.stack([s[kv] for s in self.scales])
+        return float(vals.min()), float(vals.max())
+
+
+def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.Tensor]], *, source: str,
+                     tokens: int, name: str) -> KVCalibration:
+    """Global scales of every layer from its captured K/V, and their block-scale counts."""
+    counter = ScaleCounter()
+    scales = []
+    for k, v in captured:
+        g = calibrate(layout, k, v)
+        counter.update(layout, k, v, g)
+        scales.append(g)
+    return KVCalibration(kv_format=name, source=source, tokens=tokens, scales=tuple(scales),
+                         k=counter.k, v=counter.v)

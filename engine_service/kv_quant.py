@@ -1,0 +1,144 @@
+"""Quantized KV cache of the engine: ``--kv-dtype fp8 | int8 | nvfp4`` on ``kernels/``.
+
+``QuantKVPool`` owns one ``kernels.backend.KVCacheLayer`` per attention layer (uint8
+pages ``[num_pages, 2, Hkv, head_page_bytes]`` of 64 tokens, plus fp32 power-of-two
+global scales ``[2, Hkv]``) and hands the model one ``QuantLayerKV`` per layer, the
+``layers.attention.AttentionKV`` of this format:
+
+- ``write``: ``backend.append`` of the step's K (after RoPE, unrotated) and V at
+  ``ctx.kv_slots`` (``page * 64 + offset``; the same numbers as the float pool's rows).
+  The backend quantizes (and Hadamard-rotates K when the layout says so).
+- ``attend``: every multi-token slice in ONE varlen ``prefill_attention`` call
+  (``ctx.prefill``) and every single-token slice in one batched ``decode_attention``
+  (``ctx.decode.pages``); the kernels rotate Q themselves, V is never rotated.
+
+The backend is ``kernels.backend.get_backend(device)``: the plain-torch reference on CPU,
+the Triton kernels on CUDA; both write identical cache bytes.
+
+Layouts: ``quant_layout`` refuses (``KVSettingsError``, a ``ValueError``, saying what to change) a page size other
+than 64 and a head_dim outside (64, 128, 256). ``hadamard``: ``auto`` = the format's
+default (on for nvfp4 only), ``on``, ``off``. Bytes per page of the whole model:
+``num_layers * layout.page_bytes`` (nvfp4 at d=256: 144 B per token per head for K and
+again for V, vs 512 for bf16).
+
+Global scales start at 1.0; ``set_scales`` installs calibrated ones
+(``engine_service.kv_calibration``), checked to be positive powers of two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.layers.context import StepContext
+from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_backend
+from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
+
+QUANT_FORMATS = ("fp8", "int8", "nvfp4")
+HADAMARD_MODES = ("auto", "on", "off")
+SCALED_FORMATS = ("fp8", "nvfp4")  # formats whose global scales matter (calibrated)
+
+
+class KVSettingsError(ValueError):
+    """KV settings this model / page size cannot use; the message says what to change."""
+
+
+def is_quantized(kv_dtype: str) -> bool:
+    return kv_dtype in QUANT_FORMATS
+
+
+def quant_layout(fmt: str, num_kv_heads: int, head_dim: int, page_size: int, hadamard: str = "auto") -> KVLayout:
+    """The kernels' layout for one attention layer, or ``KVSettingsError`` naming the fix."""
+    if fmt not in QUANT_FORMATS:
+        raise KVSettingsError(f"kv dtype {fmt!r} is not a quantized format ({', '.join(QUANT_FORMATS)})")
+    if hadamard not in HADAMARD_MODES:
+        raise KVSettingsError(f"kv_hadamard {hadamard!r} must be one of {', '.join(HADAMARD_MODES)}")
+    if page_size != PAGE_SIZE:
+        raise KVSettingsError(f"kv dtype {fmt!r} needs page_size {PAGE_SIZE} (the kernels' page), got {page_size}: "
+                         f"set --page-size {PAGE_SIZE} or use a float --kv-dtype (auto, bf16, fp16, fp32)")
+    if head_dim not in HEAD_DIMS:
+        raise KVSettingsError(f"kv dtype {fmt!r} needs head_dim in {HEAD_DIMS}, but this model's is {head_dim}: "
+                         "use a float --kv-dtype (auto, bf16, fp16, fp32) for it")
+    rotate = None if hadamard == "auto" else hadamard == "on"
+    return KVLayout.make(fmt, num_kv_heads, head_dim, rotate)
+
+
+def describe(layout: KVLayout) -> str:
+    """``nvfp4+hadamard`` style name (logs)."""
+    return f"{layout.fmt.value}{'+hadamard' if layout.hadamard else ''}"
+
+
+KVBackend = ReferenceBackend | TritonBackend
+
+
+@dataclass(frozen=True)
+class QuantLayerKV:
+    """``AttentionKV`` of one attention layer over its quantized paged cache."""
+
+    cache: KVCacheLayer
+    backend: KVBackend
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        assert ctx.kv_slots is not None
+        self.backend.append(self.cache, k, v, ctx.kv_slots)
+
+    def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+        t = q.shape[0]
+        pre, dec = ctx.prefill, ctx.decode
+        dec_pages = dec.pages if dec is not None else None
+        if dec is not None and dec_pages is None:
+            raise RuntimeError("decode slices without page tables: the runner built a float-pool context")
+        if pre is not None and pre.rows.numel() == t:  # only multi-token slices: rows are 0..t-1
+            return self._prefill(q.contiguous(), pre.block_tables, pre.context_lens, pre.q_lens, scale)
+        if dec_pages is not None and dec_pages.rows.numel() == t:  # only decodes
+            return self._decode(q.contiguous(), dec_pages.block_tables, dec_pages.context_lens, scale)
+        out = torch.empty_like(q)
+        if pre is not None:
+            out[pre.rows] = self._prefill(q.index_select(0, pre.rows), pre.block_tables, pre.context_lens,
+                                          pre.q_lens, scale)
+        if dec_pages is not None:
+            out[dec_pages.rows] = self._decode(q.index_select(0, dec_pages.rows), dec_pages.block_tables,
+                                               dec_pages.context_lens, scale)
+        return out
+
+    def _prefill(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, q_lens: Sequence[int],
+                 scale: float) -> torch.Tensor:
+        return self.backend.prefill_attention(q, self.cache, tables, lens, q_lens, sm_scale=scale)
+
+    def _decode(self, q: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.backend.decode_attention(q, self.cache, tables, lens, tokens_per_seq=1, sm_scale=scale)
+
+
+class QuantKVPool:
+    """Every attention layer's quantized cache (same layout for all layers)."""
+
+    def __init__(self, layout: KVLayout, num_layers: int, num_pages: int, device: torch.device) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.backend: KVBackend = get_backend(device)
+        self.caches = [KVCacheLayer.allocate(layout, num_pages, device) for _ in range(num_layers)]
+
+    @staticmethod
+    def page_bytes(layout: KVLayout, num_layers: int) -> int:
+        """True bytes of one page across ``num_layers`` attention layers."""
+        return num_layers * layout.page_bytes
+
+    def layer(self, i: int) -> QuantLayerKV:
+        return QuantLayerKV(self.caches[i], self.backend)
+
+    def scales(self) -> list[torch.Tensor]:
+        """Copies of every layer's global scales fp32 ``[2, Hkv]`` (CPU)."""
+        return [c.scales.detach().cpu().clone() for c in self.caches]
+
+    def set_scales(self, scales: Sequence[torch.Tensor]) -> None:
+        """Install per-layer global scales (positive powers of two, fp32 ``[2, Hkv]``)."""
+        if len(scales) != len(self.caches):
+            raise ValueError(f"need global scales for {len(self.caches)} attention layers, got {len(scales)}")
+        for s in scales:
+            check_global_scales(s.to(torch.float32).cpu(), self.layout)
+        for c, s in zip(self.caches, scales, strict=True):
+            c.scales.copy_(s.to(device=c.scales.device, dtype=torch.float32))
