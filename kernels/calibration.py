@@ -7,7 +7,10 @@ from K/V seen on a calibration prompt (K rotated first when the layout rotates):
   ``P / (6 g)`` at or below ``448 / headroom`` (near the top of E4M3's normal range, with
   ``headroom`` to spare for blocks larger than the calibration saw), i.e.
   ``g = pow2_ceil(P / (6 * 448 / headroom))``; ``g`` is raised further if needed so the
-  largest block seen does not saturate.
+  largest block seen does not saturate. The nvfp4 encoder searches block scales from about
+  amax/8.5 to amax/3 (``kv_formats.nvfp4``), i.e. up to 2x the amax/6 scale, which the 4x
+  headroom keeps below 448 for all but the largest blocks (where the search just tries fewer
+  codes: candidates are capped at 448).
 - fp8: the same rule on element magnitudes: ``g = pow2_ceil(P / (448 / headroom))``,
   raised so the largest element seen does not saturate.
 - bf16 / int8: 1.0 (their scales are not global).

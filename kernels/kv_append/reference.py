@@ -4,7 +4,8 @@
 (``[N, num_kv_heads, head_dim]``, any float dtype) into slot ``slots[i]`` (``page * 64 +
 offset``; ``-1`` skips the token). K is rotated by ``hadamard.fwht`` first when
 ``layout.hadamard``; V never is. The bytes written are exactly ``codec.encode`` of the
-(rotated) fp32 rows, placed as ``layout`` documents. Nothing else in the cache changes.
+(rotated) fp32 rows (nvfp4: ``clip=True`` for K, ``clip=False`` for V), placed as ``layout``
+documents. Nothing else in the cache changes.
 
 ``gather(cache, layout, block_table, length, global_scales)`` reads back the first
 ``length`` tokens of one sequence dequantized to fp32 ``(k, v)`` ``[length, H, d]`` (K in
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kernels.hadamard.reference import fwht
-from kernels.kv_formats.layout import KVLayout, check_global_scales
+from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 
 
 def slots_from_positions(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, page_size: int = 64) -> torch.Tensor:
@@ -40,7 +41,9 @@ def encode_rows(x: torch.Tensor, layout: KVLayout, kv: int, global_scales: torch
     if kv == 0 and layout.hadamard:
         rows = fwht(rows)
     g = global_scales[kv].to(torch.float32).expand(n, h).reshape(-1)
-    codes, scales = layout.codec.encode(rows.reshape(n * h, d), g)
+    # nvfp4 scales may clip K's largest values but never V's (see kv_formats.nvfp4)
+    extra = {"clip": kv == 0} if layout.fmt is KVFormat.NVFP4 else {}
+    codes, scales = layout.codec.encode(rows.reshape(n * h, d), g, **extra)
     return codes.view(n, h, -1), scales.view(n, h, -1)
 
 

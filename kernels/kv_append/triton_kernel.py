@@ -5,7 +5,10 @@ BLOCK_T), num_kv_heads, 2]``) and writes their code and scale rows into the page
 ``slots``. Every arithmetic step mirrors the reference codec exactly (see
 ``kernels.kv_formats``): the Hadamard butterflies in the same order, E4M3 rounding from
 exponent bits and the (y + 1.5*2**23) - 1.5*2**23 round-half-even, nvfp4 magnitudes by
-comparisons against exact thresholds, int8 through the correctly rounded ``div_rn``.
+comparisons against exact thresholds and its block scale by the same candidate search
+(clipping candidates for K only) with the same int32 fixed-point error (``kv_formats.nvfp4`` step 4: power-of-two products,
+truncating conversions, integer sums — no result depends on reduction order or FMA
+contraction), int8 through the correctly rounded ``div_rn``.
 Works for prefill chunks and decode steps alike (tokens of many sequences in one call).
 """
 
@@ -21,11 +24,14 @@ from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.hadamard.triton_fn import fwht_rows
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 from kernels.kv_formats.int8 import INV_127
+from kernels.kv_formats import nvfp4
 from kernels.kv_formats.nvfp4 import INV_6
 
 FMT_ID = {KVFormat.BF16: 0, KVFormat.FP8: 1, KVFormat.INT8: 2, KVFormat.NVFP4: 3}
-# the kernel spells int8's fp32(1/127) as a literal (jit code cannot read module globals)
+# the kernel spells int8's fp32(1/127) and nvfp4's fp32(1/6) as literals (jit code cannot
+# read module globals)
 assert INV_127 == 0.007874015718698502
+assert INV_6 == 0.1666666716337204
 
 
 @triton.jit
@@ -41,31 +47,63 @@ def e4m3_encode(v):
 
 
 @triton.jit
+def e4m3_value(code):
+    """int32 E4M3 code (1..126) -> fp32 value, exactly: ``r * 2**(max(e, 1) - 10)``."""
+    ef = code >> 3
+    r = tl.where(ef > 0, (code & 7) + 8, code & 7).to(tl.float32)
+    return r * ((tl.maximum(ef, 1) + 117) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nvfp4_block_error(a, big_a, s, half_unit):
+    """(int32 squared error per block, E2M1 index) of blocks ``a`` [T, B, 16] under scale
+    values ``s`` [T, B]; the fixed-point error of ``kv_formats.nvfp4.block_error``."""
+    sb = s[:, :, None]
+    idx = (a > 0.25 * sb).to(tl.int32)
+    idx += (a >= 0.75 * sb).to(tl.int32)
+    idx += (a > 1.25 * sb).to(tl.int32)
+    idx += (a >= 1.75 * sb).to(tl.int32)
+    idx += (a > 2.5 * sb).to(tl.int32)
+    idx += (a >= 3.5 * sb).to(tl.int32)
+    idx += (a > 5.0 * sb).to(tl.int32)
+    idx = tl.where(sb > 0, idx, 0)
+    halves = tl.where(idx <= 4, idx, tl.where(idx == 5, 6, tl.where(idx == 6, 8, 12)))
+    step = (s * half_unit).to(tl.int32)
+    dd = big_a - halves * step[:, :, None]
+    return tl.sum(dd * dd, axis=2), idx
+
+
+@triton.jit
 def kv_append_fwd_kernel(
-    cache_ptr, k_ptr, v_ptr, slot_ptr, inv_g_ptr, enc_ptr,
+    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr,
     N, NUM_HEADS,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cp, stride_ckv, stride_ch,
     FMT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
     HADAMARD: tl.constexpr, PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
+    SEARCH_DOWN: tl.constexpr, SEARCH_UP: tl.constexpr, UP_SPAN: tl.constexpr, ERR_BITS: tl.constexpr,
+    ERR_EXP_FLOOR: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     kv = tl.program_id(2)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    slot = tl.load(slot_ptr + offs_t, mask=offs_t < N, other=-1).to(tl.int64)
+    in_range = offs_t < N
+    slot = tl.load(slot_ptr + offs_t, mask=in_range, other=-1).to(tl.int64)
     valid = slot >= 0
+    # 1/g and fp32(1/6)/g are exact (g is a power of two); read here, not computed per call
+    inv_g = tl.math.div_rn(1.0, tl.load(g_ptr + kv * NUM_HEADS + h))
     page = tl.where(valid, slot // PAGE, 0)
     off = tl.where(valid, slot % PAGE, 0)
     offs_d = tl.arange(0, D)
     row = offs_t.to(tl.int64)[:, None]
     if kv == 0:
-        x = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_d[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
         if HADAMARD:
             x = fwht_rows(x, BLOCK_T, D, LOG2D, HSCALE)
     else:
-        x = tl.load(v_ptr + row * stride_vn + h * stride_vh + offs_d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        x = tl.load(v_ptr + row * stride_vn + h * stride_vh + offs_d[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
     base = cache_ptr + page * stride_cp + kv * stride_ckv + h * stride_ch
     code_row = base + off * CODE_BYTES
     scale_row = base + SCALE_OFF + off * SCALE_BYTES
@@ -76,7 +114,6 @@ def kv_append_fwd_kernel(
         ptrs = code_row.to(tl.pointer_type(tl.int16))[:, None] + offs_d[None, :]
         tl.store(ptrs, (b >> 16).to(tl.int16), mask=valid[:, None])
     elif FMT == 1:
-        inv_g = tl.load(inv_g_ptr + kv * NUM_HEADS + h)
         code, _ = e4m3_encode(tl.abs(x * inv_g))
         code = code | (((x < 0) & (code != 0)).to(tl.int32) << 7)
         tl.store(code_row[:, None] + offs_d[None, :], code.to(tl.uint8), mask=valid[:, None])
@@ -90,21 +127,41 @@ def kv_append_fwd_kernel(
         tl.store(code_row.to(tl.pointer_type(tl.int8))[:, None] + offs_d[None, :], q, mask=valid[:, None])
         tl.store(scale_row.to(tl.pointer_type(tl.float32)), s, mask=valid)
     else:
-        inv_g = tl.load(inv_g_ptr + kv * NUM_HEADS + h)
-        enc = tl.load(enc_ptr + kv * NUM_HEADS + h)
+        enc = inv_g * 0.1666666716337204  # fp32(1/6), see nvfp4.INV_6
         xb = tl.reshape(x, [BLOCK_T, D // 16, 16])
         ab = tl.abs(xb)
-        s_code, s_val = e4m3_encode(tl.max(ab, axis=2) * enc)
+        c6, s6 = e4m3_encode(tl.max(ab, axis=2) * enc)
         a = ab * inv_g
-        sb = s_val[:, :, None]
-        idx = (a > 0.25 * sb).to(tl.int32)
-        idx += (a >= 0.75 * sb).to(tl.int32)
-        idx += (a > 1.25 * sb).to(tl.int32)
-        idx += (a >= 1.75 * sb).to(tl.int32)
-        idx += (a > 2.5 * sb).to(tl.int32)
-        idx += (a >= 3.5 * sb).to(tl.int32)
-        idx += (a > 5.0 * sb).to(tl.int32)
-        idx = tl.where(sb > 0, idx, 0)
+        m = tl.max(a, axis=2)
+        c4, _ = e4m3_encode(m * 0.25)
+        top = tl.minimum(c4 + SEARCH_UP, 126)
+        # fixed point of the error: unit = 2**(ERR_BITS - exponent(m)) (see kv_formats.nvfp4)
+        ex = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) - 127, ERR_EXP_FLOOR)
+        unit = ((127 + ERR_BITS - ex) << 23).to(tl.float32, bitcast=True)
+        half_unit = ((126 + ERR_BITS - ex) << 23).to(tl.float32, bitcast=True)
+        big_a = (a * unit[:, :, None]).to(tl.int32)
+        # K may clip (candidates below c6); V starts at the first code with 6 s >= m
+        clip = kv == 0
+        c0 = tl.where(clip | (6.0 * s6 >= m), c6, tl.minimum(c6 + 1, 126))
+        top = tl.maximum(top, c0)
+        best_err, idx = nvfp4_block_error(a, big_a, e4m3_value(c0), half_unit)
+        best = c0
+        for k in tl.static_range(1, SEARCH_DOWN + 1):
+            c = tl.where(clip, tl.maximum(c0 - k, 1), c0)
+            err, i2 = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
+            better = err < best_err
+            best = tl.where(better, c, best)
+            best_err = tl.where(better, err, best_err)
+            idx = tl.where(better[:, :, None], i2, idx)
+        for k in tl.static_range(1, UP_SPAN + 1):
+            c = tl.minimum(c0 + k, top)
+            err, i2 = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
+            better = err < best_err
+            best = tl.where(better, c, best)
+            best_err = tl.where(better, err, best_err)
+            idx = tl.where(better[:, :, None], i2, idx)
+        s_code = tl.where(c6 > 0, best, 0)
+        idx = tl.where(c6[:, :, None] > 0, idx, 0)
         nib = idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
         halves = tl.permute(tl.reshape(nib, [BLOCK_T, 2, D // 2]), (0, 2, 1))
         lo, hi = tl.split(halves)
@@ -113,12 +170,6 @@ def kv_append_fwd_kernel(
         tl.store(code_row[:, None] + offs_c[None, :], packed, mask=valid[:, None])
         offs_s = tl.arange(0, D // 16)
         tl.store(scale_row[:, None] + offs_s[None, :], s_code.to(tl.uint8), mask=valid[:, None])
-
-
-def scale_terms(global_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1/g, fp32(1/6)/g) per (K|V, head): exact, since g is a power of two."""
-    inv_g = (1.0 / global_scales.to(torch.float32)).contiguous()
-    return inv_g, (inv_g * INV_6).contiguous()
 
 
 def append(
@@ -147,16 +198,20 @@ def append(
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must be contiguous in the last dimension")
-    inv_g, enc = scale_terms(global_scales)
+    if global_scales.dtype != torch.float32 or not global_scales.is_contiguous():
+        raise ValueError("global scales must be contiguous float32 [2, num_kv_heads]")
     d = layout.head_dim
-    bt = block_t or (16 if d <= 128 else 8)
+    # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md)
+    bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 else 4)
     grid = (triton.cdiv(n, bt), layout.num_kv_heads, 2)
     kv_append_fwd_kernel[grid](
-        cache, k, v, slots, inv_g, enc,
+        cache, k, v, slots, global_scales,
         n, layout.num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2),
         FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(d)), HSCALE=hadamard_scale(d),
         HADAMARD=layout.hadamard, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), SCALE_OFF=layout.scale_offset, BLOCK_T=bt,
+        SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
+        ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR,
     )

@@ -10,17 +10,50 @@ Token row of one head (head_dim ``d``): ``d/2`` code bytes then ``d/16`` scale b
 - Scale byte ``b`` (``0 <= b < d/16``) is the E4M3 code of block ``b`` = elements
   ``[16b, 16b + 16)``.
 
-Quantization of one block ``x[16]`` (fp32, after the optional Hadamard rotation):
+Quantization of one block ``x[16]`` (fp32, after the optional Hadamard rotation). The
+element rule is fixed (round-half-even onto the E2M1 grid of the block scale, saturating);
+the block scale is chosen by an error search:
 
-1. ``s = E4M3_RNE_saturating(amax(|x|) * enc)`` with ``enc = fp32(1/6) * (1/g)``;
-2. ``a = |x| * (1/g)`` (exact: ``g`` is a power of two);
-3. the magnitude index is the number of thresholds ``t_k * s`` that ``a`` passes, for
-   ``t = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5)`` — "passes" is ``>`` where a tie must round
-   down to the even code and ``>=`` where it must round up, which is round-half-even of
-   ``a / s`` onto the E2M1 grid; ``a > 5 s`` saturates to 6. Every ``t_k * s`` is exact in
-   fp32, so no division happens anywhere and the result is bit-reproducible;
-4. a zero scale (all-zero block, or ``amax * enc`` below half of E4M3's smallest subnormal)
-   gives all codes 0; an element rounding to magnitude 0 never carries a sign bit.
+1. ``a = |x| * (1/g)`` (exact: ``g`` is a power of two), ``m = max(a)``;
+   ``c6 = E4M3_RNE_saturating(amax(|x|) * enc)`` with ``enc = fp32(1/6) * (1/g)`` (amax -> 6)
+   and ``c4 = E4M3_RNE_saturating(m * 0.25)`` (amax -> 4; the product is exact);
+2. ``c6 == 0`` (all-zero block, or ``amax * enc`` below half of E4M3's smallest subnormal):
+   scale code 0 and all codes 0. Otherwise the first candidate ``c0`` is ``c6`` when
+   ``clip`` (K rows), and for V rows (``clip=False``) the first code that does not clip the
+   block's largest value: ``c6 + 1`` if ``6 * E4M3(c6) < m`` (exact product), else ``c6``.
+   The candidates, in this order, are ``c0``, with ``clip`` ``c0-1 .. c0-SEARCH_DOWN`` (kept
+   >= 1), and ``c0+1 .. c0+UP_SPAN`` (kept <= ``max(min(c4 + SEARCH_UP, 126), c0)``): every
+   E4M3 code from about amax/8.5 (K) or amax/6 (V) up to amax/3, which contains "Four Over
+   Six"'s pair (c6, c4). A wider search (c6-10 .. c4+4) picked the same codes on SmolLM2's
+   K/V and on Gaussian, Laplace and Student-t blocks. Why K and V differ: a scale that clips
+   shrinks a block's largest values, which lowers the squared error but biases them toward
+   zero; V's errors reach the attention output as a probability-weighted *sum* over tokens,
+   so a bias shared by many tokens adds up, while a shift common to all keys cancels in the
+   softmax. Measured on SmolLM2-135M (``benchmarks/kv_quality.py``, first 2 windows, 4094
+   tokens, perplexity vs bf16): V alone with a clipping search +1.24%, plain amax/6 +0.82%,
+   non-clipping search +0.39%; K alone (rotated): amax/6 +7.90%, non-clipping search
+   +5.37%, clipping search +4.57%;
+3. for a candidate scale value ``s``, the element index of ``a_i`` is the number of
+   thresholds ``t_k * s`` that ``a_i`` passes, ``t = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5)``
+   — "passes" is ``>`` where a tie must round down to the even code and ``>=`` where it must
+   round up: round-half-even of ``a / s`` onto the E2M1 grid, ``a > 5 s`` saturating to 6.
+   Every ``t_k * s`` is exact in fp32, so no division happens;
+4. its error is a fixed-point sum of squares: ``E = max(exponent(m), ERR_EXP_FLOOR)``,
+   ``A_i = trunc(a_i * 2**(12 - E))``, ``step = trunc(s * 2**(11 - E))``, ``Q_i =
+   h[idx_i] * step`` with ``h = 2 * E2M1 = (0, 1, 2, 3, 4, 6, 8, 12)``, ``err = sum((A_i -
+   Q_i)**2)`` in int32. The candidate with the smallest ``err`` wins; ties keep the earlier one
+   (so ``c6`` on a tie);
+5. an element rounding to magnitude 0 never carries a sign bit.
+
+Why step 4 gives the same answer on every device: the only floating-point operations are
+products by powers of two (exact in fp32; nothing is added to them, so FMA contraction
+cannot change them) and fp32 -> int32 truncations; everything after is integer arithmetic,
+whose sum does not depend on the reduction order. No overflow: ``A_i <= m * 2**(12-E) <
+2**13`` and ``|A_i - Q_i| < 2**13`` (``Q_i`` is within half a grid gap, at most ``s``, of
+``A_i``, or below it when saturating), so the sum of 16 squares is below ``2**30``.
+``step`` is an exact integer whenever ``s >= m / 16`` (every candidate, except in blocks
+whose scale saturates E4M3 at 448); ``A_i`` keeps 12-13 bits of each value (the error is
+measured with resolution ``m / 4096``, about 1/300 of the finest E2M1 step).
 
 Dequantized value: ``E2M1[nibble] * s * g``. Every E2M1 x E4M3 product is exact in bf16 and
 fp16, so attention kernels dequantize in registers and apply ``g`` after the dot product.
@@ -37,6 +70,13 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 INV_6 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32).item())
 # (threshold, inclusive): inclusive thresholds are those whose tie rounds up to the even code
 THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+# block-scale search (module doc): codes tried below c6 = code(amax/6) and above c4 = code(amax/4)
+SEARCH_DOWN = 3
+SEARCH_UP = 2
+UP_SPAN = 6 + SEARCH_UP  # code(amax/4) - code(amax/6) <= 6 (ratio <= 1.5 * 17/15)
+ERR_BITS = 12  # fixed-point fraction bits of the error: unit = 2**(exponent(amax) - 12)
+ERR_EXP_FLOOR = -20  # exponent(amax) is clamped here (zero / tiny blocks: no int32 overflow)
+_HALVES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # 2 * E2M1 value
 
 
 def code_bytes(d: int) -> int:
@@ -55,23 +95,90 @@ def block_scale_input(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return amax * enc[:, None]
 
 
-def encode(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 rows [N, d], global scales [N] -> (codes uint8 [N, d/2], scales uint8 [N, d/16])."""
+def e2m1_index(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """E2M1 magnitude index (0..7) of ``a >= 0`` under block scale value ``s`` (broadcast):
+    the number of exact thresholds ``t * s`` passed (round-half-even, saturating); 0 where
+    ``s == 0``."""
+    idx = torch.zeros(torch.broadcast_shapes(a.shape, s.shape), dtype=torch.int32, device=a.device)
+    for t, inclusive in THRESHOLDS:
+        passed = a >= t * s if inclusive else a > t * s
+        idx += passed.to(torch.int32)
+    return torch.where(s > 0, idx, torch.zeros_like(idx))
+
+
+def encode_with_scales(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode fp32 rows [N, d] with given E4M3 block-scale codes [N, d/16] (uint8)."""
     x = x.to(torch.float32)
     n, d = x.shape
-    if d % 32:
-        raise ValueError(f"nvfp4 needs head_dim divisible by 32, got {d}")
-    s_code, s_val = e4m3.encode_magnitude(block_scale_input(x, g))
+    sb = e4m3.decode(s_code)[:, :, None]
     a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // BLOCK, BLOCK)
-    sb = s_val[:, :, None]
-    idx = torch.zeros_like(a, dtype=torch.int32)
-    for t, inclusive in THRESHOLDS:
-        passed = a >= t * sb if inclusive else a > t * sb
-        idx += passed.to(torch.int32)
-    idx = torch.where(sb > 0, idx, torch.zeros_like(idx)).view(n, d)
+    idx = e2m1_index(a, sb).view(n, d)
     nib = idx | (((x < 0) & (idx > 0)).to(torch.int32) << 3)
     packed = nib[:, : d // 2] | (nib[:, d // 2 :] << 4)
     return packed.to(torch.uint8), s_code
+
+
+def first_candidate(c6: torch.Tensor, m: torch.Tensor, clip: bool) -> torch.Tensor:
+    """int32 code evaluated first: ``c6``; without clipping, ``c6 + 1`` where ``6 * E4M3(c6) <
+    m`` (``c6`` rounded amax/6 down, so amax would saturate) — exact: ``6 * s`` is exact."""
+    c6i = c6.to(torch.int32)
+    if clip:
+        return c6i
+    clips = 6.0 * e4m3.decode(c6) < m
+    return torch.where(clips, torch.clamp(c6i + 1, max=126), c6i)
+
+
+def scale_candidates(c0: torch.Tensor, c4: torch.Tensor, clip: bool) -> list[torch.Tensor]:
+    """Candidate block-scale codes (int32, evaluation order): ``c0`` (``first_candidate``),
+    then, with ``clip``, ``c0-1 .. c0-SEARCH_DOWN`` (kept >= 1), then ``c0+1 .. c0+UP_SPAN``
+    (kept <= ``max(min(c4 + SEARCH_UP, 126), c0)``); duplicates are harmless."""
+    top = torch.maximum(torch.clamp(c4.to(torch.int32) + SEARCH_UP, max=126), c0)
+    out = [c0]
+    if clip:
+        out += [torch.clamp(c0 - k, min=1) for k in range(1, SEARCH_DOWN + 1)]
+    out += [torch.minimum(c0 + k, top) for k in range(1, UP_SPAN + 1)]
+    return out
+
+
+def block_error(a: torch.Tensor, unit: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 squared error [N, B], E2M1 index [N, B, 16]) of blocks ``a`` (|x|/g) under scale
+    values ``s`` [N, B], in fixed point: ``A = trunc(a * unit)``, ``Q = halves(idx) *
+    trunc(s * unit / 2)``, error ``sum((A - Q)**2)`` (see the module doc for why it is exact)."""
+    idx = e2m1_index(a, s[..., None])
+    big_a = (a * unit[..., None]).to(torch.int32)
+    half_step = (s * (unit * 0.5)).to(torch.int32)
+    q = _HALVES.to(a.device)[idx] * half_step[..., None]
+    dd = big_a - q
+    return (dd * dd).sum(-1, dtype=torch.int32), idx
+
+
+def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True) -> torch.Tensor:
+    """Block-scale codes uint8 [N, d/16] of fp32 rows [N, d] (the searched rule, module doc)."""
+    n, d = x.shape
+    c6, _ = e4m3.encode_magnitude(block_scale_input(x, g))
+    a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // BLOCK, BLOCK)
+    m = a.amax(-1)
+    c4, _ = e4m3.encode_magnitude(m * 0.25)
+    exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=ERR_EXP_FLOOR)
+    unit = e4m3._pow2(ERR_BITS - exp)
+    cands = scale_candidates(first_candidate(c6, m, clip), c4, clip)
+    best = cands[0]
+    best_err, _ = block_error(a, unit, e4m3.decode(best.to(torch.uint8)))
+    for c in cands[1:]:
+        err, _ = block_error(a, unit, e4m3.decode(c.to(torch.uint8)))
+        better = err < best_err
+        best, best_err = torch.where(better, c, best), torch.where(better, err, best_err)
+    return torch.where(c6 > 0, best, 0).to(torch.uint8)
+
+
+def encode(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows [N, d], global scales [N] -> (codes uint8 [N, d/2], scales uint8 [N, d/16]).
+    ``clip``: may the block scale clip the block's largest values (K: yes, V: no; module doc)."""
+    x = x.to(torch.float32)
+    d = x.shape[1]
+    if d % 32:
+        raise ValueError(f"nvfp4 needs head_dim divisible by 32, got {d}")
+    return encode_with_scales(x, g, choose_scale_codes(x, g, clip=clip))
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

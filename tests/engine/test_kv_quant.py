@@ -5,7 +5,7 @@ fp32 model, reference backend, scales calibrated on ``CALIBRATION_TEXT``, 505 to
 ``PROMPT`` then the fp32 run's 8 greedy tokens fed to both (teacher forcing); KL(fp32 ||
 quantized) of the next-token distribution at the first position and averaged over the 8.
 Measured (first / mean), with the kernels of 2026-11-30 04:40 UTC (searched nvfp4 block
-scales): fp8 0.0186 / 0.0031, int8 0.0062 / 0.0020, nvfp4 (+Hadamard) 0.128 / 0.040,
+scales): fp8 (before Hadamard became its default) 0.0186 / 0.0031, int8 0.0062 / 0.0020, nvfp4 (+Hadamard) 0.128 / 0.040,
 nvfp4 without Hadamard 0.139 / 0.045 (with amax/6 block scales, before that change, nvfp4
 first-token KL was 0.028, without Hadamard 0.086); top-1 of the first token equal in every
 case. Single-prompt nvfp4 KL moves by 3-5x between prompts and kernel revisions, so the
@@ -184,7 +184,7 @@ def test_generation_is_close_to_the_fp32_pool(smol, fp32_reference, kv: str, had
     base, _ = smol
     ids, ref_tokens, ref_logits = fp32_reference
     r = quant_runner(base, kv, hadamard)
-    assert r.quant_layout is not None and r.quant_layout.hadamard == (kv == "nvfp4" and hadamard == "auto")
+    assert r.quant_layout is not None and r.quant_layout.hadamard == (kv in ("nvfp4", "fp8") and hadamard == "auto")
     tokens, first = greedy(r, ids, 8)  # its own greedy generation runs
     assert len(tokens) == 8 and all(0 <= t < r.vocab_size for t in tokens)
     assert tokens[0] == ref_tokens[0]
@@ -342,7 +342,9 @@ def test_triton_backend_on_cuda_matches_reference(tmp_path: Path, kv: str, head_
 
 def test_mixed_batch_equals_each_sequence_alone(smol) -> None:
     """One step mixing prefill chunks and decodes (the varlen + batched-decode split) gives
-    each sequence what it gets alone."""
+    each sequence what it gets alone. Not bit-exact: batched and solo projections differ in
+    float noise, and a few nvfp4 block scales land on the other side of a rounding step
+    (measured rel_err 7e-3); routing a slice to the wrong pages or rows gives O(1)."""
     base, _ = smol
     gen = torch.Generator().manual_seed(7)
     seqs = [torch.randint(10, 1000, (80,), generator=gen).tolist() for _ in range(3)]
@@ -359,7 +361,7 @@ def test_mixed_batch_equals_each_sequence_alone(smol) -> None:
         alone = quant_runner(base, "nvfp4", calibrate=False)
         for (s, n), want in zip([step[i] for step in plan], got[i], strict=True):
             lg = alone.forward(ForwardBatch(torch.tensor(seqs[i][s : s + n]), [SeqSlice(-1, tables[i], s, n)]))[0]
-            assert rel_err(want, lg) <= 1e-5
+            assert rel_err(want, lg) <= 3e-2
 
 
 def test_metrics_export_the_calibration(smol) -> None:

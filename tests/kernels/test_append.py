@@ -14,7 +14,8 @@ FORMATS = ["bf16", "fp8", "int8", "nvfp4"]
 
 
 def _edge_rows(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
-    """Rows mixing the codec edge cases: zeros, E2M1/E4M3 ties, saturation, tiny values."""
+    """Rows mixing the codec edge cases: zeros, E2M1/E4M3 ties, saturation, tiny values,
+    constant blocks (ties in the nvfp4 scale search)."""
     x = torch.randn(n, d, generator=gen) * torch.exp2(torch.randint(-12, 10, (n, 1), generator=gen).float())
     blocks = x.view(n, d // 16, 16)
     kind = torch.randint(0, 6, (n, d // 16), generator=gen)
@@ -23,6 +24,8 @@ def _edge_rows(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
     blocks[kind == 1] = ties * torch.where(torch.rand(16, generator=gen) < 0.5, -1.0, 1.0)
     blocks[kind == 2] = torch.full((16,), 1e-7)
     blocks[kind == 3] = blocks[kind == 3] * 1e4
+    # constant blocks: several candidate scales put them exactly on the grid (error ties)
+    blocks[kind == 4] = blocks[kind == 4][:, :1].expand(-1, 16)
     return x
 
 

@@ -71,14 +71,61 @@ def _unpack(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat((c & 15, c >> 4), dim=-1)
 
 
+def _e4m3_code(v: torch.Tensor) -> torch.Tensor:
+    """E4M3 RNE saturating code of fp32 v >= 0 through torch's own cast (an independent path)."""
+    return v.clamp(max=448.0).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+
+
+def _search_oracle(x: torch.Tensor, g: float, clip: bool) -> torch.Tensor:
+    """Block-scale codes [N, d/16] of the documented search, evaluated independently: every code
+    from ``c0`` (``c6``; without clipping the first code whose 6 s >= amax) — or from
+    max(c6 - SEARCH_DOWN, 1) with clipping — up to max(min(c4 + SEARCH_UP, 126), c0), scored in
+    fp64 / int64 with the E2M1 oracle, ties to the earliest in the order c0, c0-1, ..., c0+1,
+    ...; c6 = 0 -> 0."""
+    n, d = x.shape
+    a = (x.double().abs() / g).view(n, d // 16, 16)
+    amax = x.abs().view(n, d // 16, 16).amax(-1)
+    c6 = _e4m3_code(amax * nvfp4.INV_6 * (1.0 / g))
+    m = a.amax(-1)
+    c4 = _e4m3_code((m / 4).float())
+    c0 = c6 if clip else torch.where(6 * c6.to(torch.uint8).view(torch.float8_e4m3fn).double() < m, (c6 + 1).clamp(max=126), c6)
+    top = torch.maximum((c4 + nvfp4.SEARCH_UP).clamp(max=126), c0)
+    low = (c0 - nvfp4.SEARCH_DOWN).clamp(min=1) if clip else c0
+    exp = torch.frexp(m)[1].to(torch.int64) - 1  # m = f * 2**exp with 1 <= f < 2
+    exp = exp.clamp(min=nvfp4.ERR_EXP_FLOOR)
+    big_a = torch.floor(a * torch.exp2((nvfp4.ERR_BITS - exp).double())[..., None]).to(torch.int64)
+    halves = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12])
+    best_key = torch.full(c6.shape, 1 << 62, dtype=torch.int64)
+    best = torch.zeros_like(c6)
+    for off in range(-nvfp4.SEARCH_DOWN, nvfp4.UP_SPAN + 1):
+        c = c0 + off
+        valid = (c >= low) & (c <= top)
+        s = c.clamp(0, 126).to(torch.uint8).view(torch.float8_e4m3fn).double()
+        idx = _e2m1_oracle(a, torch.where(s > 0, s, 1.0)[..., None].expand_as(a))
+        step = torch.floor(s * torch.exp2((nvfp4.ERR_BITS - 1 - exp).double())).to(torch.int64)
+        sse = ((big_a - halves[idx] * step[..., None]) ** 2).sum(-1)
+        rank = -off if off <= 0 else nvfp4.SEARCH_DOWN + off
+        key = torch.where(valid, sse * 64 + rank, 1 << 62)
+        better = key < best_key
+        best, best_key = torch.where(better, c, best), torch.where(better, key, best_key)
+    return torch.where(c6 > 0, best, 0).to(torch.uint8)
+
+
+@pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_nvfp4_matches_independent_oracle(d):
+def test_nvfp4_matches_independent_oracle(d, clip):
     g = torch.Generator().manual_seed(d)
-    n = 4000
+    n = 4000 if d == 64 else 1000
     x = torch.randn(n, d, generator=g) * torch.exp2(torch.randint(-8, 8, (n, 1), generator=g).float())
     gs = torch.full((n,), 0.25)
-    codes, scales = nvfp4.encode(x, gs)
+    codes, scales = nvfp4.encode(x, gs, clip=clip)
     assert codes.shape == (n, d // 2) and scales.shape == (n, d // 16)
+    # block scales: the documented search (independent fp64 / int64 evaluation)
+    assert torch.equal(scales, _search_oracle(x, 0.25, clip))
+    if not clip:  # no block's largest value saturates unless its scale is E4M3's largest
+        amax = x.abs().view(n, d // 16, 16).amax(-1) * 4.0
+        assert bool(((6 * e4m3.decode(scales) >= amax) | (scales == 126) | (scales == 0)).all())
+    # elements: round-half-even onto the E2M1 grid of the chosen scale, saturating
     s = e4m3.decode(scales).repeat_interleave(16, -1) * 0.25
     nib = _unpack(codes)
     idx = nib & 7
@@ -88,45 +135,103 @@ def test_nvfp4_matches_independent_oracle(d):
     assert bool((idx[~ok] == 0).all())
     sign = (nib >> 3) == 1
     assert torch.equal(sign, (x < 0) & (idx > 0))
-    # block scale = E4M3(amax / 6 / g)
-    amax = x.abs().view(n, d // 16, 16).amax(-1)
-    assert torch.equal(scales, e4m3.encode_magnitude(amax * nvfp4.INV_6 * 4.0)[0])
     back = nvfp4.decode(codes, scales, gs)
     assert torch.equal(back, torch.where(sign, -1.0, 1.0) * torch.tensor(nvfp4.E2M1_VALUES)[idx] * s)
 
 
-def test_nvfp4_edge_blocks():
-    d = 64
+@pytest.mark.parametrize("clip,bound", [(True, 0.8), (False, 0.9)])
+def test_nvfp4_scale_search_lowers_error(clip, bound):
+    # Gaussian blocks: the searched scales cut the squared error vs amax / 6 (K: by >= 20%,
+    # V, which never clips: by >= 10%)
+    x = torch.randn(4000, 64, generator=torch.Generator().manual_seed(5))
+    g = torch.ones(4000)
+    six = nvfp4.encode_with_scales(x, g, e4m3.encode_magnitude(nvfp4.block_scale_input(x, g))[0])
+    err_six = float(((nvfp4.decode(*six, g) - x).double() ** 2).sum())
+    err = float(((nvfp4.decode(*nvfp4.encode(x, g, clip=clip), g) - x).double() ** 2).sum())
+    assert err <= bound * err_six
+
+
+def test_nvfp4_scale_span_bound():
+    # the search relies on code(m / 4) - code(m / 6) <= 6 (UP_SPAN covers c4 + SEARCH_UP)
+    gen = torch.Generator().manual_seed(2)
+    m = torch.exp2(torch.rand(1_000_000, generator=gen) * 24 - 12)
+    vals = e4m3_values()
+    m = torch.cat((m, vals * 6, vals * 4, (vals[:-1] + vals[1:]) * 3, (vals[:-1] + vals[1:]) * 2))
+    c6 = e4m3.encode_magnitude(m * nvfp4.INV_6)[0].to(torch.int32)
+    c4 = e4m3.encode_magnitude(m * 0.25)[0].to(torch.int32)
+    assert int((c4 - c6).max()) <= nvfp4.UP_SPAN - nvfp4.SEARCH_UP and int((c4 - c6).min()) >= 0
+
+
+def test_nvfp4_error_fits_int32():
+    # worst cases for the fixed-point error: one large value, all equal, 6x / 4x ratios, tiny
+    # and zero blocks, saturating blocks; int32 sums must equal int64 sums
+    rows = [
+        [1.0] + [0.0] * 15, [1.0] * 16, [6.0] + [1.0] * 15, [4.0] + [5.0] * 15,
+        [3e-3] * 16, [1e-30] * 16, [0.0] * 16, [1e9] + [1.0] * 15, [2.0**-127] * 16, [448.0 * 6] * 16,
+    ]
+    gen = torch.Generator().manual_seed(9)
+    x = torch.cat((torch.tensor(rows), torch.randn(200, 16, generator=gen) * 10.0 ** torch.randint(-6, 6, (200, 1), generator=gen).float()))
+    x = x.repeat(1, 4)
+    n = x.shape[0]
+    a = x.abs().view(n, 4, 16)
+    m = a.amax(-1)
+    exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=nvfp4.ERR_EXP_FLOOR)
+    unit = e4m3._pow2(nvfp4.ERR_BITS - exp)
+    c6 = e4m3.encode_magnitude(m * nvfp4.INV_6)[0]
+    c4 = e4m3.encode_magnitude(m * 0.25)[0]
+    for c in nvfp4.scale_candidates(c6.to(torch.int32), c4, True) + nvfp4.scale_candidates(nvfp4.first_candidate(c6, m, False), c4, False):
+        s = e4m3.decode(c.to(torch.uint8))
+        err32, idx = nvfp4.block_error(a, unit, s)
+        big_a = (a * unit[..., None]).double()
+        assert bool((big_a < 2.0**31).all()) and bool(((s * unit * 0.5) < 2.0**31).all())
+        step = (s * (unit * 0.5)).to(torch.int64)
+        dd = (a * unit[..., None]).to(torch.int64) - nvfp4._HALVES[idx].to(torch.int64) * step[..., None]
+        assert torch.equal(err32.to(torch.int64), (dd * dd).sum(-1))
+
+
+def test_nvfp4_element_rule_edge_blocks():
+    # elements under a given scale (1.0): ties go to the even index, saturation at 6 * scale
     one = torch.ones(16)
-    # scale for amax 6: E4M3(1.0) = 1.0 -> thresholds at multiples of 1
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 6.0, 0.0])
     sat = torch.tensor([6.0, -6.0, 7.0, -7.0, 6.0 * 448, 5.0, 5.0001, 0.2, 0.0, -0.0, 1.0, 2.0, 3.0, 4.0, 0.5, 1.5])
     zero = torch.zeros(16)
-    tiny = torch.full((16,), 1e-6)  # amax / 6 far below E4M3's smallest subnormal -> scale 0
-    x = torch.stack([torch.cat((ties, sat, zero, tiny)), torch.cat((zero, zero, zero, -one * 3))])
-    codes, scales = nvfp4.encode(x, torch.ones(2))
-    sc = e4m3.decode(scales)
-    assert sc[0].tolist()[:3] == [1.0, 448.0, 0.0] and sc[0, 3].item() == 0.0
+    x = torch.stack([torch.cat((ties, sat, zero, -one * 3)), torch.cat((zero, zero, zero, -one * 3))])
+    s_code = torch.tensor([[56, 56, 56, 48], [56, 56, 56, 48]], dtype=torch.uint8)  # 1.0 and 0.5
+    codes, scales = nvfp4.encode_with_scales(x, torch.ones(2), s_code)
+    assert torch.equal(scales, s_code)
     nib = _unpack(codes)
-    # ties go to the even magnitude index: 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4
+    # 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2, 3.5->4, 5->4; no negative zero
     assert nib[0, :16].tolist() == [0, 2, 2, 4, 4, 6, 6, 0, 10, 10, 12, 12, 14, 14, 7, 0]
-    # second block has scale 448 (saturated: amax 2688 / 6 = 448): 7 and 6*448 are 6*448 at most
-    assert nib[0, 16:18].tolist() == [0, 0] and nib[0, 20] == 7
-    assert bool((nib[0, 32:] == 0).all()) and bool((scales[0, 2:] == 0).all())
-    assert bool((nib[1, :48] == 0).all())
-    assert nib[1, 48:].tolist() == [15] * 16 and sc[1, 3].item() == 0.5  # -3 = -6 * 0.5
+    assert nib[0, 16:32].tolist() == [7, 15, 7, 15, 7, 6, 7, 0, 0, 0, 2, 4, 5, 6, 1, 3]
+    assert bool((nib[:, 32:48] == 0).all())
+    assert nib[0, 48:].tolist() == [15] * 16 and nib[1, 48:].tolist() == [15] * 16  # -3 = -6 * 0.5
+
+
+def test_nvfp4_searched_scales_on_edge_blocks():
+    zero = torch.zeros(16)
+    tiny = torch.full((16,), 1e-6)  # amax / 6 far below E4M3's smallest subnormal -> scale 0
+    huge = torch.full((16,), 1e6)  # saturates E4M3: the largest code, every element 6 * 448
+    equal = torch.full((16,), 3.0)  # all equal: a scale putting 3.0 exactly on the grid (error 0)
+    x = torch.cat((zero, tiny, huge, equal))[None].repeat(2, 1)
+    codes, scales = nvfp4.encode(x, torch.ones(2), clip=False)
+    codes_k, scales_k = nvfp4.encode(x, torch.ones(2), clip=True)
+    assert torch.equal(codes, codes_k) and torch.equal(scales, scales_k)
+    back = nvfp4.decode(codes, scales, torch.ones(2))
+    assert scales[0, :3].tolist() == [0, 0, 126]
+    assert bool((back[:, :32] == 0).all()) and bool((_unpack(codes)[:, :32] == 0).all())
+    assert bool((back[0, 32:48] == 6.0 * 448).all())
+    assert torch.equal(back[:, 48:], x[:, 48:])  # 3.0 = 6 * 0.5 is representable: zero error
 
 
 def test_nvfp4_saturates_beyond_six_scales():
-    x = torch.tensor([[6.0] + [1.0] * 14 + [9.0]] * 2).repeat(1, 4)  # amax 9 -> scale 1.5
-    codes, scales = nvfp4.encode(x, torch.ones(2))
+    x = torch.tensor([[6.0] + [1.0] * 14 + [9.0]] * 2).repeat(1, 4)
+    s_code = e4m3.encode_magnitude(torch.full((2, 4), 1.5))[0]
+    codes, scales = nvfp4.encode_with_scales(x, torch.ones(2), s_code)
     back = nvfp4.decode(codes, scales, torch.ones(2))
-    assert e4m3.decode(scales)[0, 0].item() == 1.5
     assert back[0, 15].item() == 9.0 and back[0, 0].item() == 6.0
-    xs = x.clone()
-    xs[:, 15] = 100.0  # scale E4M3(100/6)=16 -> 6*16 = 96 is the largest value
-    codes, scales = nvfp4.encode(xs, torch.ones(2))
-    assert nvfp4.decode(codes, scales, torch.ones(2))[0, 15].item() == 96.0
+    s_code = e4m3.encode_magnitude(torch.full((2, 4), 1.0))[0]  # 9 > 6 * 1.0: saturates to 6
+    codes, scales = nvfp4.encode_with_scales(x, torch.ones(2), s_code)
+    assert nvfp4.decode(codes, scales, torch.ones(2))[0, 15].item() == 6.0
 
 
 def test_fp8_codec():
