@@ -38,7 +38,7 @@ Dequantization in registers, tensor cores for both products:
 - nvfp4 (``nv_load_k``/``nv_load_v``, see ``_load_halves``): K is unpacked straight into
   the tensor-core operand layout from the packed bytes (mode 2); V, whose operand runs
   along tokens while its bytes run along the head dim, is unpacked and scaled in its load
-  layout by one impure PTX block and reaches the tensor cores as an fp16 tile through
+  layout by impure PTX blocks and reaches the tensor cores as an fp16 tile through
   shared memory (mode 5) — the compiler's alternative is one shared-memory load per byte.
 Under ``TRITON_INTERPRET=1`` tiles are fp32 instead (the interpreter mishandles 16-bit
 floats in dot products). Rows and columns are "halves" of the head dim (``[0, d/2)`` and
@@ -98,47 +98,15 @@ def _e2m1_pairs_asm(c):
 
 
 @triton.jit
-def _e2m1_scaled_asm(c, s_lo, s_hi):
-    """Like ``_e2m1_pairs_asm`` and then times the fp16 block scales ``s_lo``/``s_hi``
-    (``mul.f16x2``, exact). Declared impure on purpose: the compiler then cannot re-create
-    the dequantization in the tensor-core operand layout (which for V, whose operand runs
-    along tokens, means one shared-memory byte load per code byte) and instead moves the
-    finished fp16 tile through shared memory with (transposing) matrix loads."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a, b, x, y, z;
-        shl.b32 a, $4, 1;
-        and.b32 a, a, 0x0E0E0E0E;
-        shl.b32 b, $4, 4;
-        lop3.b32 x, b, 0x80808080, a, 0xEA;
-        shr.b32 a, $4, 3;
-        and.b32 a, a, 0x0E0E0E0E;
-        lop3.b32 y, $4, 0x80808080, a, 0xEA;
-        mov.b32 z, 0;
-        prmt.b32 a, x, z, 0x1404;
-        mul.rn.f16x2 $0, a, $5;
-        prmt.b32 a, x, z, 0x3424;
-        mul.rn.f16x2 $1, a, $6;
-        prmt.b32 a, y, z, 0x1404;
-        mul.rn.f16x2 $2, a, $7;
-        prmt.b32 a, y, z, 0x3424;
-        mul.rn.f16x2 $3, a, $8;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r,r,r",
-        args=[c, s_lo, s_hi],
-        dtype=(tl.float16, tl.float16),
-        is_pure=False,
-        pack=4,
-    )
-
-
-@triton.jit
 def _e2m1_scaled_half_asm(c, sc, HI: tl.constexpr):
-    """One nibble set of ``_e2m1_scaled_asm`` (low nibbles, or high ones when ``HI``), so
-    the two halves of a V tile can be unpacked, multiplied and released one after the other
-    (half the shared memory and registers held at once)."""
+    """One nibble set (the low nibbles, or the high ones when ``HI``) of uint8 code bytes as
+    fp16, times the fp16 block scales ``sc`` (``mul.f16x2``, exact): the unpacking of
+    ``_e2m1_pairs_asm`` for one half. Declared impure on purpose: the compiler then cannot
+    re-create the dequantization in the tensor-core operand layout (which for V, whose
+    operand runs along tokens, means one shared-memory byte load per code byte) and instead
+    moves the finished fp16 tile through shared memory with (transposing) matrix loads.
+    One half per call, so the two halves of a V tile can also be unpacked, multiplied and
+    released one after the other (half the shared memory and registers held at once)."""
     if HI:
         return tl.inline_asm_elementwise(
             asm="""
@@ -179,7 +147,7 @@ def _e2m1_scaled_half_asm(c, sc, HI: tl.constexpr):
 @triton.jit
 def _e4m3_impure_asm(c):
     """E4M3 bytes -> fp16 (hardware ``cvt``, two per instruction), declared impure for the
-    same reason as ``_e2m1_scaled_asm``: fp8 V then reaches the tensor cores as an fp16 tile
+    same reason as ``_e2m1_scaled_half_asm``: fp8 V then reaches the tensor cores as an fp16 tile
     through shared memory instead of one shared-memory load per byte."""
     return tl.inline_asm_elementwise(
         asm="""
@@ -289,7 +257,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
                 s_hi = tl.load(sp + NB)
             s_lo = tl.reshape(tl.broadcast_to(s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16]), [BN, HALF])
             s_hi = tl.reshape(tl.broadcast_to(s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16]), [BN, HALF])
-            lo, hi = _e2m1_scaled_asm(c, s_lo, s_hi)
+            lo = _e2m1_scaled_half_asm(c, s_lo, False)
+            hi = _e2m1_scaled_half_asm(c, s_hi, True)
             return lo.to(DT), hi.to(DT)
         if NV_LOAD == 3 and UNPACK_ASM:
             sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
@@ -301,7 +270,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
                 s_hi = tl.load(sp + NB)
             s_lo = tl.broadcast_to(s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
             s_hi = tl.broadcast_to(s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
-            lo, hi = _e2m1_scaled_asm(c, s_lo, s_hi)
+            lo = _e2m1_scaled_half_asm(c, s_lo, False)
+            hi = _e2m1_scaled_half_asm(c, s_hi, True)
             return tl.reshape(lo, [BN, HALF]).to(DT), tl.reshape(hi, [BN, HALF]).to(DT)
         if UNPACK_ASM:
             lo, hi = _e2m1_pairs_asm(c)

@@ -17,9 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +38,7 @@ from engine_service.runner import TorchModelRunner, build_runner
 from engine_service.runner_api import ForwardBatch, SeqSlice
 from kernels.kv_formats.layout import KVLayout
 from tests.engine.fixtures_smollm2 import smollm2_gguf_path, smollm2_source
+from tests.engine.helpers_process import engine_process
 from tests.engine.helpers_models import one_torch_thread, rel_err
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -383,26 +381,11 @@ def test_metrics_export_the_calibration(smol) -> None:
 @pytest.fixture(scope="module")
 def nvfp4_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     run_dir = tmp_path_factory.mktemp("engine_nvfp4")
-    port_file = run_dir / "port"
-    stderr = open(run_dir / "stderr.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_service", "--model", str(smollm2_gguf_path()), "--listen", "127.0.0.1:0",
-         "--port-file", str(port_file), "--metrics-port", "0", "--num-pages", "8", "--kv-dtype", "nvfp4",
-         "--max-concurrency", "2", "--log-level", "warning", "--cpu-threads", "1"],
-        stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("engine listening on 127.0.0.1:"), (line, (run_dir / "stderr.log").read_text())
-        yield f"127.0.0.1:{int(port_file.read_text())}", line.split("metrics on ")[1].strip()
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        stderr.close()
+    with engine_process(run_dir, [
+        "--model", str(smollm2_gguf_path()), "--num-pages", "8", "--kv-dtype", "nvfp4", "--max-concurrency", "2",
+        "--log-level", "warning", "--cpu-threads", "1",
+    ]) as endpoints:
+        yield endpoints
 
 
 def test_engine_process_serves_with_nvfp4(nvfp4_engine, smol) -> None:

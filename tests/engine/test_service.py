@@ -16,6 +16,7 @@ import pytest
 
 from deepwell import grpcx
 from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
+from tests.engine.helpers_process import engine_process
 
 VOCAB = 256  # tests.engine.helpers_models.VOCAB
 TOKENIZER_BYTES = 2_500_123  # > 2 MiB: ReadModelFile must stream it in 3 chunks
@@ -37,30 +38,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     run_dir = tmp_path_factory.mktemp("engine")
-    port_file = run_dir / "port"
-    stderr = open(run_dir / "stderr.log", "w")  # a file, not a pipe: logs can never block the engine
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_service", "--model", str(model_dir), "--listen", "127.0.0.1:0",
-         "--port-file", str(port_file), "--metrics-port", "0", "--num-pages", "40", "--page-size", "8",
-         "--max-concurrency", "4", "--token-budget", "24", "--queue-size", "8", "--log-level", "warning",
-         "--cpu-threads", "1"],
-        stdout=subprocess.PIPE, stderr=stderr, text=True)
-    try:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        assert line.startswith("engine listening on 127.0.0.1:"), (line, (run_dir / "stderr.log").read_text())
-        port = int(port_file.read_text())
-        assert line.split()[3] == f"127.0.0.1:{port}"
-        metrics_url = line.split("metrics on ")[1].strip()
-        yield f"127.0.0.1:{port}", metrics_url  # type: ignore[misc]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        stderr.close()
+    with engine_process(run_dir, [
+        "--model", str(model_dir), "--num-pages", "40", "--page-size", "8", "--max-concurrency", "4",
+        "--token-budget", "24", "--queue-size", "8", "--log-level", "warning", "--cpu-threads", "1",
+    ]) as (address, metrics_url):
+        yield address, metrics_url  # type: ignore[misc]
 
 
 def greedy(max_tokens: int, **kw) -> engine_pb2.SamplingParams:
