@@ -137,7 +137,7 @@ def sweep(fmt: str, batch: int, ctx: int) -> list[dict]:
 
 
 def verify_table() -> list[dict]:
-    """T=4 vs T=1 with the kernel defaults the engine uses (default_pages_per_tile etc.)."""
+    """T=4 vs T=1 with the kernel defaults the engine uses, then T=4 variants at 128k x 8."""
     rows = []
     for ctx in (16384, 131072):
         for batch in (1, 8):
@@ -145,6 +145,12 @@ def verify_table() -> list[dict]:
             t4, _, _ = time_decode("nvfp4", batch, ctx, 4)
             rows.append(dict(ctx=ctx, batch=batch, t1_us=t1 * 1e6, t4_us=t4 * 1e6, ratio=t4 / t1))
             print(f"verify nvfp4 ctx={ctx} B={batch}: T=1 {t1*1e6:.1f} us, T=4 {t4*1e6:.1f} us, ratio {t4/t1:.2f}", flush=True)
+    t1, _, _ = time_decode("nvfp4", 8, 131072, 1)
+    for warps, stages, ppt in [(4, 2, 2), (4, 3, 2), (8, 2, 2), (8, 3, 2), (4, 3, 1), (8, 2, 1)]:
+        t4, _, _ = time_decode("nvfp4", 8, 131072, 4, warps=warps, stages=stages, ppt=ppt)
+        rows.append(dict(ctx=131072, batch=8, warps=warps, stages=stages, ppt=ppt, t1_us=t1 * 1e6, t4_us=t4 * 1e6,
+                         ratio=t4 / t1))
+        print(f"verify T=4 variant warps={warps} stages={stages} ppt={ppt}: {t4*1e6:.1f} us, ratio {t4/t1:.2f}", flush=True)
     return rows
 
 
@@ -179,15 +185,24 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
 
 
 def append_table() -> list[dict]:
+    """One layer's append of a 64-sequence decode step (K centered, as the engine does for
+    fp8/nvfp4), per tokens-per-program and warps; the first of each format is the default."""
     rows = []
-    for fmt, bt in [("nvfp4", b) for b in (1, 2, 4)] + [("bf16", 4), ("fp8", 4), ("int8", 4)]:
+    cases = [("nvfp4", None, None)] + [("nvfp4", b, w) for b in (1, 2, 4) for w in (1, 2, 4)]
+    cases += [("bf16", None, None), ("fp8", None, None), ("int8", None, None)]
+    for fmt, bt, warps in cases:
         layout = KVLayout.make(fmt, HKV, D)
         cache = layout.allocate(64 * 4, "cuda")
         k = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
         v = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
         slots = torch.arange(64, device="cuda") * 256 + 17
         scales = layout.default_scales("cuda")
-        append_tk.append(cache, layout, k, v, slots, scales, validate=False, block_t=bt)
+        offset = torch.randn(HKV, D, device="cuda") * 0.1 if fmt in ("fp8", "nvfp4") else None
+
+        def call():
+            append_tk.append(cache, layout, k, v, slots, scales, offset, validate=False, block_t=bt, num_warps=warps)
+
+        call()
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         reps = 100
@@ -195,11 +210,12 @@ def append_table() -> list[dict]:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(reps):
-                    append_tk.append(cache, layout, k, v, slots, scales, validate=False, block_t=bt)
+                    call()
         sec = bench(graph.replay) / reps
-        eager = bench(lambda: append_tk.append(cache, layout, k, v, slots, scales, validate=False, block_t=bt))
-        rows.append(dict(fmt=fmt, block_t=bt, graph_us=sec * 1e6, eager_us=eager * 1e6))
-        print(f"append {fmt:6s} 64 tokens x 4 heads block_t={bt}: {sec*1e6:6.2f} us/layer in a graph, {eager*1e6:6.2f} us eager", flush=True)
+        eager = bench(call)
+        rows.append(dict(fmt=fmt, block_t=bt or "default", warps=warps or "default", graph_us=sec * 1e6, eager_us=eager * 1e6))
+        print(f"append {fmt:6s} 64 tokens x 4 heads block_t={bt or 'default'} warps={warps or 'default'}: "
+              f"{sec*1e6:6.2f} us/layer in a graph, {eager*1e6:6.2f} us eager", flush=True)
     return rows
 
 

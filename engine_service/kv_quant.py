@@ -22,7 +22,9 @@ default (on for nvfp4 and fp8), ``on``, ``off``. Bytes per page of the whole mod
 again for V, vs 512 for bf16).
 
 Global scales start at 1.0; ``set_scales`` installs calibrated ones
-(``engine_service.kv_calibration``), checked to be positive powers of two.
+(``engine_service.kv_calibration``), checked to be positive powers of two; ``set_k_offsets``
+installs the K centering offsets (fp32 ``[Hkv, d]`` per layer, subtracted from K before
+encoding; none by default). Both are fixed once the pool holds tokens.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ import torch
 
 from engine_service.layers.context import StepContext
 from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_backend
+from kernels.kv_append.reference import check_k_offset
 from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
 
 QUANT_FORMATS = ("fp8", "int8", "nvfp4")
 HADAMARD_MODES = ("auto", "on", "off")
+CENTER_K_MODES = ("auto", "on", "off")  # auto: on for the calibrated formats
 SCALED_FORMATS = ("fp8", "nvfp4")  # formats whose global scales matter (calibrated)
 
 
@@ -142,3 +146,16 @@ class QuantKVPool:
             check_global_scales(s.to(torch.float32).cpu(), self.layout)
         for c, s in zip(self.caches, scales, strict=True):
             c.scales.copy_(s.to(device=c.scales.device, dtype=torch.float32))
+
+    def k_offsets(self) -> list[torch.Tensor | None]:
+        """Copies of every layer's K centering offset fp32 ``[Hkv, d]`` (CPU), None where unset."""
+        return [None if c.k_offset is None else c.k_offset.detach().cpu().clone() for c in self.caches]
+
+    def set_k_offsets(self, offsets: Sequence[torch.Tensor]) -> None:
+        """Install per-layer K centering offsets (finite fp32 ``[Hkv, d]``)."""
+        if len(offsets) != len(self.caches):
+            raise ValueError(f"need K offsets for {len(self.caches)} attention layers, got {len(offsets)}")
+        for o in offsets:
+            check_k_offset(o.to(torch.float32).cpu().contiguous(), self.layout)
+        for c, o in zip(self.caches, offsets, strict=True):
+            c.k_offset = o.to(device=c.data.device, dtype=torch.float32).contiguous()

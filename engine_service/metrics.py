@@ -8,7 +8,9 @@ tokens, and TTFT / inter-token latency go to histograms (seconds).
 A quantized KV cache's start-up calibration (``set_kv_calibration``) sets
 ``deepwell_engine_kv_scale_blocks{kv="k|v",kind="zero|subnormal|saturated|total"}`` (block
 scales - fp8: elements - of the calibration K/V under the calibrated global scales) and
-``deepwell_engine_kv_global_scale{kv="k|v",stat="min|max"}`` (over layers and KV heads).
+``deepwell_engine_kv_global_scale{kv="k|v",stat="min|max"}`` (over layers and KV heads) and
+``deepwell_engine_kv_k_centering{stat="channels|energy_removed"}`` (K centering: channels
+centered per head, 0 when off, and the share of the calibration K's energy it removed).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class EngineMetrics(StepObserver):
         self.kv_global_scale = Gauge("deepwell_engine_kv_global_scale",
                                      "Calibrated KV global scales (power of two), min/max over layers and heads",
                                      labels + ["kv", "stat"], registry=r)
+        self.kv_k_centering = Gauge("deepwell_engine_kv_k_centering",
+                                    "K centering of the start-up calibration: channels centered per head "
+                                    "(stat=channels) and the share of the calibration K's energy removed "
+                                    "(stat=energy_removed)", labels + ["stat"], registry=r)
         self.model = model
         self._server: Any = None
 
@@ -62,6 +68,8 @@ class EngineMetrics(StepObserver):
             lo, hi = cal.scale_range(kv)
             self.kv_global_scale.labels(m, name, "min").set(lo)
             self.kv_global_scale.labels(m, name, "max").set(hi)
+        self.kv_k_centering.labels(m, "channels").set(cal.centered_channels)
+        self.kv_k_centering.labels(m, "energy_removed").set(cal.k_energy_removed)
 
     def on_step(self, snap: Snapshot, prefilled: int, decoded: int) -> None:
         m = self.model

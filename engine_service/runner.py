@@ -34,6 +34,7 @@ import torch
 from deepwell.logs import get_logger
 from engine_service.kv_calibration import KVCalibration, RecordingPool, calibrate_layers
 from engine_service.kv_quant import (
+    CENTER_K_MODES,
     SCALED_FORMATS,
     KVSettingsError,
     QuantKVPool,
@@ -43,6 +44,7 @@ from engine_service.kv_quant import (
 )
 from engine_service.layers.backend import ReferenceBackend, get_backend
 from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
+from engine_service.layers.rope import inv_freq_and_scale
 from engine_service.loading.source import ModelSource
 from engine_service.memory import (
     KVLayout,
@@ -55,6 +57,7 @@ from engine_service.memory import (
 from engine_service.models import build_model, load_weights
 from engine_service.models.decoder import CausalLM
 from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
+from kernels.calibration import stationary_channels
 
 log = get_logger(__name__)
 
@@ -76,6 +79,7 @@ class TorchModelRunner:
         page_size: int = DEFAULT_PAGE_SIZE,
         kv_hadamard: str = "auto",
         ops: ReferenceBackend | None = None,
+        kv_center_k: str = "auto",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -90,6 +94,12 @@ class TorchModelRunner:
         if not quantized and kv_hadamard == "on":
             raise KVSettingsError(f"kv_hadamard 'on' needs a quantized kv dtype (fp8, int8, nvfp4), "
                                   f"not {kv_dtype!r}: use auto or off")
+        if kv_center_k not in CENTER_K_MODES:
+            raise KVSettingsError(f"kv_center_k {kv_center_k!r} must be one of {', '.join(CENTER_K_MODES)}")
+        if kv_center_k == "on" and kv_dtype not in SCALED_FORMATS:
+            raise KVSettingsError(f"kv_center_k 'on' needs a calibrated kv dtype ({', '.join(SCALED_FORMATS)}), "
+                                  f"not {kv_dtype!r}: use auto or off")
+        self.kv_center_k = kv_center_k != "off" and kv_dtype in SCALED_FORMATS
         # float pools: the KV dtype; quantized: the model dtype (used by the calibration scratch pool)
         self.kv_dtype = dtype if quantized else resolve_kv_dtype(kv_dtype, dtype)
         self.kv_layout = KVLayout(
@@ -185,9 +195,17 @@ class TorchModelRunner:
         """Every attention layer's global scales fp32 ``[2, Hkv]`` (quantized KV only)."""
         return self._quant_pool().scales()
 
-    def set_kv_scales(self, scales: Sequence[torch.Tensor]) -> None:
-        """Install per-layer global scales by hand (quantized KV only, before the first forward)."""
-        self._scales_settable().set_scales(scales)
+    def set_kv_scales(self, scales: Sequence[torch.Tensor], k_offsets: Sequence[torch.Tensor] | None = None) -> None:
+        """Install per-layer global scales (and K centering offsets fp32 ``[Hkv, d]``) by hand
+        (quantized KV only, before the first forward)."""
+        pool = self._scales_settable()
+        pool.set_scales(scales)
+        if k_offsets is not None:
+            pool.set_k_offsets(k_offsets)
+
+    def kv_k_offsets(self) -> list[torch.Tensor | None]:
+        """Every attention layer's K centering offset fp32 ``[Hkv, d]`` (None: not centered)."""
+        return self._quant_pool().k_offsets()
 
     def _quant_pool(self) -> QuantKVPool:
         if not isinstance(self.kv, QuantKVPool):
@@ -202,8 +220,12 @@ class TorchModelRunner:
                                "the current scales): set or calibrate them before the first forward")
         return pool
 
-    def calibrate_kv(self, token_ids: Sequence[int], source: str = "token_ids") -> KVCalibration | None:
-        """Set the quantized pool's global scales from one scratch forward of ``token_ids``.
+    def calibrate_kv(self, token_ids: Sequence[int], source: str = "token_ids",
+                     max_position: int | None = None) -> KVCalibration | None:
+        """Set the quantized pool's global scales (and K centering offsets, ``kv_center_k``)
+        from one scratch forward of ``token_ids``. ``max_position``: the most positions any
+        sequence will use (the served context; default the model's) — K is centered on the
+        channels that RoPE turns by at most pi/4 over that many positions.
 
         The forward writes a temporary float KV pool and a temporary state slot only, so
         the serving pools and slots are untouched. Returns ``None`` (nothing to do) for
@@ -230,16 +252,24 @@ class TorchModelRunner:
         ctx = self._context(batch, scratch, state, [0])
         with torch.inference_mode():
             self.model(batch.input_ids.to(self._device), ctx, scratch, state)  # type: ignore[arg-type]
+        keep = None
+        if self.kv_center_k:
+            inv_freq, _ = inv_freq_and_scale(self.args.rope)
+            keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
         report = calibrate_layers(self.quant_layout, scratch.captured(), source=source, tokens=n,
-                                  name=describe(self.quant_layout))
+                                  name=describe(self.quant_layout), center_k=keep)
         pool.set_scales(report.scales)
+        if report.k_offsets is not None:
+            pool.set_k_offsets(report.k_offsets)
         self.kv_calibration = report
         (k_lo, k_hi), (v_lo, v_hi) = report.scale_range(0), report.scale_range(1)
         log.info("kv_calibrated", kv_format=report.kv_format, tokens=n, source=source,
                  k_scale_min=k_lo, k_scale_max=k_hi, v_scale_min=v_lo, v_scale_max=v_hi,
                  k_blocks=report.k.blocks, k_zero=report.k.zero, k_subnormal=report.k.subnormal,
                  k_saturated=report.k.saturated, v_blocks=report.v.blocks, v_zero=report.v.zero,
-                 v_subnormal=report.v.subnormal, v_saturated=report.v.saturated)
+                 v_subnormal=report.v.subnormal, v_saturated=report.v.saturated,
+                 k_centered_channels=report.centered_channels,
+                 k_energy_removed=round(report.k_energy_removed, 4))
         return report
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -414,6 +444,7 @@ def build_runner(
     page_size: int = DEFAULT_PAGE_SIZE,
     backend: str = "reference",
     kv_hadamard: str = "auto",
+    kv_center_k: str = "auto",
 ) -> TorchModelRunner:
     """Build the model for ``source`` on ``device`` and stream its weights in.
 
@@ -421,7 +452,7 @@ def build_runner(
     dev = torch.device(device)
     ops = get_backend(backend)
     model, family, text_cfg = build_model(source.config, dev, dtype, ops)
-    runner = TorchModelRunner(model, dev, dtype, kv_dtype, page_size, kv_hadamard, ops)
+    runner = TorchModelRunner(model, dev, dtype, kv_dtype, page_size, kv_hadamard, ops, kv_center_k)
     load_weights(model, family, text_cfg, source.iter_tensors())
     log.info(
         "runner_built",

@@ -4,7 +4,8 @@ Usage (one attention layer; the engine keeps one ``KVCacheLayer`` per attention 
 
     layout = KVLayout.make("nvfp4", num_kv_heads=4, head_dim=256)   # hadamard on by default
     layer = KVCacheLayer.allocate(layout, num_pages, device)        # bytes: layout.page_bytes/page
-    layer.scales.copy_(calibration.calibrate(layout, k_cal, v_cal)) # optional, else 1.0
+    layer.k_offset = calibration.k_offset(k_cal)                     # optional K centering
+    layer.scales.copy_(calibration.calibrate(layout, k_cal - layer.k_offset, v_cal))  # else 1.0
     be = get_backend(device)                                        # "triton" on CUDA
 
     # every step: K after RoPE, both [N, Hkv, d]; tokens of many sequences in any order
@@ -20,8 +21,10 @@ Contract:
   ``context_lens[b] - q_len[b] + t`` and sees positions up to its own (causal).
 - ``block_tables``: int32 ``[B, max_pages]``, page ``block_tables[b, i]`` holds positions
   ``[64 i, 64 i + 64)``. ``slots_from_positions`` builds append slots from it.
-- Q and K are given after RoPE and *unrotated*: the backend applies the Hadamard transform
-  (``layout.hadamard``) to K before quantization and to Q before QK. Outputs have q's dtype
+- Q and K are given after RoPE and *unrotated*: the backend subtracts the layer's
+  ``k_offset`` from K (if set: a per-head key shift, which the softmax cancels, so Q needs
+  nothing) and applies the Hadamard transform (``layout.hadamard``) to K before
+  quantization and to Q before QK. Outputs have q's dtype
   (or ``out``'s, e.g. fp32). V is never rotated, so outputs need no inverse transform.
 - Both backends write identical cache bytes (the Triton append is bit-exact); attention
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
@@ -49,12 +52,15 @@ __all__ = ["KVCacheLayer", "ReferenceBackend", "TritonBackend", "get_backend", "
 
 @dataclass
 class KVCacheLayer:
-    """One attention layer's cache: ``data`` uint8 [pages, 2, Hkv, head_page_bytes] and
-    power-of-two fp32 global ``scales`` [2, Hkv] (K row, V row)."""
+    """One attention layer's cache: ``data`` uint8 [pages, 2, Hkv, head_page_bytes],
+    power-of-two fp32 global ``scales`` [2, Hkv] (K row, V row) and the optional fp32
+    ``k_offset`` [Hkv, d] subtracted from K before encoding (``kv_append.reference``).
+    Scales and offset are part of what the bytes mean: fixed once tokens are written."""
 
     layout: KVLayout
     data: torch.Tensor
     scales: torch.Tensor
+    k_offset: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> KVCacheLayer:
@@ -63,6 +69,8 @@ class KVCacheLayer:
     def check(self) -> None:
         self.layout.check_cache(self.data)
         check_global_scales(self.scales, self.layout)
+        if self.k_offset is not None:
+            append_ref.check_k_offset(self.k_offset, self.layout)
 
 
 def _check_q(q: torch.Tensor, layer: KVCacheLayer) -> None:
@@ -84,7 +92,7 @@ class ReferenceBackend:
     name = "reference"
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales)
+        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset)
 
     def _attend(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
                 q_lens: list[int], sm_scale: float, out: Tensor | None) -> Tensor:
@@ -124,7 +132,7 @@ class TritonBackend:
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, validate: bool = True) -> None:
         from kernels.kv_append import triton_kernel
 
-        triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales, validate=validate)
+        triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, validate=validate)
 
     def default_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
         """Enough programs for ~2 waves of the GPU, from the batch shape only."""

@@ -9,7 +9,7 @@ documents. Nothing else in the cache changes.
 
 ``gather(cache, layout, block_table, length, global_scales)`` reads back the first
 ``length`` tokens of one sequence dequantized to fp32 ``(k, v)`` ``[length, H, d]`` (K in
-the rotated space when the layout rotates).
+the stored space: centered and rotated as written).
 """
 
 from __future__ import annotations
@@ -34,10 +34,22 @@ def _regions(cache: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch
     return codes, scales
 
 
-def encode_rows(x: torch.Tensor, layout: KVLayout, kv: int, global_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def check_k_offset(k_offset: torch.Tensor, layout: KVLayout) -> None:
+    """``k_offset`` must be finite fp32 [num_kv_heads, head_dim]; ValueError saying why not."""
+    want = (layout.num_kv_heads, layout.head_dim)
+    if k_offset.dtype != torch.float32 or tuple(k_offset.shape) != want or not k_offset.is_contiguous():
+        raise ValueError(f"k_offset must be contiguous float32 {list(want)}, got {k_offset.dtype} {list(k_offset.shape)}")
+    if not bool(torch.isfinite(k_offset).all()):
+        raise ValueError("k_offset must be finite")
+
+
+def encode_rows(x: torch.Tensor, layout: KVLayout, kv: int, global_scales: torch.Tensor,
+                k_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``x`` [N, H, d] as K (kv=0) or V (kv=1) -> codes [N, H, cb], scales [N, H, sb]."""
     n, h, d = x.shape
     rows = x.to(torch.float32)
+    if kv == 0 and k_offset is not None:
+        rows = rows - k_offset.to(device=rows.device, dtype=torch.float32)
     if kv == 0 and layout.hadamard:
         rows = fwht(rows)
     g = global_scales[kv].to(torch.float32).expand(n, h).reshape(-1)
@@ -54,9 +66,12 @@ def append(
     v: torch.Tensor,
     slots: torch.Tensor,
     global_scales: torch.Tensor,
+    k_offset: torch.Tensor | None = None,
 ) -> None:
     layout.check_cache(cache)
     check_global_scales(global_scales, layout)
+    if k_offset is not None:
+        check_k_offset(k_offset, layout)
     n = k.shape[0]
     want = (n, layout.num_kv_heads, layout.head_dim)
     if tuple(k.shape) != want or tuple(v.shape) != want:
@@ -72,7 +87,7 @@ def append(
     page, off = slots // layout.page_size, slots % layout.page_size
     codes_r, scales_r = _regions(cache, layout)
     for kv, x in ((0, k[keep]), (1, v[keep])):
-        codes, scales = encode_rows(x, layout, kv, global_scales)
+        codes, scales = encode_rows(x, layout, kv, global_scales, k_offset)
         codes_r[page, kv, :, off] = codes
         if layout.scale_bytes:
             scales_r[page, kv, :, off] = scales

@@ -1,6 +1,7 @@
 """Triton fused KV append: (Hadamard on K) + quantize + scatter, byte-identical to ``reference``.
 
-One program encodes ``BLOCK_T`` tokens of one KV head of K or V (grid ``[cdiv(N,
+K first has the optional ``k_offset`` row of its head subtracted in fp32 (as the
+reference does). One program encodes ``BLOCK_T`` tokens of one KV head of K or V (grid ``[cdiv(N,
 BLOCK_T), num_kv_heads, 2]``) and writes their code and scale rows into the pages named by
 ``slots``. Every arithmetic step mirrors the reference codec exactly (see
 ``kernels.kv_formats``): the Hadamard butterflies in the same order, E4M3 rounding from
@@ -22,6 +23,7 @@ import triton.language as tl
 
 from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.hadamard.triton_fn import fwht_rows
+from kernels.kv_append.reference import check_k_offset
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 from kernels.kv_formats.int8 import INV_127
 from kernels.kv_formats import nvfp4
@@ -75,12 +77,12 @@ def nvfp4_block_error(a, big_a, s, half_unit):
 
 @triton.jit
 def kv_append_fwd_kernel(
-    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr,
+    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr,
     N, NUM_HEADS,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cp, stride_ckv, stride_ch,
     FMT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
-    HADAMARD: tl.constexpr, PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_OFFSET: tl.constexpr, PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
     SEARCH_DOWN: tl.constexpr, SEARCH_UP: tl.constexpr, UP_SPAN: tl.constexpr, ERR_BITS: tl.constexpr,
     ERR_EXP_FLOOR: tl.constexpr,
@@ -100,6 +102,8 @@ def kv_append_fwd_kernel(
     row = offs_t.to(tl.int64)[:, None]
     if kv == 0:
         x = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_d[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            x = x - tl.load(koff_ptr + h * D + offs_d)[None, :]
         if HADAMARD:
             x = fwht_rows(x, BLOCK_T, D, LOG2D, HSCALE)
     else:
@@ -146,13 +150,14 @@ def kv_append_fwd_kernel(
         top = tl.maximum(top, c0)
         best_err, idx = nvfp4_block_error(a, big_a, e4m3_value(c0), half_unit)
         best = c0
-        for k in tl.static_range(1, SEARCH_DOWN + 1):
-            c = tl.where(clip, tl.maximum(c0 - k, 1), c0)
-            err, i2 = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
-            better = err < best_err
-            best = tl.where(better, c, best)
-            best_err = tl.where(better, err, best_err)
-            idx = tl.where(better[:, :, None], i2, idx)
+        if clip:  # V has no candidates below c0 (skipping them changes nothing: ties keep the earlier)
+            for k in tl.static_range(1, SEARCH_DOWN + 1):
+                c = tl.maximum(c0 - k, 1)
+                err, i2 = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
+                better = err < best_err
+                best = tl.where(better, c, best)
+                best_err = tl.where(better, err, best_err)
+                idx = tl.where(better[:, :, None], i2, idx)
         for k in tl.static_range(1, UP_SPAN + 1):
             c = tl.minimum(c0 + k, top)
             err, i2 = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
@@ -179,8 +184,10 @@ def append(
     v: torch.Tensor,
     slots: torch.Tensor,
     global_scales: torch.Tensor,
+    k_offset: torch.Tensor | None = None,
     *,
     block_t: int | None = None,
+    num_warps: int | None = None,
     validate: bool = True,
 ) -> None:
     """Same contract as ``reference.append``; ``validate=False`` skips host-side checks
@@ -194,24 +201,28 @@ def append(
             raise ValueError(f"k and v must be {list(want)}, got {list(k.shape)} and {list(v.shape)}")
         if tuple(slots.shape) != (n,):
             raise ValueError(f"slots must be [{n}], got {list(slots.shape)}")
+        if k_offset is not None:
+            check_k_offset(k_offset, layout)
     if n == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must be contiguous in the last dimension")
     if global_scales.dtype != torch.float32 or not global_scales.is_contiguous():
         raise ValueError("global scales must be contiguous float32 [2, num_kv_heads]")
+    if k_offset is not None and (k_offset.dtype != torch.float32 or not k_offset.is_contiguous()):
+        raise ValueError("k_offset must be contiguous float32 [num_kv_heads, head_dim]")
     d = layout.head_dim
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md)
     bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 else 4)
     grid = (triton.cdiv(n, bt), layout.num_kv_heads, 2)
     kv_append_fwd_kernel[grid](
-        cache, k, v, slots, global_scales,
+        cache, k, v, slots, global_scales, global_scales if k_offset is None else k_offset,
         n, layout.num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2),
         FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(d)), HSCALE=hadamard_scale(d),
-        HADAMARD=layout.hadamard, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
+        HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), SCALE_OFF=layout.scale_offset, BLOCK_T=bt,
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
-        ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR,
+        ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps or 4,
     )

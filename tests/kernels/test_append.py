@@ -87,7 +87,7 @@ def test_append_rejects_bad_input():
         ref.append(cache, lay, k[:, :1], k, torch.arange(3), lay.default_scales())
 
 
-def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str) -> None:
+def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_offset: bool = False) -> None:
     from kernels.kv_append import triton_kernel
 
     lay = KVLayout.make(fmt, 3, d, hadamard)
@@ -100,10 +100,12 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str) ->
     scales = torch.exp2(torch.randint(-4, 4, (2, 3), generator=gen).float())
     if fmt in ("bf16", "int8"):
         scales = lay.default_scales()
+    off = torch.randn(3, d, generator=gen) * 3.0 if k_offset else None
     c_ref = torch.full((pages, 2, 3, lay.head_page_bytes), POISON, dtype=torch.uint8)
-    ref.append(c_ref, lay, k, v, slots, scales)
+    ref.append(c_ref, lay, k, v, slots, scales, off)
     c_tri = torch.full_like(c_ref, POISON).to(device)
-    triton_kernel.append(c_tri, lay, k.to(device), v.to(device), slots.to(device), scales.to(device))
+    triton_kernel.append(c_tri, lay, k.to(device), v.to(device), slots.to(device), scales.to(device),
+                         None if off is None else off.to(device))
     diff = (c_tri.cpu() != c_ref).nonzero()
     assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:5].tolist()}"
 
@@ -112,6 +114,38 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str) ->
 @pytest.mark.parametrize("d,hadamard", [(64, True), (128, False), (256, True)])
 def test_triton_append_byte_identical(fmt, d, hadamard):
     _parity(fmt, d, hadamard, 70 if d < 256 else 33, seed=d + len(fmt), device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("d,hadamard", [(64, True), (128, False)])
+def test_triton_append_with_k_offset_byte_identical(fmt, d, hadamard):
+    _parity(fmt, d, hadamard, 40, seed=5 * d + len(fmt), device="cuda" if torch.cuda.is_available() else "cpu",
+            k_offset=True)
+
+
+def test_k_offset_is_subtracted_from_k_only():
+    """Appending K with offset mu writes the bytes of appending K - mu (fp32) without one; V
+    is untouched; gather returns the stored (centered) K; bad offsets are refused."""
+    lay = KVLayout.make("nvfp4", 2, 64)
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(5, 2, 64, generator=gen) + 4.0, torch.randn(5, 2, 64, generator=gen)
+    mu = torch.randn(2, 64, generator=gen) + 4.0
+    slots, g = torch.tensor([0, 1, 63, 64, 70]), lay.default_scales()
+    with_off, shifted = lay.allocate(2), lay.allocate(2)
+    ref.append(with_off, lay, k, v, slots, g, mu)
+    ref.append(shifted, lay, k - mu, v, slots, g)
+    assert torch.equal(with_off, shifted)
+    plain = lay.allocate(2)
+    ref.append(plain, lay, k, v, slots, g)
+    assert not torch.equal(plain[:, 0], with_off[:, 0]) and torch.equal(plain[:, 1], with_off[:, 1])
+    gk, _ = ref.gather(with_off, lay, torch.tensor([0, 1]), 2, g)
+    from kernels.hadamard import fwht
+
+    assert float((gk - fwht(k[:2] - mu)).norm() / fwht(k[:2] - mu).norm()) < 0.2  # nvfp4 error, not the 4.0 shift
+    for bad, why in ((torch.zeros(2, 32), "must be contiguous float32"), (torch.zeros(2, 64, dtype=torch.float64), "float32"),
+                     (torch.full((2, 64), float("nan")), "finite")):
+        with pytest.raises(ValueError, match=why):
+            ref.append(lay.allocate(2), lay, k, v, slots, g, bad)
 
 
 def test_edge_rows_hit_edge_cases():
@@ -128,6 +162,7 @@ def test_edge_rows_hit_edge_cases():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_triton_append_byte_identical_full_size(fmt, d):
-    # >= 1e6 random 16-value blocks per format and head dim (plus the edge-case blocks)
+    # >= 1e6 random 16-value blocks per format and head dim (plus the edge-case blocks);
+    # with a K offset (centering) for d = 256
     n = (1 << 20) * 16 // (3 * d) + 1
-    _parity(fmt, d, True, n, seed=100 + d, device="cuda")
+    _parity(fmt, d, True, n, seed=100 + d, device="cuda", k_offset=d == 256)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.calibration import ScaleCounter, calibrate, count_rows, count_scales
+from kernels.calibration import ScaleCounter, calibrate, count_rows, count_scales, k_offset, stationary_channels
 from kernels.hadamard import fwht
 from kernels.kv_formats import KVLayout
 
@@ -82,3 +82,69 @@ def test_calibrate_rejects_bad_arguments():
         calibrate(lay, x, x, percentile=0.0)
     with pytest.raises(ValueError):
         calibrate(lay, x, x, headroom=0.5)
+
+
+def test_stationary_channels_follow_rope_frequencies():
+    # NeoX half-split over the first 2 * len(inv_freq) dims; the rest never rotate
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 8, 2).float() / 8)  # 1, 0.1, 0.01, 0.001
+    keep = stationary_channels(inv, 16, max_position=500)  # angle bound pi/4: inv * 500 <= 0.785
+    assert keep.tolist() == [False, False, False, True] * 2 + [True] * 8
+    assert stationary_channels(inv, 8, max_position=1).tolist() == [False, True, True, True] * 2
+    assert not bool(stationary_channels(inv, 8, max_position=1 << 20).any())
+    with pytest.raises(ValueError, match="head_dim"):
+        stationary_channels(inv, 4, 10)
+
+
+def test_k_offset_is_the_masked_mean():
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(300, 2, 8, generator=gen) + torch.arange(8.0)
+    keep = torch.tensor([True, False] * 4)
+    mu = k_offset(k, keep)
+    assert mu.dtype == torch.float32 and mu.shape == (2, 8) and mu.is_contiguous()
+    assert torch.allclose(mu[:, keep], k.mean(0)[:, keep], atol=1e-6) and bool((mu[:, ~keep] == 0).all())
+    assert torch.equal(k_offset(k), k.double().mean(0).float())
+    with pytest.raises(ValueError, match="N >= 1"):
+        k_offset(torch.zeros(0, 2, 8))
+    with pytest.raises(ValueError, match="keep must be"):
+        k_offset(k, keep[:4])
+
+
+def _attend_shifted_keys(fmt: str, center: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference-backend decode over keys with a large shared component, and the exact
+    fp64 attention over the original (unquantized) K/V."""
+    from kernels.backend import KVCacheLayer, ReferenceBackend
+
+    gen = torch.Generator().manual_seed(4)
+    n, h, hq, d = 200, 2, 4, 64
+    shift = 6.0 + torch.randn(h, d, generator=gen)
+    k = torch.randn(n, h, d, generator=gen) + shift
+    v = torch.randn(n, h, d, generator=gen)
+    q = torch.randn(1, hq, d, generator=gen) * 0.3
+    lay = KVLayout.make(fmt, h, d)
+    layer = KVCacheLayer.allocate(lay, 4)
+    if center:
+        layer.k_offset = k_offset(k)
+    rows = k - layer.k_offset if center else k
+    layer.scales.copy_(calibrate(lay, rows, v))
+    be = ReferenceBackend()
+    be.append(layer, k, v, torch.arange(n))
+    out = be.decode_attention(q, layer, torch.arange(4, dtype=torch.int32)[None], torch.tensor([n], dtype=torch.int32),
+                              sm_scale=d ** -0.5)
+    kk = k.double().repeat_interleave(hq // h, 1)  # [n, hq, d]
+    p = torch.softmax(torch.einsum("hd,nhd->hn", q[0].double(), kk) * d ** -0.5, -1)
+    exact = torch.einsum("hn,nhd->hd", p, v.double().repeat_interleave(hq // h, 1))
+    return out[0].double(), exact
+
+
+def test_k_centering_is_exact_for_attention_and_cuts_the_error():
+    """Centering shifts every key of a head alike, which the softmax cancels: the output is
+    still attention over the original K (bf16 cache: within bf16 rounding), and with a large
+    shared component the quantized formats lose much less."""
+    got, exact = _attend_shifted_keys("bf16", center=True)
+    assert float((got - exact).norm() / exact.norm()) < 1e-2
+    for fmt in ("fp8", "nvfp4"):
+        errs = {}
+        for center in (False, True):
+            got, exact = _attend_shifted_keys(fmt, center)
+            errs[center] = float((got - exact).norm() / exact.norm())
+        assert errs[True] < 0.7 * errs[False], (fmt, errs)  # measured 0.65x (fp8), 0.59x (nvfp4)
