@@ -185,12 +185,14 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
 
 
 def append_table() -> list[dict]:
-    """One layer's append of a 64-sequence decode step (K centered, as the engine does for
-    fp8/nvfp4), per tokens-per-program and warps; the first of each format is the default."""
+    """One layer's append of a 64-sequence decode step (K centered and block scales counted,
+    as the engine does for fp8/nvfp4), per tokens-per-program and warps; the first of each
+    format is the default."""
     rows = []
-    cases = [("nvfp4", None, None)] + [("nvfp4", b, w) for b in (1, 2, 4) for w in (1, 2, 4)]
-    cases += [("bf16", None, None), ("fp8", None, None), ("int8", None, None)]
-    for fmt, bt, warps in cases:
+    cases = [("nvfp4", None, None, True), ("nvfp4", None, None, False), ("nvfp4", 1, 4, True)]
+    cases += [("bf16", None, None, False), ("fp8", None, None, True), ("fp8", None, None, False), ("fp8", 4, None, False),
+              ("int8", None, None, False)]
+    for fmt, bt, warps, counted in cases:
         layout = KVLayout.make(fmt, HKV, D)
         cache = layout.allocate(64 * 4, "cuda")
         k = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
@@ -198,9 +200,11 @@ def append_table() -> list[dict]:
         slots = torch.arange(64, device="cuda") * 256 + 17
         scales = layout.default_scales("cuda")
         offset = torch.randn(HKV, D, device="cuda") * 0.1 if fmt in ("fp8", "nvfp4") else None
+        counts = torch.zeros(2, HKV, 3, dtype=torch.int64, device="cuda") if counted else None  # as the engine
 
         def call():
-            append_tk.append(cache, layout, k, v, slots, scales, offset, validate=False, block_t=bt, num_warps=warps)
+            append_tk.append(cache, layout, k, v, slots, scales, offset, counts, validate=False, block_t=bt,
+                             num_warps=warps)
 
         call()
         torch.cuda.synchronize()
@@ -213,8 +217,10 @@ def append_table() -> list[dict]:
                     call()
         sec = bench(graph.replay) / reps
         eager = bench(call)
-        rows.append(dict(fmt=fmt, block_t=bt or "default", warps=warps or "default", graph_us=sec * 1e6, eager_us=eager * 1e6))
-        print(f"append {fmt:6s} 64 tokens x 4 heads block_t={bt or 'default'} warps={warps or 'default'}: "
+        rows.append(dict(fmt=fmt, block_t=bt or "default", warps=warps or "default", counted=counted, graph_us=sec * 1e6,
+                         eager_us=eager * 1e6))
+        print(f"append {fmt:6s} 64 tokens x 4 heads block_t={bt or 'default'} warps={warps or 'default'} "
+              f"counted={counted}: "
               f"{sec*1e6:6.2f} us/layer in a graph, {eager*1e6:6.2f} us eager", flush=True)
     return rows
 

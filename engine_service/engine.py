@@ -35,8 +35,11 @@ from engine_service.block_manager import BlockManager
 from engine_service.runner_api import ForwardBatch, ModelRunner, SeqSlice
 from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
 from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan
+from kernels.calibration import ScaleCounts
 
 log = get_logger(__name__)
+
+KV_SCALES_EVERY_S = 1.0  # served block-scale counts are read from the device at most this often
 
 
 class InvalidRequest(ValueError):
@@ -113,6 +116,8 @@ class StepObserver:
     def on_first_token(self, ttft_s: float) -> None: ...
     def on_token_gap(self, gap_s: float) -> None: ...
     def on_finished(self, reason: str) -> None: ...
+    def on_kv_scales(self, k: ScaleCounts, v: ScaleCounts) -> None:
+        """Running totals of the quantized KV cache's block-scale health (fp8 / nvfp4)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,7 @@ class EngineCore:
         self.counters = Counters()
         self.started = time.monotonic()
         self.lock = threading.RLock()
+        self._kv_scales_at = float("-inf")
         self.observer.on_step(self.snapshot(), 0, 0)
 
     # -- requests ------------------------------------------------------------------------
@@ -241,8 +247,21 @@ class EngineCore:
                     if req is not None:
                         self._emit_finished(req)
             return 0
+        self._report_kv_scales()
         with self.lock:
             return self._apply(plan, sampled)
+
+    def _report_kv_scales(self) -> None:
+        """Hand the runner's served block-scale counts (if it keeps any) to the observer, at
+        most every ``KV_SCALES_EVERY_S`` (a small device-to-host copy after a step)."""
+        read = getattr(self.runner, "kv_scale_counts", None)  # optional ModelRunner method
+        now = time.monotonic()
+        if read is None or now - self._kv_scales_at < KV_SCALES_EVERY_S:
+            return
+        self._kv_scales_at = now
+        counts = read()
+        if counts is not None:
+            self.observer.on_kv_scales(*counts)
 
     def _build_batch(self, plan: StepPlan) -> ForwardBatch:
         ids: list[int] = []

@@ -24,7 +24,9 @@ again for V, vs 512 for bf16).
 Global scales start at 1.0; ``set_scales`` installs calibrated ones
 (``engine_service.kv_calibration``), checked to be positive powers of two; ``set_k_offsets``
 installs the K centering offsets (fp32 ``[Hkv, d]`` per layer, subtracted from K before
-encoding; none by default). Both are fixed once the pool holds tokens.
+encoding; none by default). Both are fixed once the pool holds tokens. For fp8 / nvfp4 every
+append also counts its block scales (``scale_counts``: zero / subnormal / saturated of the
+total over every layer, the served counterpart of the calibration's counts).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import torch
 
 from engine_service.layers.context import StepContext
 from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_backend
-from kernels.kv_append.reference import check_k_offset
+from kernels.calibration import ScaleCounts
+from kernels.kv_append.reference import SCALE_COUNT_KINDS, check_k_offset
 from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
 
 QUANT_FORMATS = ("fp8", "int8", "nvfp4")
@@ -79,14 +82,18 @@ KVBackend = ReferenceBackend | TritonBackend
 
 @dataclass(frozen=True)
 class QuantLayerKV:
-    """``AttentionKV`` of one attention layer over its quantized paged cache."""
+    """``AttentionKV`` of one attention layer over its quantized paged cache. ``stored``
+    (the first layer's only) counts the token rows written, for the block-scale totals."""
 
     cache: KVCacheLayer
     backend: KVBackend
+    stored: list[int] | None = None
 
     def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
         assert ctx.kv_slots is not None
         self.backend.append(self.cache, k, v, ctx.kv_slots)
+        if self.stored is not None:
+            self.stored[0] += k.shape[0]  # every row has a slot (the runner never skips one)
 
     def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
         t = q.shape[0]
@@ -125,6 +132,26 @@ class QuantKVPool:
         self.num_pages = num_pages
         self.backend: KVBackend = get_backend(device)
         self.caches = [KVCacheLayer.allocate(layout, num_pages, device) for _ in range(num_layers)]
+        if layout.fmt.value in SCALED_FORMATS:  # block-scale health of everything appended
+            self._counts = torch.zeros(num_layers, 2, layout.num_kv_heads, len(SCALE_COUNT_KINDS), dtype=torch.int64,
+                                       device=device)
+            for i, c in enumerate(self.caches):
+                c.scale_counts = self._counts[i]
+        else:
+            self._counts = None
+        self._stored = [0]  # token rows written to every layer
+
+    def scale_counts(self) -> tuple[ScaleCounts, ScaleCounts] | None:
+        """(K, V) totals over every layer of the block scales (fp8: elements) appended so far:
+        zero / subnormal / saturated (counted by the append) of the total; None for int8 (no
+        global scales). A small device-to-host copy."""
+        if self._counts is None:
+            return None
+        lay = self.layout
+        per_row = lay.head_dim // 16 if lay.fmt.value == "nvfp4" else lay.head_dim
+        total = self._stored[0] * len(self.caches) * lay.num_kv_heads * per_row
+        k, v = self._counts.sum((0, 2)).tolist()
+        return ScaleCounts(total, k[0], k[1], k[2]), ScaleCounts(total, v[0], v[1], v[2])
 
     @staticmethod
     def page_bytes(layout: KVLayout, num_layers: int) -> int:
@@ -132,7 +159,7 @@ class QuantKVPool:
         return num_layers * layout.page_bytes
 
     def layer(self, i: int) -> QuantLayerKV:
-        return QuantLayerKV(self.caches[i], self.backend)
+        return QuantLayerKV(self.caches[i], self.backend, self._stored if i == 0 else None)
 
     def scales(self) -> list[torch.Tensor]:
         """Copies of every layer's global scales fp32 ``[2, Hkv]`` (CPU)."""

@@ -11,6 +11,10 @@ scales - fp8: elements - of the calibration K/V under the calibrated global scal
 ``deepwell_engine_kv_global_scale{kv="k|v",stat="min|max"}`` (over layers and KV heads) and
 ``deepwell_engine_kv_k_centering{stat="channels|energy_removed"}`` (K centering: channels
 centered per head, 0 when off, and the share of the calibration K's energy it removed).
+While serving, ``deepwell_engine_kv_served_scales_total{kv="k|v",kind="zero|subnormal|saturated|total"}``
+counts the block scales (fp8: elements) of every K/V the quantized cache stored (read from
+the device at most once a second): a growing saturated or subnormal share means the
+calibrated global scales do not fit the traffic.
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ class EngineMetrics(StepObserver):
                                     "K centering of the start-up calibration: channels centered per head "
                                     "(stat=channels) and the share of the calibration K's energy removed "
                                     "(stat=energy_removed)", labels + ["stat"], registry=r)
+        self.kv_served_scales = Counter("deepwell_engine_kv_served_scales",
+                                        "Block scales (fp8: elements) of the K/V stored in the quantized cache, "
+                                        "by kind", labels + ["kv", "kind"], registry=r)
+        self._served_seen: dict[tuple[str, str], int] = {}
         self.model = model
         self._server: Any = None
 
@@ -70,6 +78,16 @@ class EngineMetrics(StepObserver):
             self.kv_global_scale.labels(m, name, "max").set(hi)
         self.kv_k_centering.labels(m, "channels").set(cal.centered_channels)
         self.kv_k_centering.labels(m, "energy_removed").set(cal.k_energy_removed)
+
+    def on_kv_scales(self, k: Any, v: Any) -> None:
+        """Advance the served block-scale counters to the totals ``k``, ``v`` (``ScaleCounts``)."""
+        for name, counts in (("k", k), ("v", v)):
+            for kind, total in (("zero", counts.zero), ("subnormal", counts.subnormal),
+                                ("saturated", counts.saturated), ("total", counts.blocks)):
+                delta = total - self._served_seen.get((name, kind), 0)
+                if delta > 0:
+                    self.kv_served_scales.labels(self.model, name, kind).inc(delta)
+                    self._served_seen[(name, kind)] = total
 
     def on_step(self, snap: Snapshot, prefilled: int, decoded: int) -> None:
         m = self.model

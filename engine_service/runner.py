@@ -57,7 +57,7 @@ from engine_service.memory import (
 from engine_service.models import build_model, load_weights
 from engine_service.models.decoder import CausalLM
 from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
-from kernels.calibration import stationary_channels
+from kernels.calibration import ScaleCounts, stationary_channels
 
 log = get_logger(__name__)
 
@@ -202,6 +202,11 @@ class TorchModelRunner:
         pool.set_scales(scales)
         if k_offsets is not None:
             pool.set_k_offsets(k_offsets)
+
+    def kv_scale_counts(self) -> tuple[ScaleCounts, ScaleCounts] | None:
+        """(K, V) block-scale counts of everything the serving pool has stored (fp8 / nvfp4),
+        None otherwise; a small device-to-host copy (the engine reads it at most once a second)."""
+        return self.kv.scale_counts() if isinstance(self.kv, QuantKVPool) else None
 
     def kv_k_offsets(self) -> list[torch.Tensor | None]:
         """Every attention layer's K centering offset fp32 ``[Hkv, d]`` (None: not centered)."""

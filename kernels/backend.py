@@ -55,12 +55,15 @@ class KVCacheLayer:
     """One attention layer's cache: ``data`` uint8 [pages, 2, Hkv, head_page_bytes],
     power-of-two fp32 global ``scales`` [2, Hkv] (K row, V row) and the optional fp32
     ``k_offset`` [Hkv, d] subtracted from K before encoding (``kv_append.reference``).
-    Scales and offset are part of what the bytes mean: fixed once tokens are written."""
+    Scales and offset are part of what the bytes mean: fixed once tokens are written.
+    ``scale_counts`` (optional int64 [2, Hkv, 3]: K, V x head x zero / subnormal / saturated)
+    accumulates the block-scale health of every append (fp8 / nvfp4)."""
 
     layout: KVLayout
     data: torch.Tensor
     scales: torch.Tensor
     k_offset: torch.Tensor | None = None
+    scale_counts: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> KVCacheLayer:
@@ -92,7 +95,7 @@ class ReferenceBackend:
     name = "reference"
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset)
+        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, layer.scale_counts)
 
     def _attend(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
                 q_lens: list[int], sm_scale: float, out: Tensor | None) -> Tensor:
@@ -132,7 +135,8 @@ class TritonBackend:
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, validate: bool = True) -> None:
         from kernels.kv_append import triton_kernel
 
-        triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, validate=validate)
+        triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, layer.scale_counts,
+                             validate=validate)
 
     def default_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
         """Enough programs for ~2 waves of the GPU, from the batch shape only."""

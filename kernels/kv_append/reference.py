@@ -7,6 +7,11 @@ offset``; ``-1`` skips the token). K is rotated by ``hadamard.fwht`` first when
 (rotated) fp32 rows (nvfp4: ``clip=True`` for K, ``clip=False`` for V), placed as ``layout``
 documents. Nothing else in the cache changes.
 
+``scale_counts`` (optional int64 [2, num_kv_heads, 3]: K then V, per head) accumulates the
+block-scale health of what was written: zero, subnormal and saturated block scales (fp8: elements), as
+``kernels.calibration.count_rows`` defines them (the total is rows x blocks per row, known
+to the caller); bf16 / int8 add nothing.
+
 ``gather(cache, layout, block_table, length, global_scales)`` reads back the first
 ``length`` tokens of one sequence dequantized to fp32 ``(k, v)`` ``[length, H, d]`` (K in
 the stored space: centered and rotated as written).
@@ -43,15 +48,32 @@ def check_k_offset(k_offset: torch.Tensor, layout: KVLayout) -> None:
         raise ValueError("k_offset must be finite")
 
 
-def encode_rows(x: torch.Tensor, layout: KVLayout, kv: int, global_scales: torch.Tensor,
-                k_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode ``x`` [N, H, d] as K (kv=0) or V (kv=1) -> codes [N, H, cb], scales [N, H, sb]."""
-    n, h, d = x.shape
+SCALE_COUNT_KINDS = ("zero", "subnormal", "saturated")
+
+
+def check_scale_counts(counts: torch.Tensor, layout: KVLayout) -> None:
+    want = (2, layout.num_kv_heads, len(SCALE_COUNT_KINDS))
+    if counts.dtype != torch.int64 or tuple(counts.shape) != want or not counts.is_contiguous():
+        raise ValueError(f"scale_counts must be contiguous int64 {list(want)}, got {counts.dtype} {list(counts.shape)}")
+
+
+def stored_rows(x: torch.Tensor, layout: KVLayout, kv: int, k_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 rows [N, H, d] the codec encodes: K centered then rotated (as the layout says), V as is."""
     rows = x.to(torch.float32)
     if kv == 0 and k_offset is not None:
         rows = rows - k_offset.to(device=rows.device, dtype=torch.float32)
     if kv == 0 and layout.hadamard:
         rows = fwht(rows)
+    return rows
+
+
+def encode_rows(x: torch.Tensor, layout: KVLayout, kv: int, global_scales: torch.Tensor,
+                k_offset: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``x`` [N, H, d] as K (kv=0) or V (kv=1) -> codes [N, H, cb], scales [N, H, sb]
+    (``rows``: ``stored_rows`` of ``x`` when the caller has them already)."""
+    n, h, d = x.shape
+    if rows is None:
+        rows = stored_rows(x, layout, kv, k_offset)
     g = global_scales[kv].to(torch.float32).expand(n, h).reshape(-1)
     # nvfp4 scales may clip K's largest values but never V's (see kv_formats.nvfp4)
     extra = {"clip": kv == 0} if layout.fmt is KVFormat.NVFP4 else {}
@@ -67,11 +89,14 @@ def append(
     slots: torch.Tensor,
     global_scales: torch.Tensor,
     k_offset: torch.Tensor | None = None,
+    scale_counts: torch.Tensor | None = None,
 ) -> None:
     layout.check_cache(cache)
     check_global_scales(global_scales, layout)
     if k_offset is not None:
         check_k_offset(k_offset, layout)
+    if scale_counts is not None:
+        check_scale_counts(scale_counts, layout)
     n = k.shape[0]
     want = (n, layout.num_kv_heads, layout.head_dim)
     if tuple(k.shape) != want or tuple(v.shape) != want:
@@ -87,7 +112,15 @@ def append(
     page, off = slots // layout.page_size, slots % layout.page_size
     codes_r, scales_r = _regions(cache, layout)
     for kv, x in ((0, k[keep]), (1, v[keep])):
-        codes, scales = encode_rows(x, layout, kv, global_scales, k_offset)
+        rows = stored_rows(x, layout, kv, k_offset)
+        codes, scales = encode_rows(x, layout, kv, global_scales, rows=rows)
+        if scale_counts is not None and layout.fmt in (KVFormat.FP8, KVFormat.NVFP4):
+            from kernels.calibration import count_rows
+
+            for head in range(layout.num_kv_heads):
+                c = count_rows(layout, rows[:, head : head + 1], global_scales[kv, head : head + 1])
+                scale_counts[kv, head] += torch.tensor([c.zero, c.subnormal, c.saturated], dtype=torch.int64,
+                                                       device=scale_counts.device)
         codes_r[page, kv, :, off] = codes
         if layout.scale_bytes:
             scales_r[page, kv, :, off] = scales

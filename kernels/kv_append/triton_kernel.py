@@ -1,7 +1,10 @@
 """Triton fused KV append: (Hadamard on K) + quantize + scatter, byte-identical to ``reference``.
 
 K first has the optional ``k_offset`` row of its head subtracted in fp32 (as the
-reference does). One program encodes ``BLOCK_T`` tokens of one KV head of K or V (grid ``[cdiv(N,
+reference does). With ``scale_counts`` (fp8 / nvfp4) every program adds its zero /
+subnormal / saturated block-scale counts per head (the reference's numbers exactly: the same
+fp32 scale inputs, compared against the same bounds) with an atomic add only for a kind that
+occurred; always-on int64 atomics measured 4.65 -> 6.35 us (nvfp4) per layer. One program encodes ``BLOCK_T`` tokens of one KV head of K or V (grid ``[cdiv(N,
 BLOCK_T), num_kv_heads, 2]``) and writes their code and scale rows into the pages named by
 ``slots``. Every arithmetic step mirrors the reference codec exactly (see
 ``kernels.kv_formats``): the Hadamard butterflies in the same order, E4M3 rounding from
@@ -23,7 +26,7 @@ import triton.language as tl
 
 from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.hadamard.triton_fn import fwht_rows
-from kernels.kv_append.reference import check_k_offset
+from kernels.kv_append.reference import check_k_offset, check_scale_counts
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 from kernels.kv_formats.int8 import INV_127
 from kernels.kv_formats import nvfp4
@@ -76,13 +79,34 @@ def nvfp4_block_error(a, big_a, s, half_unit):
 
 
 @triton.jit
+def _count_scales(cnt_ptr, sv, ok):
+    """Add the zero / subnormal / saturated counts of the scale inputs ``sv`` (where ``ok``)
+    to ``cnt_ptr[0:3]`` (int64; ``kernels.calibration`` definitions): one int32 reduction of
+    the three flags packed in 10-bit fields (``append`` keeps a program under 1024 inputs),
+    then an atomic only for a kind that occurred."""
+    flags = (sv == 0.0).to(tl.int32) + ((sv > 0.0) & (sv < 0.015625)).to(tl.int32) * 1024
+    flags += (sv > 448.0).to(tl.int32) * 1048576
+    packed = tl.sum(tl.where(ok, flags, 0))
+    if packed != 0:
+        n_zero = packed & 1023
+        n_sub = (packed >> 10) & 1023
+        n_sat = packed >> 20
+        if n_zero != 0:
+            tl.atomic_add(cnt_ptr + 0, n_zero.to(tl.int64))
+        if n_sub != 0:
+            tl.atomic_add(cnt_ptr + 1, n_sub.to(tl.int64))
+        if n_sat != 0:
+            tl.atomic_add(cnt_ptr + 2, n_sat.to(tl.int64))
+
+
+@triton.jit
 def kv_append_fwd_kernel(
-    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr,
+    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr, cnt_ptr,
     N, NUM_HEADS,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cp, stride_ckv, stride_ch,
     FMT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_OFFSET: tl.constexpr, PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_OFFSET: tl.constexpr, COUNT: tl.constexpr, PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
     SEARCH_DOWN: tl.constexpr, SEARCH_UP: tl.constexpr, UP_SPAN: tl.constexpr, ERR_BITS: tl.constexpr,
     ERR_EXP_FLOOR: tl.constexpr,
@@ -118,7 +142,10 @@ def kv_append_fwd_kernel(
         ptrs = code_row.to(tl.pointer_type(tl.int16))[:, None] + offs_d[None, :]
         tl.store(ptrs, (b >> 16).to(tl.int16), mask=valid[:, None])
     elif FMT == 1:
-        code, _ = e4m3_encode(tl.abs(x * inv_g))
+        sv = tl.abs(x * inv_g)
+        code, _ = e4m3_encode(sv)
+        if COUNT:
+            _count_scales(cnt_ptr + (kv * NUM_HEADS + h) * 3, sv, valid[:, None] & (offs_d[None, :] >= 0))
         code = code | (((x < 0) & (code != 0)).to(tl.int32) << 7)
         tl.store(code_row[:, None] + offs_d[None, :], code.to(tl.uint8), mask=valid[:, None])
     elif FMT == 2:
@@ -134,7 +161,10 @@ def kv_append_fwd_kernel(
         enc = inv_g * 0.1666666716337204  # fp32(1/6), see nvfp4.INV_6
         xb = tl.reshape(x, [BLOCK_T, D // 16, 16])
         ab = tl.abs(xb)
-        c6, s6 = e4m3_encode(tl.max(ab, axis=2) * enc)
+        sv = tl.max(ab, axis=2) * enc
+        c6, s6 = e4m3_encode(sv)
+        if COUNT:
+            _count_scales(cnt_ptr + (kv * NUM_HEADS + h) * 3, sv, valid[:, None] & (tl.arange(0, D // 16)[None, :] >= 0))
         a = ab * inv_g
         m = tl.max(a, axis=2)
         c4, _ = e4m3_encode(m * 0.25)
@@ -185,6 +215,7 @@ def append(
     slots: torch.Tensor,
     global_scales: torch.Tensor,
     k_offset: torch.Tensor | None = None,
+    scale_counts: torch.Tensor | None = None,
     *,
     block_t: int | None = None,
     num_warps: int | None = None,
@@ -203,6 +234,8 @@ def append(
             raise ValueError(f"slots must be [{n}], got {list(slots.shape)}")
         if k_offset is not None:
             check_k_offset(k_offset, layout)
+        if scale_counts is not None:
+            check_scale_counts(scale_counts, layout)
     if n == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -212,16 +245,23 @@ def append(
     if k_offset is not None and (k_offset.dtype != torch.float32 or not k_offset.is_contiguous()):
         raise ValueError("k_offset must be contiguous float32 [num_kv_heads, head_dim]")
     d = layout.head_dim
-    # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md)
-    bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 else 4)
+    count = scale_counts if layout.fmt in (KVFormat.FP8, KVFormat.NVFP4) else None
+    if count is not None and (count.dtype != torch.int64 or not count.is_contiguous()):
+        raise ValueError("scale_counts must be contiguous int64 [2, num_kv_heads, 3]")
+    # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
+    # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
+    bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or (count is not None and d > 128) else 4)
+    if count is not None and bt * (d // 16 if layout.fmt is KVFormat.NVFP4 else d) >= 1024:
+        raise ValueError(f"block_t={bt} puts 1024 or more scale inputs in a program; counting needs fewer")
     grid = (triton.cdiv(n, bt), layout.num_kv_heads, 2)
     kv_append_fwd_kernel[grid](
         cache, k, v, slots, global_scales, global_scales if k_offset is None else k_offset,
+        slots if count is None else count,
         n, layout.num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2),
         FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(d)), HSCALE=hadamard_scale(d),
-        HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
+        HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, COUNT=count is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), SCALE_OFF=layout.scale_offset, BLOCK_T=bt,
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
         ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps or 4,

@@ -262,6 +262,32 @@ def test_k_centering_off_and_its_effect(smol, fp32_reference) -> None:
     assert mean_kl["on"] <= 0.5 * mean_kl["off"], mean_kl  # measured 0.0091 vs 0.054
 
 
+@pytest.mark.parametrize("kv", ["fp8", "nvfp4"])
+def test_served_block_scales_are_counted(smol, kv: str) -> None:
+    """Every stored K/V row's block scales (fp8: elements) are counted (the kernels' tests
+    check the numbers against the calibration's definitions); the metric follows the totals."""
+    from kernels.calibration import ScaleCounts
+
+    base, tok = smol
+    r = quant_runner(base, kv)
+    assert r.kv_scale_counts() == (ScaleCounts(), ScaleCounts())  # calibration does not count
+    ids = tok.encode(PROMPT).ids
+    greedy(r, ids, 3)  # stores the prompt and two generated tokens
+    k, v = r.kv_scale_counts()  # type: ignore[misc]
+    per_row = 64 // 16 if kv == "nvfp4" else 64
+    assert k.blocks == v.blocks == (len(ids) + 2) * 30 * 3 * per_row
+    assert k.saturated == v.saturated == 0 and k.zero + k.subnormal < k.blocks // 100
+    per_layer = [c.scale_counts for c in r.kv.caches]  # type: ignore[union-attr]
+    assert all(c.shape == (2, 3, 3) for c in per_layer) and sum(int(c[1, :, 1].sum()) for c in per_layer) == v.subnormal
+    m = EngineMetrics("smol")
+    m.on_kv_scales(k, v)
+    m.on_kv_scales(k, v)  # totals, not increments: nothing more
+    got = m.registry.get_sample_value
+    assert got("deepwell_engine_kv_served_scales_total", {"model": "smol", "kv": "k", "kind": "total"}) == k.blocks
+    assert got("deepwell_engine_kv_served_scales_total", {"model": "smol", "kv": "v", "kind": "total"}) == v.blocks
+    assert quant_runner(base, "int8").kv_scale_counts() is None and base.kv_scale_counts() is None
+
+
 def test_int8_and_float_pools_skip_calibration(smol) -> None:
     base, _ = smol
     r = quant_runner(base, "int8")
@@ -349,7 +375,11 @@ def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, t
         assert r.kv_dtype_name == kv
         r.allocate(6, 3)
         r.kv.backend = backend  # type: ignore[union-attr]
-        gen = torch.Generator().manual_seed(7)  # K offsets by hand (the tiny model skips calibration here)
+        if kv in ("fp8", "nvfp4"):  # the start-up calibration on this device (scratch float pool)
+            cal = r.calibrate_kv(calibration_token_ids(None, r.vocab_size)[0][:160], source="random_ids")
+            assert cal is not None and cal.k_offsets is not None
+        # K offsets by hand on top: non-zero on every channel (the tiny model's RoPE leaves few stationary)
+        gen = torch.Generator().manual_seed(7)
         h = r.quant_layout.num_kv_heads  # type: ignore[union-attr]
         r.set_kv_scales(r.kv_scales(), [torch.randn(h, head_dim, generator=gen) for _ in r.kv_scales()])
         results.append(_mixed_steps(r))
@@ -463,3 +493,8 @@ def test_engine_process_serves_with_nvfp4(nvfp4_engine, smol) -> None:
     body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     assert 'deepwell_engine_kv_scale_blocks{kind="total",kv="k",model=' in body
     assert 'deepwell_engine_kv_global_scale{kv="v",model=' in body
+    # the served counts: the first step's prompt at least (30 layers x 3 heads x 4 blocks per token)
+    import re
+
+    served = re.search(r'deepwell_engine_kv_served_scales_total\{kind="total",kv="k",model="[^"]*"\} (\S+)', body)
+    assert served is not None and float(served.group(1)) >= len(ids) * 30 * 3 * 4, body[-2000:]

@@ -102,12 +102,28 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_
         scales = lay.default_scales()
     off = torch.randn(3, d, generator=gen) * 3.0 if k_offset else None
     c_ref = torch.full((pages, 2, 3, lay.head_page_bytes), POISON, dtype=torch.uint8)
-    ref.append(c_ref, lay, k, v, slots, scales, off)
+    n_ref = torch.zeros(2, 3, 3, dtype=torch.int64)
+    ref.append(c_ref, lay, k, v, slots, scales, off, n_ref)
     c_tri = torch.full_like(c_ref, POISON).to(device)
+    n_tri = torch.full((2, 3, 3), 5, dtype=torch.int64, device=device)  # counts add to what is there
     triton_kernel.append(c_tri, lay, k.to(device), v.to(device), slots.to(device), scales.to(device),
-                         None if off is None else off.to(device))
+                         None if off is None else off.to(device), n_tri)
     diff = (c_tri.cpu() != c_ref).nonzero()
     assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:5].tolist()}"
+    if fmt in ("fp8", "nvfp4"):  # block-scale health counts: the reference's numbers exactly
+        from kernels.calibration import count_scales
+
+        kept = slots >= 0
+        want = count_scales(lay, ref.stored_rows(k[kept], lay, 0, off), v[kept], scales) if not lay.hadamard else None
+        if want is not None:  # without rotation count_scales sees the stored rows directly
+            tot = n_ref.sum(1)
+            assert tot[:, 0].tolist() == [want["k"].zero, want["v"].zero]
+            assert tot[:, 1].tolist() == [want["k"].subnormal, want["v"].subnormal]
+            assert tot[:, 2].tolist() == [want["k"].saturated, want["v"].saturated]
+        assert int(n_ref.sum()) > 0  # the edge rows hit every kind somewhere
+        assert torch.equal(n_tri.cpu() - 5, n_ref), (n_tri.cpu() - 5, n_ref)
+    else:
+        assert bool((n_ref == 0).all()) and bool((n_tri.cpu() == 5).all())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
