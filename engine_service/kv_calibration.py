@@ -11,8 +11,8 @@ K/V would get under those scales (``ScaleCounter``: zero / subnormal / saturated
 
 With K centering (``--kv-center-k``, on by default for fp8 and nvfp4) each layer also gets
 a K offset [Hkv, d] — the calibration K's mean, ``kernels.calibration.k_offset``, on the
-channels that RoPE turns by at most pi/4 over the model's whole context
-(``stationary_channels``; all channels past the rotary dims) — which the cache subtracts
+channels that RoPE turns by at most pi/4 over the served context (the engine's
+``max_context``; ``stationary_channels``; all channels past the rotary dims) — which the cache subtracts
 from every key before encoding (exact for attention: the softmax cancels a shift shared
 by all keys); the global scales are then calibrated on the centered K.
 
