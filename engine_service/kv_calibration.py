@@ -140,6 +140,17 @@ class KVCalibration:
     centered_channels: int = 0
     k_energy_removed: float = 0.0
 
+    def digest(self) -> str:
+        """sha256 (hex, 16 chars) of the format, every global scale and every K offset: what the
+        cached bytes mean. Pages kept outside this process (the KV daemon) may only be reused
+        by an engine whose calibration has the same digest."""
+        import hashlib
+
+        h = hashlib.sha256(self.kv_format.encode())
+        for t in (*self.scales, *(self.k_offsets or ())):
+            h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
     def scale_range(self, kv: int) -> tuple[float, float]:
         """(min, max) global scale over every layer and head, for K (0) or V (1)."""
         vals = torch.stack([s[kv] for s in self.scales])

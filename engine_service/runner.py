@@ -273,7 +273,7 @@ class TorchModelRunner:
                  k_blocks=report.k.blocks, k_zero=report.k.zero, k_subnormal=report.k.subnormal,
                  k_saturated=report.k.saturated, v_blocks=report.v.blocks, v_zero=report.v.zero,
                  v_subnormal=report.v.subnormal, v_saturated=report.v.saturated,
-                 k_centered_channels=report.centered_channels,
+                 k_centered_channels=report.centered_channels, digest=report.digest(),
                  k_energy_removed=round(report.k_energy_removed, 4))
         return report
 

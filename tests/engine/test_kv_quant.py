@@ -243,6 +243,13 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
         assert got is not None and torch.equal(got, want) and got.shape == (3, 64)
         assert bool((got[:, ~keep] == 0).all()) and bool((got[:, keep] != 0).any())
     assert 0.0 < cal.k_energy_removed < 1.0
+    # the digest names what the bytes mean: the same calibration again gives the same digest,
+    # other offsets a different one
+    again = quant_runner(base, kv).kv_calibration
+    assert again is not None and again.digest() == cal.digest() and len(cal.digest()) == 16
+    from dataclasses import replace
+
+    assert replace(cal, k_offsets=tuple(o + 1.0 for o in cal.k_offsets)).digest() != cal.digest()
 
 
 def test_k_centering_off_and_its_effect(smol, fp32_reference) -> None:
