@@ -1,10 +1,6 @@
 """Triton fused KV append: (Hadamard on K) + quantize + scatter, byte-identical to ``reference``.
 
-K first has the optional ``k_offset`` row of its head subtracted in fp32 (as the
-reference does). With ``scale_counts`` (fp8 / nvfp4) every program adds its zero /
-subnormal / saturated block-scale counts per head (the reference's numbers exactly: the same
-fp32 scale inputs, compared against the same bounds) with an atomic add only for a kind that
-occurred; always-on int64 atomics measured 4.65 -> 6.35 us (nvfp4) per layer. One program encodes ``BLOCK_T`` tokens of one KV head of K or V (grid ``[cdiv(N,
+One program encodes ``BLOCK_T`` tokens of one KV head of K or V (grid ``[cdiv(N,
 BLOCK_T), num_kv_heads, 2]``) and writes their code and scale rows into the pages named by
 ``slots``. Every arithmetic step mirrors the reference codec exactly (see
 ``kernels.kv_formats``): the Hadamard butterflies in the same order, E4M3 rounding from
@@ -14,6 +10,12 @@ comparisons against exact thresholds and its block scale by the same candidate s
 truncating conversions, integer sums — no result depends on reduction order or FMA
 contraction), int8 through the correctly rounded ``div_rn``.
 Works for prefill chunks and decode steps alike (tokens of many sequences in one call).
+
+K first has the optional ``k_offset`` row of its head subtracted in fp32 (as the reference
+does). With ``scale_counts`` (fp8 / nvfp4) every program adds its zero / subnormal /
+saturated block-scale counts per head (the reference's numbers exactly: the same fp32 scale
+inputs, compared against the same bounds) with an atomic add only for a kind that occurred;
+always-on int64 atomics measured 4.65 -> 6.35 us (nvfp4) per layer.
 """
 
 from __future__ import annotations
