@@ -27,6 +27,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``center=off`` turns K centering off (default on for fp8 and nvfp4, like the engine);
   ``center=all`` centers every channel — screening only: exact only while positions stay
   inside the calibration window, as they do here;
+- ``kfmt=FMT`` stores K in another format than V (screening a mixed cache, e.g.
+  ``nvfp4+H:kfmt=fp8`` = K fp8+H, V nvfp4; the cache has no such format);
 - ``sink=N`` leaves the first N tokens of every window unquantized (screening only: how
   much of the loss the attention-sink tokens carry; the cache has no such exception);
 - ``layers=0,3,5-7`` quantizes only those layers.
@@ -69,6 +71,7 @@ class Config:
     percentile: float = 99.9
     layers: frozenset[int] | None = field(default=None)
     center: str = "on"  # on (stationary channels), all, off; formats without global scales: off
+    kfmt: str | None = None  # K's format when it differs from V's (screening)
     sink: int = 0
 
     def quantizes(self, layer: int, kv: int) -> bool:
@@ -103,15 +106,21 @@ def parse_config(spec: str) -> Config:
             kw["percentile"] = float(val)
         elif key == "layers":
             kw["layers"] = _layer_set(val)
-        elif key == "center" and val in ("on", "all", "off"):
+        elif key == "center":
+            if val not in ("on", "all", "off"):
+                raise ValueError(f"center={val!r} in {spec!r}: want on, all or off")
             kw["center"] = val
         elif key == "sink":
             kw["sink"] = int(val)
+        elif key == "kfmt":
+            if val not in ("bf16", "fp8", "int8", "nvfp4"):
+                raise ValueError(f"kfmt={val!r} in {spec!r}: want bf16, fp8, int8 or nvfp4")
+            kw["kfmt"] = val
         else:
             raise ValueError(f"unknown option {key!r} in {spec!r}")
-    if kw.get("enc", "default") != "default" and fmt != "nvfp4":
-        raise ValueError(f"enc= applies to nvfp4 only: {spec!r}")
-    if fmt not in ("fp8", "nvfp4"):
+    if kw.get("enc", "default") != "default" and (fmt != "nvfp4" or "kfmt" in kw):
+        raise ValueError(f"enc= applies to nvfp4 only (and not with kfmt=): {spec!r}")
+    if fmt not in ("fp8", "nvfp4") and kw.get("kfmt") not in ("fp8", "nvfp4"):
         kw["center"] = "off"
     return Config(spec, fmt, had == "H", only or "kv", **kw)
 
@@ -249,6 +258,7 @@ class KVRoundTrip:
         self.state: dict = {}
         self.calibrating = False
         self.center_keep: torch.Tensor | None = None  # bool [d]: channels K centering may use
+        self.k_layout: KVLayout | None = None  # K's layout when it differs from V's (kfmt=)
 
     def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, lay, st = self.config, self.layout, self.state
@@ -262,13 +272,16 @@ class KVRoundTrip:
         mu = st["offsets"].get(layer)
         if mu is not None:
             kr = kr - mu
+        lays = (self.k_layout or lay, lay)
         if self.calibrating:
-            st["scales"][layer] = calibrate(lay, kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)
+            st["scales"][layer] = torch.stack([
+                calibrate(lays[i], kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)[i] for i in (0, 1)])
         g = st["scales"].get(layer, lay.default_scales())
         out = [k, v]
         for kv, x in ((0, kr), (1, vr)):
             if not cfg.quantizes(layer, kv):
                 continue
+            lay = lays[kv]
             rows = fwht(x) if kv == 0 and lay.hadamard else x
             st["counter"].add(kv, count_rows(lay, rows, g[kv]))
             gg = g[kv].expand(b * t, h).reshape(-1)
@@ -348,6 +361,7 @@ def main() -> int:
             st = state[c.spec]
             hook.config, hook.state, hook.calibrating = c, st, w == 0 and c.fmt is not None
             hook.layout = KVLayout.make(c.fmt, h, d, c.hadamard) if c.fmt else None
+            hook.k_layout = KVLayout.make(c.kfmt, h, d, c.hadamard) if c.kfmt else None
             t0 = time.time()
             with torch.no_grad():
                 logits = model(x).logits[0, :-1].float()
