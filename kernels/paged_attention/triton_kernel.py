@@ -97,6 +97,23 @@ def _e2m1_pairs_asm(c):
     )
 
 
+def _scaled_half_ptx(unpack: str) -> tl.constexpr:
+    """The PTX of ``_e2m1_scaled_half_asm``: ``unpack`` leaves the half's fp16 high bytes
+    (sign to bit 7, magnitude to bits 1-3) in ``x``; byte permutes then place them into the
+    fp16 lanes, each pair times its scales."""
+    return tl.constexpr(
+        "{ .reg .b32 a, b, x, z; " + unpack + " mov.b32 z, 0; "
+        "prmt.b32 a, x, z, 0x1404; mul.rn.f16x2 $0, a, $3; "
+        "prmt.b32 a, x, z, 0x3424; mul.rn.f16x2 $1, a, $4; }"
+    )
+
+
+# low nibbles: magnitude << 1, sign << 4; high nibbles: magnitude >> 3, sign in place
+_LO_HALF_PTX = _scaled_half_ptx(
+    "shl.b32 a, $2, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 4; lop3.b32 x, b, 0x80808080, a, 0xEA;")
+_HI_HALF_PTX = _scaled_half_ptx("shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; lop3.b32 x, $2, 0x80808080, a, 0xEA;")
+
+
 @triton.jit
 def _e2m1_scaled_half_asm(c, sc, HI: tl.constexpr):
     """One nibble set (the low nibbles, or the high ones when ``HI``) of uint8 code bytes as
@@ -108,40 +125,10 @@ def _e2m1_scaled_half_asm(c, sc, HI: tl.constexpr):
     One half per call, so the two halves of a V tile can also be unpacked, multiplied and
     released one after the other (half the shared memory and registers held at once)."""
     if HI:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 a, y, z;
-            shr.b32 a, $2, 3;
-            and.b32 a, a, 0x0E0E0E0E;
-            lop3.b32 y, $2, 0x80808080, a, 0xEA;
-            mov.b32 z, 0;
-            prmt.b32 a, y, z, 0x1404;
-            mul.rn.f16x2 $0, a, $3;
-            prmt.b32 a, y, z, 0x3424;
-            mul.rn.f16x2 $1, a, $4;
-            }
-            """,
-            constraints="=r,=r,r,r,r", args=[c, sc], dtype=tl.float16, is_pure=False, pack=4,
-        )
+        ptx: tl.constexpr = _HI_HALF_PTX
     else:
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 a, b, x, z;
-            shl.b32 a, $2, 1;
-            and.b32 a, a, 0x0E0E0E0E;
-            shl.b32 b, $2, 4;
-            lop3.b32 x, b, 0x80808080, a, 0xEA;
-            mov.b32 z, 0;
-            prmt.b32 a, x, z, 0x1404;
-            mul.rn.f16x2 $0, a, $3;
-            prmt.b32 a, x, z, 0x3424;
-            mul.rn.f16x2 $1, a, $4;
-            }
-            """,
-            constraints="=r,=r,r,r,r", args=[c, sc], dtype=tl.float16, is_pure=False, pack=4,
-        )
+        ptx: tl.constexpr = _LO_HALF_PTX
+    return tl.inline_asm_elementwise(ptx, "=r,=r,r,r,r", [c, sc], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
@@ -160,6 +147,18 @@ def _e4m3_impure_asm(c):
         """,
         constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=False, pack=4,
     )
+
+
+@triton.jit
+def _load_pair(p, step, m, MASKED: tl.constexpr):
+    """``(p[...], p[... + step])``, zero where ``m`` is False when ``MASKED``."""
+    if MASKED:
+        a = tl.load(p, mask=m, other=0)
+        b = tl.load(p + step, mask=m, other=0)
+    else:
+        a = tl.load(p)
+        b = tl.load(p + step)
+    return a, b
 
 
 @triton.jit
@@ -196,30 +195,15 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
     m = kmask[:, None]
     if FMT == 0:
         p = base.to(tl.pointer_type(tl.bfloat16))[:, None] + offs_n[:, None] * D + offs_c[None, :]
-        if MASKED:
-            lo = tl.load(p, mask=m, other=0.0)
-            hi = tl.load(p + HALF, mask=m, other=0.0)
-        else:
-            lo = tl.load(p)
-            hi = tl.load(p + HALF)
+        lo, hi = _load_pair(p, HALF, m, MASKED)
         return lo.to(DT), hi.to(DT)
     elif FMT == 1:
         p = base[:, None] + offs_n[:, None] * D + offs_c[None, :]
-        if MASKED:
-            lo = tl.load(p, mask=m, other=0)
-            hi = tl.load(p + HALF, mask=m, other=0)
-        else:
-            lo = tl.load(p)
-            hi = tl.load(p + HALF)
+        lo, hi = _load_pair(p, HALF, m, MASKED)
         return lo.to(tl.float8e4nv, bitcast=True).to(DT), hi.to(tl.float8e4nv, bitcast=True).to(DT)
     elif FMT == 2:
         p = base.to(tl.pointer_type(tl.int8))[:, None] + offs_n[:, None] * D + offs_c[None, :]
-        if MASKED:
-            lo = tl.load(p, mask=m, other=0)
-            hi = tl.load(p + HALF, mask=m, other=0)
-        else:
-            lo = tl.load(p)
-            hi = tl.load(p + HALF)
+        lo, hi = _load_pair(p, HALF, m, MASKED)
         return lo.to(DT), hi.to(DT)
     else:
         # nibble n -> fp16 bit pattern ((n & 7) << 9) | ((n & 8) << 12) = value * 2**-14 (exact
@@ -247,29 +231,14 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
                 c = tl.load(p, mask=m, other=0)
             else:
                 c = tl.load(p)
-        if NV_LOAD == 5 and UNPACK_ASM:
+        if (NV_LOAD == 3 or NV_LOAD == 5) and UNPACK_ASM:
             sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
-            if MASKED:
-                s_lo = tl.load(sp, mask=m, other=0)
-                s_hi = tl.load(sp + NB, mask=m, other=0)
-            else:
-                s_lo = tl.load(sp)
-                s_hi = tl.load(sp + NB)
-            s_lo = tl.reshape(tl.broadcast_to(s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16]), [BN, HALF])
-            s_hi = tl.reshape(tl.broadcast_to(s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16]), [BN, HALF])
-            lo = _e2m1_scaled_half_asm(c, s_lo, False)
-            hi = _e2m1_scaled_half_asm(c, s_hi, True)
-            return lo.to(DT), hi.to(DT)
-        if NV_LOAD == 3 and UNPACK_ASM:
-            sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
-            if MASKED:
-                s_lo = tl.load(sp, mask=m, other=0)
-                s_hi = tl.load(sp + NB, mask=m, other=0)
-            else:
-                s_lo = tl.load(sp)
-                s_hi = tl.load(sp + NB)
+            s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
             s_lo = tl.broadcast_to(s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
             s_hi = tl.broadcast_to(s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
+            if NV_LOAD == 5:  # codes are [BN, D/2]: so are their scales
+                s_lo = tl.reshape(s_lo, [BN, HALF])
+                s_hi = tl.reshape(s_hi, [BN, HALF])
             lo = _e2m1_scaled_half_asm(c, s_lo, False)
             hi = _e2m1_scaled_half_asm(c, s_hi, True)
             return tl.reshape(lo, [BN, HALF]).to(DT), tl.reshape(hi, [BN, HALF]).to(DT)
@@ -283,12 +252,7 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
             sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_c[None, :] // 16
         else:
             sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
-        if MASKED:
-            s_lo = tl.load(sp, mask=m, other=0)
-            s_hi = tl.load(sp + NB, mask=m, other=0)
-        else:
-            s_lo = tl.load(sp)
-            s_hi = tl.load(sp + NB)
+        s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
         s_lo = s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         s_hi = s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         if NV_LOAD == 0 or NV_LOAD == 3:
