@@ -67,7 +67,7 @@ def bench(fn) -> float:
 
 
 def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load_k=None, nv_load_v=None,
-                ppt=None):
+                ppt=None, maxreg=None, bm=None):
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
     if splits is None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -81,7 +81,8 @@ def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=
         attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, None, None, D**-0.5,
                                 num_splits=splits, out=out, scratch=scratch, uniform_t=t,
                                 num_warps=warps, num_stages=stages, unpack_asm=asm, nv_load_k=nv_load_k,
-                                nv_load_v=nv_load_v, pages_per_tile=ppt)
+                                nv_load_v=nv_load_v, pages_per_tile=ppt, max_registers=maxreg,
+                                block_m=bm)
 
     sec = bench(run)
     nbytes = batch * ctx * HKV * 2 * layout.token_bytes + 2 * q.numel() * 2
@@ -119,6 +120,10 @@ def sweep(fmt: str, batch: int, ctx: int) -> list[dict]:
         cfgs = [dict(warps=4, stages=2, asm=True, nv_load_k=k, nv_load_v=v, ppt=n) for k, v in pairs for n in (1, 2)]
         cfgs += [dict(warps=w, stages=s, asm=True, nv_load_k=2, nv_load_v=6, ppt=2) for w, s in ((4, 3), (8, 2))]
         cfgs += [dict(warps=4, stages=2, asm=False, nv_load_k=2, nv_load_v=2, ppt=2)]
+        # register caps: one page per tile fits 128 registers without spills (4 CTAs per SM
+        # instead of 3); two pages at 168 (3 by registers, but ~96 KB of shared memory)
+        cfgs += [dict(warps=4, stages=s, asm=True, nv_load_k=2, nv_load_v=v, ppt=1, maxreg=128) for s in (2, 3) for v in (5, 6)]
+        cfgs += [dict(warps=4, stages=3, asm=True, nv_load_k=2, nv_load_v=6, ppt=2, maxreg=168)]
     else:
         cfgs = [dict(warps=4, stages=s) for s in (2, 3)]
     for cfg in cfgs:
@@ -131,7 +136,7 @@ def sweep(fmt: str, batch: int, ctx: int) -> list[dict]:
         print(f"sweep {fmt} B={batch} ctx={ctx} {cfg}: {sec*1e6:8.1f} us {bw/PEAK:6.1%}", flush=True)
     if rows:
         best = min(rows, key=lambda r: r["us"])
-        BEST[fmt] = {k: best[k] for k in ("warps", "stages", "asm", "nv_load_k", "nv_load_v", "ppt") if k in best}
+        BEST[fmt] = {k: best[k] for k in ("warps", "stages", "asm", "nv_load_k", "nv_load_v", "ppt", "maxreg") if k in best}
         print(f"best {fmt}: {BEST[fmt]}", flush=True)
     return rows
 

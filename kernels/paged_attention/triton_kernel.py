@@ -39,7 +39,8 @@ Dequantization in registers, tensor cores for both products:
   the tensor-core operand layout from the packed bytes (mode 2); V, whose operand runs
   along tokens while its bytes run along the head dim, is unpacked and scaled in its load
   layout by impure PTX blocks and reaches the tensor cores as an fp16 tile through
-  shared memory (mode 5) — the compiler's alternative is one shared-memory load per byte.
+  shared memory (mode 5; mode 6, the halves one after the other, for row blocks over 16
+  rows) — the compiler's alternative is one shared-memory load per byte.
 Under ``TRITON_INTERPRET=1`` tiles are fp32 instead (the interpreter mishandles 16-bit
 floats in dot products). Rows and columns are "halves" of the head dim (``[0, d/2)`` and
 ``[d/2, d)``), matching nvfp4's half-split nibble packing, so nothing is ever interleaved.
@@ -62,7 +63,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # nvfp4 unpacking through a PTX block (4 bytes -> 8 fp16 per block) instead of per-element ops
 DEFAULT_UNPACK_ASM = True  # fastest on the H200 (docs/kernels.md)
 DEFAULT_NV_LOAD_K = 2
-DEFAULT_NV_LOAD_V = 6
+DEFAULT_NV_LOAD_V = 6  # row blocks over 16 rows (verify, prefill)
+DEFAULT_NV_LOAD_V_16 = 5  # 16-row blocks (single-token decode)
 
 
 @triton.jit
@@ -501,6 +503,7 @@ def paged_attention(
     pages_per_tile: int | None = None,
     page_max: bool = True,
     uniform_t: int = 0,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Same meaning as ``reference.paged_attention`` (Q already in the K space).
 
@@ -510,7 +513,8 @@ def paged_attention(
     call is exactly the attention kernel (plus the merge when split) and CUDA-graph
     capturable. ``num_splits`` > 1 splits each sequence's pages (decode); ``scratch`` may be
     preallocated (CUDA graphs); ``out`` may be fp32 (for accuracy checks) or q's dtype.
-    ``global_scales`` must be contiguous fp32 ``[2, Hkv]``.
+    ``global_scales`` must be contiguous fp32 ``[2, Hkv]``. ``max_registers`` caps registers
+    per thread (``ptxas`` ``maxnreg``: more programs per SM, possibly spills).
     """
     total, hq, d = q.shape
     h = layout.num_kv_heads
@@ -554,8 +558,11 @@ def paged_attention(
         opart = lse = out
     nw = num_warps or (4 if bm <= 64 else 8)
     asm = (not INTERPRET and DEFAULT_UNPACK_ASM) if unpack_asm is None else (unpack_asm and not INTERPRET)
-    # 3 stages for nvfp4 single-token decode, 2 otherwise (fastest measured on the H200)
-    ns = num_stages or (3 if layout.fmt is KVFormat.NVFP4 and bm <= 16 else 2)
+    # fastest measured on the H200 (docs/kernels.md): 2 stages; nvfp4 V in mode 5 for 16-row
+    # blocks (single-token decode), mode 6 above (mode 5 needs too much shared memory there)
+    ns = num_stages or 2
+    if nv_load_v is None:
+        nv_load_v = DEFAULT_NV_LOAD_V_16 if bm <= 16 else DEFAULT_NV_LOAD_V
     grid = (n_work, h, num_splits)
     paged_attention_fwd_kernel[grid](
         q, out, opart, lse, cache, global_scales,
@@ -571,13 +578,13 @@ def paged_attention(
         VDT=tl.float32 if INTERPRET else (tl.bfloat16 if layout.fmt is KVFormat.BF16 else tl.float16),
         UNPACK_ASM=asm,
         NV_LOAD_K=DEFAULT_NV_LOAD_K if nv_load_k is None else nv_load_k,
-        NV_LOAD_V=DEFAULT_NV_LOAD_V if nv_load_v is None else nv_load_v,
+        NV_LOAD_V=nv_load_v,
         BN=layout.page_size * (pages_per_tile or default_pages_per_tile(layout, bm)),
         PAGE_MAX=page_max,
         GS_MUL=gs_mul,
         UNIFORM_T=uniform_t, WPS=wps,
         P_SCALE={KVFormat.BF16: 1.0, KVFormat.INT8: 4096.0}.get(layout.fmt, 32768.0),
-        num_warps=nw, num_stages=ns,
+        num_warps=nw, num_stages=ns, **({"maxnreg": max_registers} if max_registers else {}),
     )
     if split_out:
         merge_kernel[(total, hq)](

@@ -96,3 +96,15 @@ def test_chunked_prefill_and_decode_write_identical_bytes(fmt):
     append_ref.append(ref, lay, k, v, slots, scales)
     for cache in caches:
         assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_register_cap_changes_no_result(t):
+    # max_registers only changes register allocation (ptxas maxnreg), never the arithmetic
+    case = build_case(KVLayout.make("nvfp4", 4, 256), [20000, 65, 3000], seed=9, device="cuda")
+    ql = [t] * 3
+    q = torch.randn(sum(ql), 24, 256, device="cuda").to(torch.bfloat16)
+    out, starts, lens = _run(case, q, ql, 8)
+    capped, _, _ = _run(case, q, ql, 8, max_registers=168)
+    assert rel_l2(out, _oracle_gpu(case, q, starts, lens)) <= 1e-3
+    assert rel_l2(capped, out) <= 1e-6
