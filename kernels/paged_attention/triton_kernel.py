@@ -39,8 +39,8 @@ Dequantization in registers, tensor cores for both products:
   the tensor-core operand layout from the packed bytes (mode 2); V, whose operand runs
   along tokens while its bytes run along the head dim, is unpacked and scaled in its load
   layout by impure PTX blocks and reaches the tensor cores as an fp16 tile through
-  shared memory (mode 5; mode 6, the halves one after the other, for row blocks over 16
-  rows) — the compiler's alternative is one shared-memory load per byte.
+  shared memory (mode 5; mode 6, the halves one after the other, for 32-row blocks) —
+  the compiler's alternative is one shared-memory load per byte.
 Under ``TRITON_INTERPRET=1`` tiles are fp32 instead (the interpreter mishandles 16-bit
 floats in dot products). Rows and columns are "halves" of the head dim (``[0, d/2)`` and
 ``[d/2, d)``), matching nvfp4's half-split nibble packing, so nothing is ever interleaved.
@@ -63,8 +63,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # nvfp4 unpacking through a PTX block (4 bytes -> 8 fp16 per block) instead of per-element ops
 DEFAULT_UNPACK_ASM = True  # fastest on the H200 (docs/kernels.md)
 DEFAULT_NV_LOAD_K = 2
-DEFAULT_NV_LOAD_V = 6  # row blocks over 16 rows (verify, prefill)
-DEFAULT_NV_LOAD_V_16 = 5  # 16-row blocks (single-token decode)
+DEFAULT_NV_LOAD_V = 5
+DEFAULT_NV_LOAD_V_32 = 6  # 32-row blocks (verify of 3-5 tokens: two-page tiles)
 
 
 @triton.jit
@@ -558,11 +558,11 @@ def paged_attention(
         opart = lse = out
     nw = num_warps or (4 if bm <= 64 else 8)
     asm = (not INTERPRET and DEFAULT_UNPACK_ASM) if unpack_asm is None else (unpack_asm and not INTERPRET)
-    # fastest measured on the H200 (docs/kernels.md): 2 stages; nvfp4 V in mode 5 for 16-row
-    # blocks (single-token decode), mode 6 above (mode 5 needs too much shared memory there)
+    # fastest measured on the H200 (docs/kernels.md): 2 stages; nvfp4 V in mode 5, except
+    # mode 6 for 32-row blocks (with their two-page tiles mode 5 needs ~127 KB of shared memory)
     ns = num_stages or 2
     if nv_load_v is None:
-        nv_load_v = DEFAULT_NV_LOAD_V_16 if bm <= 16 else DEFAULT_NV_LOAD_V
+        nv_load_v = DEFAULT_NV_LOAD_V_32 if 16 < bm <= 32 else DEFAULT_NV_LOAD_V
     grid = (n_work, h, num_splits)
     paged_attention_fwd_kernel[grid](
         q, out, opart, lse, cache, global_scales,
