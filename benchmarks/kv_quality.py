@@ -31,6 +31,14 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   ``nvfp4+H:kfmt=fp8`` = K fp8+H, V nvfp4; the cache has no such format);
 - ``sink=N`` leaves the first N tokens of every window unquantized (screening only: how
   much of the loss the attention-sink tokens carry; the cache has no such exception);
+- ``bal=P`` balances Q and K per channel before K is encoded (screening): K is divided and
+  Q multiplied by ``alpha = (E[k^2] / E[q^2])^P`` per (layer, KV head, channel), measured on
+  the calibration window after centering (Q summed over the head's query group, rotary
+  channel pairs averaged so ``alpha`` commutes with RoPE), normalized to geometric mean 1.
+  ``q . k`` is unchanged; the quantization error lands where Q is small. ``P = 0.25``
+  equalizes the two energies (the optimum for an error spread evenly by the Hadamard);
+- ``signs=SEED`` flips the sign of K (and so of Q) on a random half of the channels before
+  the Hadamard (a randomized Hadamard transform, screening);
 - ``layers=0,3,5-7`` quantizes only those layers.
 
 ``--sweep-layers SPEC`` adds ``SPEC:layers=i`` for every layer (one-layer sensitivity).
@@ -73,6 +81,9 @@ class Config:
     center: str = "on"  # on (stationary channels), all, off; formats without global scales: off
     kfmt: str | None = None  # K's format when it differs from V's (screening)
     sink: int = 0
+    balance: float = 0.0  # bal=P: Q/K channel balancing exponent (0: off)
+    pca: bool = False  # rot=pca: K and Q in the eigenbasis of the calibration Q (screening)
+    signs: int = 0  # signs=SEED: random +-1 per channel on K (and Q) before the Hadamard (0: off)
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -110,6 +121,14 @@ def parse_config(spec: str) -> Config:
             if val not in ("on", "all", "off"):
                 raise ValueError(f"center={val!r} in {spec!r}: want on, all or off")
             kw["center"] = val
+        elif key == "bal":
+            kw["balance"] = float(val)
+        elif key == "rot":
+            if val != "pca":
+                raise ValueError(f"rot={val!r} in {spec!r}: want pca")
+            kw["pca"] = True
+        elif key == "signs":
+            kw["signs"] = int(val)
         elif key == "sink":
             kw["sink"] = int(val)
         elif key == "kfmt":
@@ -249,6 +268,23 @@ def corpus_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def balance(q: torch.Tensor, k: torch.Tensor, p: float, rotary_dims: int) -> torch.Tensor:
+    """Per-(KV head, channel) fp32 [H, d] ``alpha = (E[k^2] / E[q^2])^p`` from q [N, Hq, d]
+    and k [N, H, d] (both after RoPE), rotary pairs averaged, geometric mean 1 per head."""
+    h, d = k.shape[1], k.shape[2]
+    eq = (q.double() ** 2).mean(0).view(h, -1, d).sum(1)
+    ek = (k.double() ** 2).mean(0)
+    half = rotary_dims // 2
+    for e in (eq, ek):
+        pair = (e[:, :half] + e[:, half:rotary_dims]) / 2
+        e[:, :half] = pair
+        e[:, half:rotary_dims] = pair
+    tiny = 1e-12
+    la = p * (torch.log(ek + tiny) - torch.log(eq + tiny))
+    la = la - la.mean(1, keepdim=True)
+    return torch.exp(la).float()
+
+
 class KVRoundTrip:
     """Attention hook state: the config in force, per-layer global scales, counters, errors."""
 
@@ -259,8 +295,9 @@ class KVRoundTrip:
         self.calibrating = False
         self.center_keep: torch.Tensor | None = None  # bool [d]: channels K centering may use
         self.k_layout: KVLayout | None = None  # K's layout when it differs from V's (kfmt=)
+        self.rotary_dims = 0  # channels RoPE rotates (pairs c, c + rotary_dims/2)
 
-    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, lay, st = self.config, self.layout, self.state
         if cfg is None or lay is None or not (cfg.quantizes(layer, 0) or cfg.quantizes(layer, 1)):
             return k, v
@@ -272,6 +309,26 @@ class KVRoundTrip:
         mu = st["offsets"].get(layer)
         if mu is not None:
             kr = kr - mu
+        if self.calibrating and cfg.pca:
+            qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d).double()
+            cov = torch.einsum("nhgd,nhge->hde", qr.view(b * t, h, -1, d), qr.view(b * t, h, -1, d)) / (b * t)
+            evals, evecs = torch.linalg.eigh(cov)  # ascending
+            st["rot"][layer] = evecs.flip(-1).float()  # [h, d, d], columns by falling Q energy
+        rot = st["rot"].get(layer)
+        if rot is not None:
+            kr = torch.einsum("nhd,hde->nhe", kr, rot)
+        if self.calibrating and cfg.balance:
+            qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d).float()
+            if rot is not None:
+                qr = torch.einsum("nhgd,hde->nhge", qr.view(b * t, h, -1, d), rot).reshape(b * t, -1, d)
+            st["alpha"][layer] = balance(qr, kr, cfg.balance, 0 if rot is not None else self.rotary_dims)
+        if self.calibrating and cfg.signs:
+            gen = torch.Generator().manual_seed(cfg.signs * 1000 + layer)
+            sgn = torch.randint(0, 2, (h, d), generator=gen).float() * 2 - 1
+            st["alpha"][layer] = st["alpha"].get(layer, torch.ones(h, d)) * sgn
+        alpha = st["alpha"].get(layer)
+        if alpha is not None:
+            kr = kr / alpha
         lays = (self.k_layout or lay, lay)
         if self.calibrating:
             st["scales"][layer] = torch.stack([
@@ -296,6 +353,10 @@ class KVRoundTrip:
             if kv == 0 and lay.hadamard:
                 deq = fwht(deq)
             deq = deq.view(b, t, h, d)
+            if kv == 0 and alpha is not None:
+                deq = deq * alpha  # = multiplying Q by alpha instead
+            if kv == 0 and rot is not None:
+                deq = torch.einsum("nhe,hde->nhd", deq.view(b * t, h, d), rot).view(deq.shape)
             if kv == 0 and mu is not None:
                 deq = deq + mu  # the softmax cancels the shift: same as attending to K - mu
             if cfg.sink:
@@ -332,19 +393,20 @@ def main() -> int:
                                            model.config.hidden_size // model.config.num_attention_heads, args.ctx)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = hook.apply(module.layer_idx, key, value)
+        key, value = hook.apply(module.layer_idx, query, key, value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
+    hook.rotary_dims = 2 * model.model.rotary_emb.inv_freq.numel()
     AttentionInterface.register("deepwell_kv", attention)
     model.set_attn_implementation("deepwell_kv")
     cfg = model.config
     h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     if sweep is not None:
         configs += [parse_config(f"{sweep.spec}:layers={i}") for i in range(cfg.num_hidden_layers)]
-    if not any(c.spec == "bf16" for c in configs):
-        configs.insert(0, parse_config("bf16"))
+    # bf16 runs first in every window: it is the reference of "vs bf16" and of the KL column
+    configs = [parse_config("bf16")] + [c for c in configs if c.spec != "bf16"]
     if args.baseline:
-        configs.insert(0, Config("fp32", None))
+        configs.insert(1, Config("fp32", None))
 
     ids = tok(corpus_text(), return_tensors="pt").input_ids[0]
     windows = math.ceil(args.tokens / args.ctx)
@@ -353,7 +415,7 @@ def main() -> int:
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
           f"{int(hook.center_keep.sum())} of {d} channels", flush=True)
-    state = {c.spec: dict(scales={}, offsets={}, counter=ScaleCounter(), nll=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
+    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
     for w in range(windows):
         x = ids[w * args.ctx : (w + 1) * args.ctx][None]
@@ -365,7 +427,13 @@ def main() -> int:
             t0 = time.time()
             with torch.no_grad():
                 logits = model(x).logits[0, :-1].float()
-            st["nll"] += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+                logp = torch.log_softmax(logits, dim=-1)
+                if c.spec == "bf16":
+                    ref_logp = logp
+                else:  # KL(bf16 || config) per token: the distortion itself, far less noisy than perplexity
+                    st["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum())
+                del logits
+            st["nll"] += float(torch.nn.functional.nll_loss(logp, x[0, 1:], reduction="sum"))
             st["count"] += x.shape[1] - 1
             st["secs"] += time.time() - t0
         print_table(configs, state, w + 1)
@@ -387,11 +455,11 @@ def print_table(configs: list[Config], state: dict, windows_done: int) -> None:
     ppl = {c.spec: math.exp(state[c.spec]["nll"] / state[c.spec]["count"]) for c in configs}
     base = ppl["bf16"]
     print(f"\nafter {windows_done} window(s), {state[configs[0].spec]['count']} scored tokens:")
-    print("| format | perplexity | vs bf16 | K scales zero/subnormal/saturated | V scales zero/subnormal/saturated |")
-    print("|---|---|---|---|---|")
+    print("| format | perplexity | vs bf16 | KL to bf16 (1e-3 nats/token) | K scales zero/subnormal/saturated | V scales zero/subnormal/saturated |")
+    print("|---|---|---|---|---|---|")
     for c in configs:
         k, v = state[c.spec]["counter"].k, state[c.spec]["counter"].v
-        print(f"| {c.spec} | {ppl[c.spec]:.4f} | {100 * (ppl[c.spec] / base - 1):+.3f}% | {k.zero}/{k.subnormal}/{k.saturated} of {k.blocks} "
+        print(f"| {c.spec} | {ppl[c.spec]:.4f} | {100 * (ppl[c.spec] / base - 1):+.3f}% | {1e3 * state[c.spec]['kl'] / state[c.spec]['count']:.3f} | {k.zero}/{k.subnormal}/{k.saturated} of {k.blocks} "
               f"| {v.zero}/{v.subnormal}/{v.saturated} of {v.blocks} |", flush=True)
     print("\n| config | K rel. sq. error | V rel. sq. error | seconds |\n|---|---|---|---|")
     for c in configs:
