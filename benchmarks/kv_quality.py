@@ -26,7 +26,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``hr=H`` / ``pct=P`` set the calibration headroom / percentile (defaults 4 / 99.9);
 - ``center=off`` turns K centering off (default on for fp8 and nvfp4, like the engine);
   ``center=all`` centers every channel — screening only: exact only while positions stay
-  inside the calibration window, as they do here;
+  inside the calibration window, as they do here; ``center=nosink`` takes the mean without
+  the window's first token (screening);
 - ``kfmt=FMT`` stores K in another format than V (screening a mixed cache, e.g.
   ``nvfp4+H:kfmt=fp8`` = K fp8+H, V nvfp4; the cache has no such format);
 - ``sink=N`` leaves the first N tokens of every window unquantized (screening only: how
@@ -118,8 +119,8 @@ def parse_config(spec: str) -> Config:
         elif key == "layers":
             kw["layers"] = _layer_set(val)
         elif key == "center":
-            if val not in ("on", "all", "off"):
-                raise ValueError(f"center={val!r} in {spec!r}: want on, all or off")
+            if val not in ("on", "all", "off", "nosink"):
+                raise ValueError(f"center={val!r} in {spec!r}: want on, all, off or nosink")
             kw["center"] = val
         elif key == "bal":
             kw["balance"] = float(val)
@@ -305,7 +306,8 @@ class KVRoundTrip:
         kr = k.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         vr = v.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         if self.calibrating and cfg.center != "off":
-            st["offsets"][layer] = k_offset(kr, None if cfg.center == "all" else self.center_keep)
+            src = kr[1:] if cfg.center == "nosink" else kr
+            st["offsets"][layer] = k_offset(src, None if cfg.center == "all" else self.center_keep)
         mu = st["offsets"].get(layer)
         if mu is not None:
             kr = kr - mu
