@@ -169,7 +169,8 @@ async def serve(cfg: EngineConfig) -> int:
         model_id=model_id, architecture=runner.architecture, model_type=str(text_cfg.get("model_type", "")),
         core=core, kv_dtype=runner.kv_dtype_name, config=text_cfg,
         generation_config=source.generation_config, chat_template=source.chat_template or "", files=files,
-        engine_id=cfg.engine_id or f"{socket.gethostname()}:{os.getpid()}")
+        engine_id=cfg.engine_id or f"{socket.gethostname()}:{os.getpid()}",
+        kv_calibration_digest=runner.kv_calibration.digest() if runner.kv_calibration is not None else "")
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before anything announces that we serve
         loop.add_signal_handler(sig, stop.set)

@@ -249,7 +249,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
 def build_model_info(*, model_id: str, architecture: str, model_type: str, core: Any, kv_dtype: str,
                      config: Mapping[str, Any], generation_config: Mapping[str, Any], chat_template: str,
-                     files: Mapping[str, ModelFileData], engine_id: str) -> engine_pb2.ModelInfo:
+                     files: Mapping[str, ModelFileData], engine_id: str,
+                     kv_calibration_digest: str = "") -> engine_pb2.ModelInfo:
     tok_cfg = files.get("tokenizer_config.json")
     info = engine_pb2.ModelInfo(
         model_id=model_id, architecture=architecture, model_type=model_type,
@@ -260,7 +261,7 @@ def build_model_info(*, model_id: str, architecture: str, model_type: str, core:
         files=[engine_pb2.ModelFile(name=f.name, size=len(f.data), sha256=f.sha256) for f in files.values()],
         default_sampling=params_to_proto(core.defaults), page_size=core.blocks.page_size,
         max_concurrency=core.scheduler.limits.max_concurrency, engine_id=engine_id, version=__version__,
-        hybrid=core.spec.hybrid, supports_vision=False)
+        hybrid=core.spec.hybrid, supports_vision=False, kv_calibration_digest=kv_calibration_digest)
     for key in ("bos_token_id", "pad_token_id"):
         v = generation_config.get(key, config.get(key))
         if isinstance(v, int) and v >= 0:

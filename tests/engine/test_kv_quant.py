@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -496,12 +497,11 @@ def test_engine_process_serves_with_nvfp4(nvfp4_engine, smol) -> None:
     except grpc.aio.AioRpcError as exc:  # pragma: no cover - shows the server's reason
         pytest.fail(f"{exc.code()}: {exc.details()}")
     assert info.kv_dtype == "nvfp4" and info.page_size == 64
+    assert re.fullmatch(r"[0-9a-f]{16}", info.kv_calibration_digest), info.kv_calibration_digest
     assert 1 <= len(tokens) <= 4 and all(0 <= t < info.vocab_size for t in tokens)
     body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     assert 'deepwell_engine_kv_scale_blocks{kind="total",kv="k",model=' in body
     assert 'deepwell_engine_kv_global_scale{kv="v",model=' in body
     # the served counts: the first step's prompt at least (30 layers x 3 heads x 4 blocks per token)
-    import re
-
     served = re.search(r'deepwell_engine_kv_served_scales_total\{kind="total",kv="k",model="[^"]*"\} (\S+)', body)
     assert served is not None and float(served.group(1)) >= len(ids) * 30 * 3 * 4, body[-2000:]

@@ -224,6 +224,7 @@ async def test_model_info_and_files(engine, model_dir: Path) -> None:
         assert (info.model_id, info.vocab_size, info.max_context_tokens, info.page_size) == (
             model_dir.name, VOCAB, 320, 8)
         assert info.hybrid and info.max_concurrency == 4 and info.kv_dtype == "float32"
+        assert info.kv_calibration_digest == ""  # float pools have no calibration
         assert list(info.eos_token_ids) == [2] and info.bos_token_id == 1 and info.pad_token_id == 0
         assert (info.bos_token, info.eos_token) == ("<s>", "</s>")
         assert info.chat_template == (model_dir / "chat_template.jinja").read_text()
