@@ -27,7 +27,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``center=off`` turns K centering off (default on for fp8 and nvfp4, like the engine);
   ``center=all`` centers every channel — screening only: exact only while positions stay
   inside the calibration window, as they do here; ``center=nosink`` takes the mean without
-  the window's first token (screening);
+  the window's first token; ``center=first`` / ``firstst`` subtract each window's own first
+  key (on every channel / the stationary ones), which makes that key exact (screening);
 - ``kfmt=FMT`` stores K in another format than V (screening a mixed cache, e.g.
   ``nvfp4+H:kfmt=fp8`` = K fp8+H, V nvfp4; the cache has no such format);
 - ``sink=N`` leaves the first N tokens of every window unquantized (screening only: how
@@ -119,8 +120,8 @@ def parse_config(spec: str) -> Config:
         elif key == "layers":
             kw["layers"] = _layer_set(val)
         elif key == "center":
-            if val not in ("on", "all", "off", "nosink"):
-                raise ValueError(f"center={val!r} in {spec!r}: want on, all, off or nosink")
+            if val not in ("on", "all", "off", "nosink", "first", "firstst"):
+                raise ValueError(f"center={val!r} in {spec!r}: want on, all, off, nosink, first or firstst")
             kw["center"] = val
         elif key == "bal":
             kw["balance"] = float(val)
@@ -305,7 +306,9 @@ class KVRoundTrip:
         b, h, t, d = k.shape
         kr = k.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         vr = v.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
-        if self.calibrating and cfg.center != "off":
+        if cfg.center in ("first", "firstst"):  # this window's first key (screening)
+            st["offsets"][layer] = k_offset(kr[:1], None if cfg.center == "first" else self.center_keep)
+        elif self.calibrating and cfg.center != "off":
             src = kr[1:] if cfg.center == "nosink" else kr
             st["offsets"][layer] = k_offset(src, None if cfg.center == "all" else self.center_keep)
         mu = st["offsets"].get(layer)
