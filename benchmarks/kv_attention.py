@@ -67,14 +67,9 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e-3
 
 
-def bench_graph(fn, reps: int = 20) -> float:
-    """GPU time of one ``fn()`` call: ``reps`` calls captured in a CUDA graph, replays timed
-    (as the engine runs a decode step). Eager timing of small calls measures the host's
-    launch overhead instead (tens of microseconds per Triton launch from Python); calls over
-    a millisecond are timed eagerly (the GPU is then the bottleneck either way)."""
-    eager = bench(fn)
-    if eager > 1e-3:
-        return eager
+def graph_time(fn, reps: int) -> float:
+    """GPU time of one ``fn()`` call: ``reps`` calls captured in one CUDA graph, replays timed."""
+    fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -85,6 +80,14 @@ def bench_graph(fn, reps: int = 20) -> float:
     sec = bench(graph.replay) / reps
     del graph
     return sec
+
+
+def bench_graph(fn, reps: int = 20) -> float:
+    """``graph_time`` of a decode call (as the engine runs a step). Eager timing of small calls
+    measures the host's launch overhead instead (tens of microseconds per Triton launch from
+    Python); calls over a millisecond are timed eagerly (the GPU is the bottleneck either way)."""
+    eager = bench(fn)
+    return eager if eager > 1e-3 else graph_time(fn, reps)
 
 
 def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load_k=None, nv_load_v=None,
@@ -232,16 +235,7 @@ def append_table() -> list[dict]:
             append_tk.append(cache, layout, k, v, slots, scales, offset, counts, validate=False, block_t=bt,
                              num_warps=warps)
 
-        call()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        reps = 100
-        with torch.cuda.stream(stream):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(reps):
-                    call()
-        sec = bench(graph.replay) / reps
+        sec = graph_time(call, 100)
         eager = bench(call)
         rows.append(dict(fmt=fmt, block_t=bt or "default", warps=warps or "default", counted=counted, graph_us=sec * 1e6,
                          eager_us=eager * 1e6))
@@ -262,14 +256,7 @@ def step_table() -> list[dict]:
         def call():
             be.decode_attention(q, layer, tables, ctx_lens, sm_scale=D**-0.5, out=out, validate=False)
 
-        call()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                call()
-        step = bench(graph.replay)
+        step = graph_time(call, 1)
         kernel, _, splits = time_decode("nvfp4", batch, ctx, 1, **BEST.get("nvfp4", {}))
         rows.append(dict(batch=batch, ctx=ctx, step_us=step * 1e6, kernel_us=kernel * 1e6))
         print(f"step nvfp4 B={batch} ctx={ctx}: backend decode call in a graph {step*1e6:8.1f} us, "
