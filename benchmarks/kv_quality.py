@@ -109,12 +109,16 @@ def parse_config(spec: str) -> Config:
     if fmt not in ("bf16", "fp8", "int8", "nvfp4") or had not in ("", "H") or only not in ("", "k", "v"):
         raise ValueError(f"bad config spec {spec!r}: want FMT[+H][@k|@v][:key=value]...")
     kw: dict = {}
+
+    def choice(key: str, val: str, allowed: tuple[str, ...]) -> str:
+        if val not in allowed:
+            raise ValueError(f"{key}={val!r} in {spec!r}: want one of {', '.join(allowed)}")
+        return val
+
     for opt in opts:
         key, _, val = opt.partition("=")
         if key == "enc":
-            if val not in ENCODERS:
-                raise ValueError(f"unknown encoder {val!r} in {spec!r}; known: {sorted(ENCODERS)}")
-            kw["enc"] = val
+            kw["enc"] = choice(key, val, tuple(ENCODERS))
         elif key == "hr":
             kw["headroom"] = float(val)
         elif key == "pct":
@@ -122,23 +126,17 @@ def parse_config(spec: str) -> Config:
         elif key == "layers":
             kw["layers"] = _layer_set(val)
         elif key == "center":
-            if val not in ("on", "all", "off", "nosink", "first", "firstst"):
-                raise ValueError(f"center={val!r} in {spec!r}: want on, all, off, nosink, first or firstst")
-            kw["center"] = val
+            kw["center"] = choice(key, val, ("on", "all", "off", "nosink", "first", "firstst"))
         elif key == "bal":
             kw["balance"] = float(val)
         elif key == "rot":
-            if val != "pca":
-                raise ValueError(f"rot={val!r} in {spec!r}: want pca")
-            kw["pca"] = True
+            kw["pca"] = choice(key, val, ("pca",)) == "pca"
         elif key == "signs":
             kw["signs"] = int(val)
         elif key == "sink":
             kw["sink"] = int(val)
         elif key == "kfmt":
-            if val not in ("bf16", "fp8", "int8", "nvfp4"):
-                raise ValueError(f"kfmt={val!r} in {spec!r}: want bf16, fp8, int8 or nvfp4")
-            kw["kfmt"] = val
+            kw["kfmt"] = choice(key, val, ("bf16", "fp8", "int8", "nvfp4"))
         else:
             raise ValueError(f"unknown option {key!r} in {spec!r}")
     if kw.get("enc", "default") != "default" and (fmt != "nvfp4" or "kfmt" in kw):
