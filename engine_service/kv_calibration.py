@@ -24,6 +24,7 @@ real activations of the model, but less representative than text.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -144,8 +145,6 @@ class KVCalibration:
         """sha256 (hex, 16 chars) of the format, every global scale and every K offset: what the
         cached bytes mean. Pages kept outside this process (the KV daemon) may only be reused
         by an engine whose calibration has the same digest."""
-        import hashlib
-
         h = hashlib.sha256(self.kv_format.encode())
         for t in (*self.scales, *(self.k_offsets or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())

@@ -38,7 +38,7 @@ import torch
 
 from engine_service.layers.context import StepContext
 from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_backend
-from kernels.calibration import ScaleCounts
+from kernels.calibration import ScaleCounts, counted_per_row
 from kernels.kv_append.reference import SCALE_COUNT_KINDS, check_k_offset
 from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
 
@@ -147,9 +147,7 @@ class QuantKVPool:
         global scales). A small device-to-host copy."""
         if self._counts is None:
             return None
-        lay = self.layout
-        per_row = lay.head_dim // 16 if lay.fmt.value == "nvfp4" else lay.head_dim
-        total = self._stored[0] * len(self.caches) * lay.num_kv_heads * per_row
+        total = self._stored[0] * len(self.caches) * self.layout.num_kv_heads * counted_per_row(self.layout)
         k, v = self._counts.sum((0, 2)).tolist()
         return ScaleCounts(total, k[0], k[1], k[2]), ScaleCounts(total, v[0], v[1], v[2])
 

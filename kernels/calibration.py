@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.hadamard.reference import fwht
+from kernels.kv_append.reference import stored_rows
 from kernels.kv_formats import nvfp4
 from kernels.kv_formats.e4m3 import E4M3_MAX, E4M3_MIN_NORMAL
 from kernels.kv_formats.layout import KVFormat, KVLayout, pow2_at_least
@@ -63,14 +63,17 @@ class ScaleCounts:
         )
 
 
-def _rows(layout: KVLayout, x: torch.Tensor, kv: int) -> torch.Tensor:
-    x = x.to(torch.float32)
-    return fwht(x) if kv == 0 and layout.hadamard else x
+def counted_per_row(layout: KVLayout) -> int:
+    """Scale inputs counted per token row of one head: nvfp4 block scales (d / 16), fp8
+    elements (d); 0 for formats without global scales."""
+    if layout.fmt is KVFormat.NVFP4:
+        return layout.head_dim // nvfp4.BLOCK
+    return layout.head_dim if layout.fmt is KVFormat.FP8 else 0
 
 
 def _scale_inputs(layout: KVLayout, x: torch.Tensor, kv: int, g: torch.Tensor) -> torch.Tensor | None:
     """What E4M3 rounds, shaped [N, H, blocks]: block amax * enc (nvfp4) or |x| / g (fp8)."""
-    return _rotated_scale_inputs(layout, _rows(layout, x, kv), g)
+    return _rotated_scale_inputs(layout, stored_rows(x, layout, kv), g)
 
 
 def _rotated_scale_inputs(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:

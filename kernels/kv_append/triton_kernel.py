@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.hadamard.triton_fn import fwht_rows
+from kernels.calibration import counted_per_row
 from kernels.kv_append.reference import check_k_offset, check_scale_counts
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 from kernels.kv_formats.int8 import INV_127
@@ -253,7 +254,7 @@ def append(
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
     bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or (count is not None and d > 128) else 4)
-    if count is not None and bt * (d // 16 if layout.fmt is KVFormat.NVFP4 else d) >= 1024:
+    if count is not None and bt * counted_per_row(layout) >= 1024:
         raise ValueError(f"block_t={bt} puts 1024 or more scale inputs in a program; counting needs fewer")
     grid = (triton.cdiv(n, bt), layout.num_kv_heads, 2)
     kv_append_fwd_kernel[grid](
