@@ -5,7 +5,8 @@ BLOCK_T), num_kv_heads, 2]``) and writes their code and scale rows into the page
 ``slots``. Every arithmetic step mirrors the reference codec exactly (see
 ``kernels.kv_formats``): the Hadamard butterflies in the same order, E4M3 rounding from
 exponent bits and the (y + 1.5*2**23) - 1.5*2**23 round-half-even, nvfp4 magnitudes by
-comparisons against exact thresholds and its block scale by the same candidate search
+comparisons against exact thresholds (a three-level binary search, the same count as the
+reference's seven comparisons) and its block scale by the same candidate search
 (clipping candidates for K only) with the same int32 fixed-point error (``kv_formats.nvfp4`` step 4: power-of-two products,
 truncating conversions, integer sums — no result depends on reduction order or FMA
 contraction), int8 through the correctly rounded ``div_rn``.
@@ -63,22 +64,39 @@ def e4m3_value(code):
 
 
 @triton.jit
-def nvfp4_block_error(a, big_a, s, half_unit):
-    """(int32 squared error per block, E2M1 index) of blocks ``a`` [T, B, 16] under scale
-    values ``s`` [T, B]; the fixed-point error of ``kv_formats.nvfp4.block_error``."""
+def nvfp4_tree(a, sb):
+    """E2M1 index bits of ``a`` [T, B, 16] under scale values ``sb`` [T, B, 1]: the number of
+    thresholds ``t * s`` passed (``kv_formats.nvfp4`` step 3) found by a binary search
+    instead of seven comparisons: 1.75 s (inclusive) splits the grid in halves, then 3.5 s
+    or 0.75 s (inclusive), then 5 / 2.5 / 1.25 / 0.25 s (exclusive) — the thresholds are
+    increasing, so the count is ``4 b2 + 2 b1 + b0``. Returns (b2, b1, b0) as int32."""
+    b2 = a >= 1.75 * sb
+    b1 = a >= tl.where(b2, 3.5 * sb, 0.75 * sb)
+    b0 = a > tl.where(b2, tl.where(b1, 5.0 * sb, 2.5 * sb), tl.where(b1, 1.25 * sb, 0.25 * sb))
+    return b2.to(tl.int32), b1.to(tl.int32), b0.to(tl.int32)
+
+
+@triton.jit
+def nvfp4_index(a, s):
+    """E2M1 magnitude index (0..7) of ``a`` [T, B, 16] under scale values ``s`` [T, B]; 0
+    where ``s == 0`` (``kv_formats.nvfp4.e2m1_index``)."""
     sb = s[:, :, None]
-    idx = (a > 0.25 * sb).to(tl.int32)
-    idx += (a >= 0.75 * sb).to(tl.int32)
-    idx += (a > 1.25 * sb).to(tl.int32)
-    idx += (a >= 1.75 * sb).to(tl.int32)
-    idx += (a > 2.5 * sb).to(tl.int32)
-    idx += (a >= 3.5 * sb).to(tl.int32)
-    idx += (a > 5.0 * sb).to(tl.int32)
-    idx = tl.where(sb > 0, idx, 0)
-    halves = tl.where(idx <= 4, idx, tl.where(idx == 5, 6, tl.where(idx == 6, 8, 12)))
+    b2, b1, b0 = nvfp4_tree(a, sb)
+    return tl.where(sb > 0, 4 * b2 + 2 * b1 + b0, 0)
+
+
+@triton.jit
+def nvfp4_block_error(a, big_a, s, half_unit):
+    """int32 squared error per block of blocks ``a`` [T, B, 16] under scale values ``s``
+    [T, B]: the fixed-point error of ``kv_formats.nvfp4.block_error``. The doubled E2M1 value
+    ``h = (0, 1, 2, 3, 4, 6, 8, 12)[idx]`` comes from the search bits: ``2 b1 + b0`` in the
+    lower half, ``(4 + 2 b0) << b1`` in the upper one. (A zero ``s`` only occurs in blocks
+    whose codes are forced to zero, and its error stays below 2**30: ``step`` is 0.)"""
+    b2, b1, b0 = nvfp4_tree(a, s[:, :, None])
+    h = tl.where(b2 != 0, (4 + 2 * b0) << b1, 2 * b1 + b0)
     step = (s * half_unit).to(tl.int32)
-    dd = big_a - halves * step[:, :, None]
-    return tl.sum(dd * dd, axis=2), idx
+    dd = big_a - h * step[:, :, None]
+    return tl.sum(dd * dd, axis=2)
 
 
 @triton.jit
@@ -181,23 +199,25 @@ def kv_append_fwd_kernel(
         clip = kv == 0
         c0 = tl.where(clip | (6.0 * s6 >= m), c6, tl.minimum(c6 + 1, 126))
         top = tl.maximum(top, c0)
-        best_err, idx = nvfp4_block_error(a, big_a, e4m3_value(c0), half_unit)
+        best_err = nvfp4_block_error(a, big_a, e4m3_value(c0), half_unit)
         best = c0
         if clip:  # V has no candidates below c0 (skipping them changes nothing: ties keep the earlier)
             for k in tl.static_range(1, SEARCH_DOWN + 1):
                 c = tl.maximum(c0 - k, 1)
-                err, i2 = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
+                err = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
                 better = err < best_err
                 best = tl.where(better, c, best)
                 best_err = tl.where(better, err, best_err)
-                idx = tl.where(better[:, :, None], i2, idx)
+        # (no early exit when every block of the program is past its top: measured 8% slower,
+        # the branches keep the compiler from interleaving the candidates)
         for k in tl.static_range(1, UP_SPAN + 1):
             c = tl.minimum(c0 + k, top)
-            err, i2 = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
+            err = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
             better = err < best_err
             best = tl.where(better, c, best)
             best_err = tl.where(better, err, best_err)
-            idx = tl.where(better[:, :, None], i2, idx)
+        # the winner's element indices, evaluated once (not carried through the search)
+        idx = nvfp4_index(a, e4m3_value(best))
         s_code = tl.where(c6 > 0, best, 0)
         idx = tl.where(c6[:, :, None] > 0, idx, 0)
         nib = idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
