@@ -69,11 +69,11 @@ def nvfp4_tree(a, sb):
     thresholds ``t * s`` passed (``kv_formats.nvfp4`` step 3) found by a binary search
     instead of seven comparisons: 1.75 s (inclusive) splits the grid in halves, then 3.5 s
     or 0.75 s (inclusive), then 5 / 2.5 / 1.25 / 0.25 s (exclusive) — the thresholds are
-    increasing, so the count is ``4 b2 + 2 b1 + b0``. Returns (b2, b1, b0) as int32."""
+    increasing, so the count is ``4 b2 + 2 b1 + b0``. Returns the bits (b2, b1, b0)."""
     b2 = a >= 1.75 * sb
     b1 = a >= tl.where(b2, 3.5 * sb, 0.75 * sb)
     b0 = a > tl.where(b2, tl.where(b1, 5.0 * sb, 2.5 * sb), tl.where(b1, 1.25 * sb, 0.25 * sb))
-    return b2.to(tl.int32), b1.to(tl.int32), b0.to(tl.int32)
+    return b2, b1, b0
 
 
 @triton.jit
@@ -82,18 +82,18 @@ def nvfp4_index(a, s):
     where ``s == 0`` (``kv_formats.nvfp4.e2m1_index``)."""
     sb = s[:, :, None]
     b2, b1, b0 = nvfp4_tree(a, sb)
-    return tl.where(sb > 0, 4 * b2 + 2 * b1 + b0, 0)
+    return tl.where(sb > 0, 4 * b2.to(tl.int32) + 2 * b1.to(tl.int32) + b0.to(tl.int32), 0)
 
 
 @triton.jit
 def nvfp4_block_error(a, big_a, s, half_unit):
     """int32 squared error per block of blocks ``a`` [T, B, 16] under scale values ``s``
     [T, B]: the fixed-point error of ``kv_formats.nvfp4.block_error``. The doubled E2M1 value
-    ``h = (0, 1, 2, 3, 4, 6, 8, 12)[idx]`` comes from the search bits: ``2 b1 + b0`` in the
-    lower half, ``(4 + 2 b0) << b1`` in the upper one. (A zero ``s`` only occurs in blocks
-    whose codes are forced to zero, and its error stays below 2**30: ``step`` is 0.)"""
+    ``h = (0, 1, 2, 3, 4, 6, 8, 12)[idx]`` is selected by the search bits (fewer instructions
+    than arithmetic on them). (A zero ``s`` only occurs in blocks whose codes are forced to
+    zero, and its error stays below 2**30: ``step`` is 0.)"""
     b2, b1, b0 = nvfp4_tree(a, s[:, :, None])
-    h = tl.where(b2 != 0, (4 + 2 * b0) << b1, 2 * b1 + b0)
+    h = tl.where(b2, tl.where(b1, tl.where(b0, 12, 8), tl.where(b0, 6, 4)), tl.where(b1, tl.where(b0, 3, 2), tl.where(b0, 1, 0)))
     step = (s * half_unit).to(tl.int32)
     dd = big_a - h * step[:, :, None]
     return tl.sum(dd * dd, axis=2)
