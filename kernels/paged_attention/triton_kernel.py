@@ -14,7 +14,9 @@ Split-K: split ``s`` of ``num_splits`` handles pages ``[s * pps, (s + 1) * pps)`
 ``num_splits > 1`` each writes a normalized partial output and its log2-sum-exp, and
 ``merge_kernel`` combines them. The grid depends only on batch shape and ``num_splits``
 (never on context lengths), so a decode step can be captured in a CUDA graph with a fixed
-maximum split count.
+maximum split count. For nvfp4 the tiles run in two loops over the same tile starts
+(``_attend_tile``): first those whose keys every row sees and that lie inside the split,
+without masks, then the rest with the causal and split masks.
 
 Softmax (``page_max``, default on): each tile's probabilities are taken relative to that
 tile's own row maximum and its P V product starts from a zero accumulator; the running
@@ -272,6 +274,109 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
 
 
 @triton.jit
+def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
+                 q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, FMT: tl.constexpr, D: tl.constexpr,
+                 SCALE_OFF: tl.constexpr, SB: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr,
+                 UNPACK_ASM: tl.constexpr, NV_LOAD_K: tl.constexpr, NV_LOAD_V: tl.constexpr, BN: tl.constexpr,
+                 PAGE: tl.constexpr, P_SCALE: tl.constexpr, PAGE_MAX: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile (pages ``p .. p + BN/PAGE - 1``) folded into the running softmax state;
+    without ``MASKED`` every key of the tile must be visible to every row and inside the split
+    (dead rows then get finite values, which are never stored)."""
+    HALF: tl.constexpr = D // 2
+    # BN // PAGE pages per tile; a page past this split's end repeats page p, masked
+    pg = p + sub
+    if MASKED:
+        in_split = pg < p_hi
+        page = tl.load(bt_row + tl.where(in_split, pg, p)).to(tl.int64)
+    else:
+        page = tl.load(bt_row + pg).to(tl.int64)
+    kbase = cache_ptr + page * stride_cp + kvh * stride_ch
+    vbase = kbase + stride_ckv
+    k_pos = pg * PAGE + offs_n
+    if MASKED:
+        k_ok = (k_pos < kv_end) & in_split
+    else:
+        k_ok = k_pos >= 0
+    k_lo, k_hi = _load_halves(kbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, KDT, False, UNPACK_ASM, NV_LOAD_K, BN)
+    s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
+    if FMT == 2:
+        ks = tl.load(kbase.to(tl.pointer_type(tl.float32)) + SCALE_OFF // 4 + offs_n)
+        s = s * ks[None, :]
+    s = s * scale
+    if MASKED:
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_split[None, :], s, float("-inf"))
+    m_pg = tl.max(s, axis=1)
+    m_new = tl.maximum(m_i, m_pg)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    if PAGE_MAX:
+        # probabilities relative to this tile's own row max, so a tile's P (and its P V
+        # product, accumulated from zero) is the same whichever split the tile falls in
+        m_pg_use = tl.where(m_pg == float("-inf"), 0.0, m_pg)
+        beta = tl.exp2(m_pg_use - m_use)
+        pr = tl.exp2(s - m_pg_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1) * beta
+    else:
+        # classic running max: P V accumulates straight into the rescaled accumulator
+        pr = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        acc_lo = acc_lo * alpha[:, None]
+        acc_hi = acc_hi * alpha[:, None]
+    if FMT == 0 and VDT == tl.bfloat16:
+        v_lo, v_hi = _load_halves(vbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, tl.bfloat16, MASKED, BN=BN)
+        p_big = pr.to(tl.bfloat16)
+        p_res = (pr - p_big.to(tl.float32)).to(tl.bfloat16)
+        if PAGE_MAX:
+            pv_lo = tl.dot(p_big, v_lo) + tl.dot(p_res, v_lo)
+            pv_hi = tl.dot(p_big, v_hi) + tl.dot(p_res, v_hi)
+        else:
+            acc_lo += tl.dot(p_big, v_lo) + tl.dot(p_res, v_lo)
+            acc_hi += tl.dot(p_big, v_hi) + tl.dot(p_res, v_hi)
+    else:
+        # P (<= 1) is scaled by P_SCALE before the fp16 cast so that small probabilities
+        # stay normal fp16 numbers; 1 / P_SCALE is applied at the end
+        if FMT == 2:
+            vs = tl.load(vbase.to(tl.pointer_type(tl.float32)) + SCALE_OFF // 4 + offs_n, mask=k_ok, other=0.0)
+            pw = pr * (vs * P_SCALE)[None, :]
+        else:
+            pw = pr * P_SCALE
+        pr16 = pw.to(VDT)
+        if FMT == 1 and NV_LOAD_V >= 5 and UNPACK_ASM:
+            # fp8 V through the impure conversion (halves one after the other)
+            vp = vbase[:, None] + offs_n[:, None] * D + tl.arange(0, HALF)[None, :]
+            v_lo = _e4m3_impure_asm(tl.load(vp, mask=k_ok[:, None], other=0))
+            pv_lo = tl.dot(pr16, v_lo)
+            v_hi = _e4m3_impure_asm(tl.load(vp + HALF, mask=k_ok[:, None], other=0))
+            pv_hi = tl.dot(pr16, v_hi)
+            if not PAGE_MAX:
+                acc_lo += pv_lo
+                acc_hi += pv_hi
+        elif FMT == 3 and NV_LOAD_V == 6 and UNPACK_ASM:
+            # mode 6: as 5, the two halves one after the other
+            v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, False, BN)
+            pv_lo = tl.dot(pr16, v_lo)
+            v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, True, BN)
+            pv_hi = tl.dot(pr16, v_hi)
+            if not PAGE_MAX:
+                acc_lo += pv_lo
+                acc_hi += pv_hi
+        else:
+            v_lo, v_hi = _load_halves(vbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, VDT, MASKED, UNPACK_ASM, NV_LOAD_V, BN)
+            if PAGE_MAX:
+                pv_lo = tl.dot(pr16, v_lo)
+                pv_hi = tl.dot(pr16, v_hi)
+            else:
+                acc_lo += tl.dot(pr16, v_lo)
+                acc_hi += tl.dot(pr16, v_hi)
+    if PAGE_MAX:
+        acc_lo = acc_lo * alpha[:, None] + pv_lo * beta[:, None]
+        acc_hi = acc_hi * alpha[:, None] + pv_hi * beta[:, None]
+    m_i = m_new
+
+    return acc_lo, acc_hi, m_i, l_i
+
+
+@triton.jit
 def paged_attention_fwd_kernel(
     q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr,
     block_table_ptr, ctx_len_ptr, q_start_ptr, q_len_ptr, work_seq_ptr, work_row_ptr,
@@ -339,89 +444,24 @@ def paged_attention_fwd_kernel(
     offs_n = offs_r % PAGE
     sub = offs_r // PAGE
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
-    for p in range(p_lo, p_hi, BN // PAGE):
-        # BN // PAGE pages per tile; a page past this split's end repeats page p, masked
-        pg = p + sub
-        in_split = pg < p_hi
-        page = tl.load(bt_row + tl.where(in_split, pg, p)).to(tl.int64)
-        kbase = cache_ptr + page * stride_cp + kvh * stride_ch
-        vbase = kbase + stride_ckv
-        k_pos = pg * PAGE + offs_n
-        k_ok = (k_pos < kv_end) & in_split
-        k_lo, k_hi = _load_halves(kbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, KDT, False, UNPACK_ASM, NV_LOAD_K, BN)
-        s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-        if FMT == 2:
-            ks = tl.load(kbase.to(tl.pointer_type(tl.float32)) + SCALE_OFF // 4 + offs_n)
-            s = s * ks[None, :]
-        s = s * scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_split[None, :], s, float("-inf"))
-        m_pg = tl.max(s, axis=1)
-        m_new = tl.maximum(m_i, m_pg)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        if PAGE_MAX:
-            # probabilities relative to this tile's own row max, so a tile's P (and its P V
-            # product, accumulated from zero) is the same whichever split the tile falls in
-            m_pg_use = tl.where(m_pg == float("-inf"), 0.0, m_pg)
-            beta = tl.exp2(m_pg_use - m_use)
-            pr = tl.exp2(s - m_pg_use[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1) * beta
-        else:
-            # classic running max: P V accumulates straight into the rescaled accumulator
-            pr = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc_lo = acc_lo * alpha[:, None]
-            acc_hi = acc_hi * alpha[:, None]
-        if FMT == 0 and VDT == tl.bfloat16:
-            v_lo, v_hi = _load_halves(vbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, tl.bfloat16, True, BN=BN)
-            p_big = pr.to(tl.bfloat16)
-            p_res = (pr - p_big.to(tl.float32)).to(tl.bfloat16)
-            if PAGE_MAX:
-                pv_lo = tl.dot(p_big, v_lo) + tl.dot(p_res, v_lo)
-                pv_hi = tl.dot(p_big, v_hi) + tl.dot(p_res, v_hi)
-            else:
-                acc_lo += tl.dot(p_big, v_lo) + tl.dot(p_res, v_lo)
-                acc_hi += tl.dot(p_big, v_hi) + tl.dot(p_res, v_hi)
-        else:
-            # P (<= 1) is scaled by P_SCALE before the fp16 cast so that small probabilities
-            # stay normal fp16 numbers; 1 / P_SCALE is applied at the end
-            if FMT == 2:
-                vs = tl.load(vbase.to(tl.pointer_type(tl.float32)) + SCALE_OFF // 4 + offs_n, mask=k_ok, other=0.0)
-                pw = pr * (vs * P_SCALE)[None, :]
-            else:
-                pw = pr * P_SCALE
-            pr16 = pw.to(VDT)
-            if FMT == 1 and NV_LOAD_V >= 5 and UNPACK_ASM:
-                # fp8 V through the impure conversion (halves one after the other)
-                vp = vbase[:, None] + offs_n[:, None] * D + tl.arange(0, HALF)[None, :]
-                v_lo = _e4m3_impure_asm(tl.load(vp, mask=k_ok[:, None], other=0))
-                pv_lo = tl.dot(pr16, v_lo)
-                v_hi = _e4m3_impure_asm(tl.load(vp + HALF, mask=k_ok[:, None], other=0))
-                pv_hi = tl.dot(pr16, v_hi)
-                if not PAGE_MAX:
-                    acc_lo += pv_lo
-                    acc_hi += pv_hi
-            elif FMT == 3 and NV_LOAD_V == 6 and UNPACK_ASM:
-                # mode 6: as 5, the two halves one after the other
-                v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, True, False, BN)
-                pv_lo = tl.dot(pr16, v_lo)
-                v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, True, True, BN)
-                pv_hi = tl.dot(pr16, v_hi)
-                if not PAGE_MAX:
-                    acc_lo += pv_lo
-                    acc_hi += pv_hi
-            else:
-                v_lo, v_hi = _load_halves(vbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, VDT, True, UNPACK_ASM, NV_LOAD_V, BN)
-                if PAGE_MAX:
-                    pv_lo = tl.dot(pr16, v_lo)
-                    pv_hi = tl.dot(pr16, v_hi)
-                else:
-                    acc_lo += tl.dot(pr16, v_lo)
-                    acc_hi += tl.dot(pr16, v_hi)
-        if PAGE_MAX:
-            acc_lo = acc_lo * alpha[:, None] + pv_lo * beta[:, None]
-            acc_hi = acc_hi * alpha[:, None] + pv_hi * beta[:, None]
-        m_i = m_new
+    # tiles whose keys are all visible to every row and inside the split need no masks: the
+    # loop over them skips the mask work; the rest (the tail: causal among the new tokens, a
+    # tile's page past the split's end) follow masked. Tile starts are the same either way.
+    # (nvfp4 only: fp8 / int8 measured 0-4% slower with the second loop, bf16 the same)
+    full_pages = (ctx - q_len + 1) // PAGE
+    p_mid = p_lo
+    if FMT == 3:
+        p_mid = p_lo + tl.maximum(tl.minimum(p_hi, full_pages) - p_lo, 0) // TILE_PAGES * TILE_PAGES
+    for p in range(p_lo, p_mid, BN // PAGE):
+        acc_lo, acc_hi, m_i, l_i = _attend_tile(
+            p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
+            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, FMT, D, SCALE_OFF, SB, KDT, VDT, UNPACK_ASM, NV_LOAD_K,
+            NV_LOAD_V, BN, PAGE, P_SCALE, PAGE_MAX, False)
+    for p in range(p_mid, p_hi, BN // PAGE):
+        acc_lo, acc_hi, m_i, l_i = _attend_tile(
+            p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
+            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, FMT, D, SCALE_OFF, SB, KDT, VDT, UNPACK_ASM, NV_LOAD_K,
+            NV_LOAD_V, BN, PAGE, P_SCALE, PAGE_MAX, True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     inv_l = tl.where(l_i > 0, (g_v / P_SCALE) / l_safe, 0.0)
