@@ -169,7 +169,7 @@ def verify_table() -> list[dict]:
     """T=4 vs T=1 with the kernel defaults the engine uses, then T=4 variants at 128k x 8."""
     rows = []
     for ctx in (16384, 131072):
-        for batch in (1, 8):
+        for batch in (1, 8, 64):
             t1, _, _ = time_decode("nvfp4", batch, ctx, 1)
             t4, _, _ = time_decode("nvfp4", batch, ctx, 4)
             rows.append(dict(ctx=ctx, batch=batch, t1_us=t1 * 1e6, t4_us=t4 * 1e6, ratio=t4 / t1))

@@ -147,3 +147,15 @@ def test_backend_rejects_bad_shapes():
         be.decode_attention(torch.randn(1, 3, 64), layer, tables, torch.tensor([1], dtype=torch.int32), sm_scale=1.0)
     with pytest.raises(ValueError, match="q_lens"):
         be.prefill_attention(torch.randn(3, 4, 64), layer, tables, torch.tensor([3], dtype=torch.int32), [2], sm_scale=1.0)
+
+
+def test_default_splits_from_the_batch_shape_only():
+    """About two waves of programs over the SMs (8 pretend SMs off CUDA), at least two splits,
+    at most ``max_splits``; never a function of context lengths (CUDA-graph capturable)."""
+    be = TritonBackend(max_splits=64)
+    cpu = torch.device("cpu")
+    assert be.default_splits(1, 1, cpu) == 16  # 2 * 8 programs wanted
+    assert be.default_splits(1, 4, cpu) == 4
+    assert be.default_splits(3, 1, cpu) == 4  # rounded down to a power of two
+    assert be.default_splits(64, 4, cpu) == 2  # at least two
+    assert TritonBackend(max_splits=8).default_splits(1, 1, cpu) == 8
