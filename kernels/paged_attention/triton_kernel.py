@@ -14,9 +14,9 @@ Split-K: split ``s`` of ``num_splits`` handles pages ``[s * pps, (s + 1) * pps)`
 ``num_splits > 1`` each writes a normalized partial output and its log2-sum-exp, and
 ``merge_kernel`` combines them. The grid depends only on batch shape and ``num_splits``
 (never on context lengths), so a decode step can be captured in a CUDA graph with a fixed
-maximum split count. For nvfp4 the tiles run in two loops over the same tile starts
-(``_attend_tile``): first those whose keys every row sees and that lie inside the split,
-without masks, then the rest with the causal and split masks.
+maximum split count. For nvfp4 decode / verify the tiles run in two loops over the same tile
+starts (``_attend_tile``): first those whose keys every row sees and that lie inside the
+split, without masks, then the rest with the causal and split masks.
 
 Softmax (``page_max``, default on): each tile's probabilities are taken relative to that
 tile's own row maximum and its P V product starts from a zero accumulator; the running
@@ -296,7 +296,7 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
     if MASKED:
         k_ok = (k_pos < kv_end) & in_split
     else:
-        k_ok = k_pos >= 0
+        k_ok = k_pos >= 0  # every key (the loads ignore it without MASKED)
     k_lo, k_hi = _load_halves(kbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, KDT, False, UNPACK_ASM, NV_LOAD_K, BN)
     s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
     if FMT == 2:
@@ -371,9 +371,7 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
     if PAGE_MAX:
         acc_lo = acc_lo * alpha[:, None] + pv_lo * beta[:, None]
         acc_hi = acc_hi * alpha[:, None] + pv_hi * beta[:, None]
-    m_i = m_new
-
-    return acc_lo, acc_hi, m_i, l_i
+    return acc_lo, acc_hi, m_new, l_i
 
 
 @triton.jit
@@ -447,10 +445,11 @@ def paged_attention_fwd_kernel(
     # tiles whose keys are all visible to every row and inside the split need no masks: the
     # loop over them skips the mask work; the rest (the tail: causal among the new tokens, a
     # tile's page past the split's end) follow masked. Tile starts are the same either way.
-    # (nvfp4 only: fp8 / int8 measured 0-4% slower with the second loop, bf16 the same)
+    # (nvfp4 decode / verify only: fp8 / int8 measured 0-4% slower with the second loop, bf16
+    # the same; prefill keeps the single loop it was measured with)
     full_pages = (ctx - q_len + 1) // PAGE
     p_mid = p_lo
-    if FMT == 3:
+    if FMT == 3 and UNIFORM_T > 0:
         p_mid = p_lo + tl.maximum(tl.minimum(p_hi, full_pages) - p_lo, 0) // TILE_PAGES * TILE_PAGES
     for p in range(p_lo, p_mid, BN // PAGE):
         acc_lo, acc_hi, m_i, l_i = _attend_tile(

@@ -41,6 +41,8 @@ CASES = [
     ("nvfp4", 64, 9, 3, [1, 15, 16, 17], [1, 1, 1, 1]),
     ("nvfp4", 256, 6, 1, [63, 64, 65, 130], [4, 4, 4, 4]),
     ("nvfp4", 128, 8, 2, [200, 17, 70], [16, 3, 1]),
+    ("nvfp4", 64, 6, 2, [140, 300, 129], [1, 1, 1]),  # decode with mask-free two-page tiles
+    ("nvfp4", 64, 6, 1, [200, 260], [4, 4]),  # verify with mask-free tiles
     ("bf16", 64, 9, 3, [1, 17, 65, 130], [1, 3, 4, 2]),
     ("bf16", 256, 6, 1, [64, 129], [1, 1]),
     ("fp8", 128, 8, 2, [15, 65, 150], [1, 4, 16]),
@@ -61,6 +63,10 @@ def test_triton_matches_fp64_over_dequantized_cache(fmt, d, hq, h, ctx, ql):
     assert rel_l2(out1.cpu(), ref) <= 1e-3
     assert rel_l2(out3.cpu(), ref) <= 1e-3
     assert rel_l2(out3, out1) <= 1e-5
+    if len(set(ql)) == 1:  # the decode / verify call (row blocks derived in the kernel; nvfp4: mask-free tiles first)
+        for splits in (1, 3):
+            out_u, _, _ = _run(case, q, ql, splits, uniform_t=ql[0])
+            assert rel_l2(out_u.cpu(), ref) <= 1e-3 and rel_l2(out_u, out1) <= 1e-5
 
 
 def test_prefill_row_blocks_cover_long_chunks():
