@@ -22,7 +22,9 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``@k`` / ``@v`` quantizes only K / only V (the other stays fp32);
 - ``enc=NAME`` picks an nvfp4 block-scale rule for screening, applied to K and V alike
   (``ENCODERS`` below; ``default`` is the cache's own: the codec's scale search, clipping
-  allowed for K, not for V; ``six`` is the plain amax/6 rule it replaced);
+  allowed for K, not for V; ``six`` is the plain amax/6 rule it replaced; ``prev`` is the
+  codec's search over its candidate list before ``SEARCH_DOWN = 2, UP_SPAN = 7``: K from
+  ``c0-3``, K and V up to ``c0+8``, clipping for K only, as the codec);
 - ``hr=H`` / ``pct=P`` set the calibration headroom / percentile (defaults 4 / 99.9);
 - ``center=off`` turns K centering off (default on for fp8 and nvfp4, like the engine);
   ``center=all`` centers every channel — screening only: exact only while positions stay
@@ -206,6 +208,30 @@ def _enc_noclip(x, g, extra: int = 2):
     return _search(x, g, cands)
 
 
+def _enc_list(x, g, clip: bool, down: int, up: int):
+    """The codec's search (``nvfp4.choose_scale_codes``: its first candidate, its int32 error,
+    ties to the earlier) over another candidate list: ``c0``, with ``clip`` ``c0-1 ..
+    c0-down`` (kept >= 1), then ``c0+1 .. c0+up`` (kept <= ``max(min(c4 + SEARCH_UP, 126),
+    c0)``)."""
+    n, d = x.shape
+    c6, _ = e4m3.encode_magnitude(nvfp4.block_scale_input(x, g))
+    a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // nvfp4.BLOCK, nvfp4.BLOCK)
+    m = a.amax(-1)
+    c4, _ = e4m3.encode_magnitude(m * 0.25)
+    exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=nvfp4.ERR_EXP_FLOOR)
+    unit = e4m3._pow2(nvfp4.ERR_BITS - exp)
+    c0 = nvfp4.first_candidate(c6, m, clip)
+    top = torch.maximum(torch.clamp(c4.to(torch.int32) + nvfp4.SEARCH_UP, max=126), c0)
+    cands = [c0] + ([torch.clamp(c0 - k, min=1) for k in range(1, down + 1)] if clip else [])
+    cands += [torch.minimum(c0 + k, top) for k in range(1, up + 1)]
+    best, best_err = cands[0], nvfp4.block_error(a, unit, e4m3.decode(cands[0].to(torch.uint8)))[0]
+    for c in cands[1:]:
+        err = nvfp4.block_error(a, unit, e4m3.decode(c.to(torch.uint8)))[0]
+        better = err < best_err
+        best, best_err = torch.where(better, c, best), torch.where(better, err, best_err)
+    return nvfp4.encode_with_scales(x, g, torch.where(c6 > 0, best, 0).to(torch.uint8))
+
+
 ENCODERS = {
     "default": None,
     "six": _enc_six,  # s = E4M3(amax / 6): the rule before the scale search
@@ -220,7 +246,10 @@ ENCODERS = {
     "d6up": lambda x, g: _enc_span(x, g, -6, 2),  # c6-6 .. c4+2
     "full": lambda x, g: _enc_span(x, g, -10, 4),  # c6-10 .. c4+4 (how far a search can go)
     "noclip": _enc_noclip,  # no clipping: smallest code with 6 s >= amax .. c4+2
+    # the codec's candidate list before it dropped K c0-3 and c0+8 (clipping for K only)
+    "prev": lambda x, g, clip: _enc_list(x, g, clip, 3, 8),
 }
+CLIP_AWARE = {"prev"}  # encoders that take clip= (K: True, V: False) like the codec
 
 
 def find_gguf(explicit: str | None) -> str:
@@ -347,7 +376,9 @@ class KVRoundTrip:
             rows = fwht(x) if kv == 0 and lay.hadamard else x
             st["counter"].add(kv, count_rows(lay, rows, g[kv]))
             gg = g[kv].expand(b * t, h).reshape(-1)
-            if ENCODERS[cfg.enc] is not None:
+            if cfg.enc in CLIP_AWARE:
+                codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg, clip=kv == 0)
+            elif ENCODERS[cfg.enc] is not None:
                 codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg)
             else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
                 extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}

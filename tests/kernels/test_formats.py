@@ -79,7 +79,8 @@ def _e4m3_code(v: torch.Tensor) -> torch.Tensor:
 def _search_oracle(x: torch.Tensor, g: float, clip: bool) -> torch.Tensor:
     """Block-scale codes [N, d/16] of the documented search, evaluated independently: every code
     from ``c0`` (``c6``; without clipping the first code whose 6 s >= amax) — or from
-    max(c6 - SEARCH_DOWN, 1) with clipping — up to max(min(c4 + SEARCH_UP, 126), c0), scored in
+    max(c6 - SEARCH_DOWN, 1) with clipping — up to max(min(c4 + SEARCH_UP, 126), c0) and at
+    most c0 + UP_SPAN, scored in
     fp64 / int64 with the E2M1 oracle, ties to the earliest in the order c0, c0-1, ..., c0+1,
     ...; c6 = 0 -> 0."""
     n, d = x.shape
@@ -152,14 +153,16 @@ def test_nvfp4_scale_search_lowers_error(clip, bound):
 
 
 def test_nvfp4_scale_span_bound():
-    # the search relies on code(m / 4) - code(m / 6) <= 6 (UP_SPAN covers c4 + SEARCH_UP)
+    # code(m / 4) - code(m / 6) is at most 6, so the up-candidates c0+1 .. c0+UP_SPAN reach
+    # c4 + SEARCH_UP except where it is 6 (one code short: the documented cap)
     gen = torch.Generator().manual_seed(2)
     m = torch.exp2(torch.rand(1_000_000, generator=gen) * 24 - 12)
     vals = e4m3_values()
     m = torch.cat((m, vals * 6, vals * 4, (vals[:-1] + vals[1:]) * 3, (vals[:-1] + vals[1:]) * 2))
     c6 = e4m3.encode_magnitude(m * nvfp4.INV_6)[0].to(torch.int32)
     c4 = e4m3.encode_magnitude(m * 0.25)[0].to(torch.int32)
-    assert int((c4 - c6).max()) <= nvfp4.UP_SPAN - nvfp4.SEARCH_UP and int((c4 - c6).min()) >= 0
+    assert int((c4 - c6).max()) == 6 and int((c4 - c6).min()) >= 0
+    assert nvfp4.UP_SPAN == 6 + nvfp4.SEARCH_UP - 1
 
 
 def test_nvfp4_error_fits_int32():
