@@ -94,9 +94,7 @@ def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=
                 ppt=None, maxreg=None, bm=None):
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
     if splits is None:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        want = max(2, (2 * sms) // (batch * HKV))  # as TritonBackend.default_splits
-        splits = min(64, 1 << (want.bit_length() - 1))
+        splits = TritonBackend().default_splits(batch, HKV, torch.device("cuda"))
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)
     scratch = (torch.empty(batch * t * HQ * splits * D, device="cuda"), torch.empty(batch * t * HQ * splits, device="cuda"))

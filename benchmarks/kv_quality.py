@@ -208,30 +208,6 @@ def _enc_noclip(x, g, extra: int = 2):
     return _search(x, g, cands)
 
 
-def _enc_list(x, g, clip: bool, down: int, up: int):
-    """The codec's search (``nvfp4.choose_scale_codes``: its first candidate, its int32 error,
-    ties to the earlier) over another candidate list: ``c0``, with ``clip`` ``c0-1 ..
-    c0-down`` (kept >= 1), then ``c0+1 .. c0+up`` (kept <= ``max(min(c4 + SEARCH_UP, 126),
-    c0)``)."""
-    n, d = x.shape
-    c6, _ = e4m3.encode_magnitude(nvfp4.block_scale_input(x, g))
-    a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // nvfp4.BLOCK, nvfp4.BLOCK)
-    m = a.amax(-1)
-    c4, _ = e4m3.encode_magnitude(m * 0.25)
-    exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=nvfp4.ERR_EXP_FLOOR)
-    unit = e4m3._pow2(nvfp4.ERR_BITS - exp)
-    c0 = nvfp4.first_candidate(c6, m, clip)
-    top = torch.maximum(torch.clamp(c4.to(torch.int32) + nvfp4.SEARCH_UP, max=126), c0)
-    cands = [c0] + ([torch.clamp(c0 - k, min=1) for k in range(1, down + 1)] if clip else [])
-    cands += [torch.minimum(c0 + k, top) for k in range(1, up + 1)]
-    best, best_err = cands[0], nvfp4.block_error(a, unit, e4m3.decode(cands[0].to(torch.uint8)))[0]
-    for c in cands[1:]:
-        err = nvfp4.block_error(a, unit, e4m3.decode(c.to(torch.uint8)))[0]
-        better = err < best_err
-        best, best_err = torch.where(better, c, best), torch.where(better, err, best_err)
-    return nvfp4.encode_with_scales(x, g, torch.where(c6 > 0, best, 0).to(torch.uint8))
-
-
 ENCODERS = {
     "default": None,
     "six": _enc_six,  # s = E4M3(amax / 6): the rule before the scale search
@@ -247,7 +223,7 @@ ENCODERS = {
     "full": lambda x, g: _enc_span(x, g, -10, 4),  # c6-10 .. c4+4 (how far a search can go)
     "noclip": _enc_noclip,  # no clipping: smallest code with 6 s >= amax .. c4+2
     # the codec's candidate list before it dropped K c0-3 and c0+8 (clipping for K only)
-    "prev": lambda x, g, clip: _enc_list(x, g, clip, 3, 8),
+    "prev": lambda x, g, clip: nvfp4.encode_with_scales(x, g, nvfp4.choose_scale_codes(x, g, clip=clip, down=3, up=8)),
 }
 CLIP_AWARE = {"prev"}  # encoders that take clip= (K: True, V: False) like the codec
 

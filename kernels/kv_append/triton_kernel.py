@@ -100,6 +100,15 @@ def nvfp4_block_error(a, big_a, s, half_unit):
 
 
 @triton.jit
+def _try_scale(c, best, best_err, a, big_a, half_unit):
+    """(best, best_err) after candidate code ``c``: taken only where strictly better (ties
+    keep the earlier candidate)."""
+    err = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
+    better = err < best_err
+    return tl.where(better, c, best), tl.where(better, err, best_err)
+
+
+@triton.jit
 def _count_scales(cnt_ptr, sv, ok):
     """Add the zero / subnormal / saturated counts of the scale inputs ``sv`` (where ``ok``)
     to ``cnt_ptr[0:3]`` (int64; ``kernels.calibration`` definitions): one int32 reduction of
@@ -203,19 +212,11 @@ def kv_append_fwd_kernel(
         best = c0
         if clip:  # V has no candidates below c0 (skipping them changes nothing: ties keep the earlier)
             for k in tl.static_range(1, SEARCH_DOWN + 1):
-                c = tl.maximum(c0 - k, 1)
-                err = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
-                better = err < best_err
-                best = tl.where(better, c, best)
-                best_err = tl.where(better, err, best_err)
+                best, best_err = _try_scale(tl.maximum(c0 - k, 1), best, best_err, a, big_a, half_unit)
         # (no early exit when every block of the program is past its top: measured 8% slower,
         # the branches keep the compiler from interleaving the candidates)
         for k in tl.static_range(1, UP_SPAN + 1):
-            c = tl.minimum(c0 + k, top)
-            err = nvfp4_block_error(a, big_a, e4m3_value(c), half_unit)
-            better = err < best_err
-            best = tl.where(better, c, best)
-            best_err = tl.where(better, err, best_err)
+            best, best_err = _try_scale(tl.minimum(c0 + k, top), best, best_err, a, big_a, half_unit)
         # the winner's element indices, evaluated once (not carried through the search)
         idx = nvfp4_index(a, e4m3_value(best))
         s_code = tl.where(c6 > 0, best, 0)

@@ -136,15 +136,16 @@ def first_candidate(c6: torch.Tensor, m: torch.Tensor, clip: bool) -> torch.Tens
     return torch.where(clips, torch.clamp(c6i + 1, max=126), c6i)
 
 
-def scale_candidates(c0: torch.Tensor, c4: torch.Tensor, clip: bool) -> list[torch.Tensor]:
+def scale_candidates(c0: torch.Tensor, c4: torch.Tensor, clip: bool, down: int = SEARCH_DOWN,
+                     up: int = UP_SPAN) -> list[torch.Tensor]:
     """Candidate block-scale codes (int32, evaluation order): ``c0`` (``first_candidate``),
     then, with ``clip``, ``c0-1 .. c0-SEARCH_DOWN`` (kept >= 1), then ``c0+1 .. c0+UP_SPAN``
     (kept <= ``max(min(c4 + SEARCH_UP, 126), c0)``); duplicates are harmless."""
     top = torch.maximum(torch.clamp(c4.to(torch.int32) + SEARCH_UP, max=126), c0)
     out = [c0]
     if clip:
-        out += [torch.clamp(c0 - k, min=1) for k in range(1, SEARCH_DOWN + 1)]
-    out += [torch.minimum(c0 + k, top) for k in range(1, UP_SPAN + 1)]
+        out += [torch.clamp(c0 - k, min=1) for k in range(1, down + 1)]
+    out += [torch.minimum(c0 + k, top) for k in range(1, up + 1)]
     return out
 
 
@@ -160,8 +161,10 @@ def block_error(a: torch.Tensor, unit: torch.Tensor, s: torch.Tensor) -> tuple[t
     return (dd * dd).sum(-1, dtype=torch.int32), idx
 
 
-def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True) -> torch.Tensor:
-    """Block-scale codes uint8 [N, d/16] of fp32 rows [N, d] (the searched rule, module doc)."""
+def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, down: int = SEARCH_DOWN,
+                       up: int = UP_SPAN) -> torch.Tensor:
+    """Block-scale codes uint8 [N, d/16] of fp32 rows [N, d] (the searched rule, module doc;
+    ``down`` / ``up`` lengthen or shorten the candidate list, for screening only)."""
     n, d = x.shape
     c6, _ = e4m3.encode_magnitude(block_scale_input(x, g))
     a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // BLOCK, BLOCK)
@@ -169,7 +172,7 @@ def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True) -
     c4, _ = e4m3.encode_magnitude(m * 0.25)
     exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=ERR_EXP_FLOOR)
     unit = e4m3._pow2(ERR_BITS - exp)
-    cands = scale_candidates(first_candidate(c6, m, clip), c4, clip)
+    cands = scale_candidates(first_candidate(c6, m, clip), c4, clip, down, up)
     best = cands[0]
     best_err, _ = block_error(a, unit, e4m3.decode(best.to(torch.uint8)))
     for c in cands[1:]:
