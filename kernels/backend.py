@@ -6,6 +6,8 @@ Usage (one attention layer; the engine keeps one ``KVCacheLayer`` per attention 
     layer = KVCacheLayer.allocate(layout, num_pages, device)        # bytes: layout.page_bytes/page
     layer.k_offset = calibration.k_offset(k_cal)                     # optional K centering
     layer.scales.copy_(calibration.calibrate(layout, k_cal - layer.k_offset, v_cal))  # else 1.0
+    layer.k_feedback = feedback.from_block_covariance(cov)         # optional (fp8, nvfp4): K rounded
+                                                                    # for the queries (kv_formats.feedback)
     be = get_backend(device)                                        # "triton" on CUDA
 
     # every step: K after RoPE, both [N, Hkv, d]; tokens of many sequences in any order
@@ -24,7 +26,8 @@ Contract:
 - Q and K are given after RoPE and *unrotated*: the backend subtracts the layer's
   ``k_offset`` from K (if set: a per-head key shift, which the softmax cancels, so Q needs
   nothing) and applies the Hadamard transform (``layout.hadamard``) to K before
-  quantization and to Q before QK. Outputs have q's dtype
+  quantization and to Q before QK; with ``k_feedback`` (fp8 / nvfp4) K's codes are chosen
+  by query-weighted rounding (same format, other codes). Outputs have q's dtype
   (or ``out``'s, e.g. fp32). V is never rotated, so outputs need no inverse transform.
 - Both backends write identical cache bytes (the Triton append is bit-exact); attention
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
@@ -57,13 +60,16 @@ class KVCacheLayer:
     ``k_offset`` [Hkv, d] subtracted from K before encoding (``kv_append.reference``).
     Scales and offset are part of what the bytes mean: fixed once tokens are written.
     ``scale_counts`` (optional int64 [2, Hkv, 3]: K, V x head x zero / subnormal / saturated)
-    accumulates the block-scale health of every append (fp8 / nvfp4)."""
+    accumulates the block-scale health of every append (fp8 / nvfp4). ``k_feedback``
+    (optional fp32 [Hkv, d/16, 16, 16], fp8 / nvfp4) rounds K with error feedback
+    (``kv_formats.feedback``); like the offset, part of what the bytes mean."""
 
     layout: KVLayout
     data: torch.Tensor
     scales: torch.Tensor
     k_offset: torch.Tensor | None = None
     scale_counts: torch.Tensor | None = None
+    k_feedback: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> KVCacheLayer:
@@ -74,6 +80,8 @@ class KVCacheLayer:
         check_global_scales(self.scales, self.layout)
         if self.k_offset is not None:
             append_ref.check_k_offset(self.k_offset, self.layout)
+        if self.k_feedback is not None:
+            append_ref.check_k_feedback(self.k_feedback, self.layout)
 
 
 def _check_q(q: torch.Tensor, layer: KVCacheLayer) -> None:
@@ -95,7 +103,8 @@ class ReferenceBackend:
     name = "reference"
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, layer.scale_counts)
+        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, layer.scale_counts,
+                          layer.k_feedback)
 
     def _attend(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
                 q_lens: list[int], sm_scale: float, out: Tensor | None) -> Tensor:
@@ -136,7 +145,7 @@ class TritonBackend:
         from kernels.kv_append import triton_kernel
 
         triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, layer.scale_counts,
-                             validate=validate)
+                             layer.k_feedback, validate=validate)
 
     def default_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
         """Enough programs for ~2 waves of the GPU, from the batch shape only, and at least two

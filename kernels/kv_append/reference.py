@@ -5,7 +5,8 @@
 offset``; ``-1`` skips the token). K is rotated by ``hadamard.fwht`` first when
 ``layout.hadamard``; V never is. The bytes written are exactly ``codec.encode`` of the
 (rotated) fp32 rows (nvfp4: ``clip=True`` for K, ``clip=False`` for V), placed as ``layout``
-documents. Nothing else in the cache changes.
+documents. Nothing else in the cache changes. ``k_feedback`` (fp8 / nvfp4 only, fp32
+``[num_kv_heads, d/16, 16, 16]``) rounds K with error feedback (``kv_formats.feedback``).
 
 ``scale_counts`` (optional int64 [2, num_kv_heads, 3]: K then V, per head) accumulates the
 block-scale health of what was written: zero, subnormal and saturated block scales (fp8: elements), as
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels.hadamard.reference import fwht
+from kernels.kv_formats import feedback
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 
 
@@ -48,6 +50,13 @@ def check_k_offset(k_offset: torch.Tensor, layout: KVLayout) -> None:
         raise ValueError("k_offset must be finite")
 
 
+def check_k_feedback(k_feedback: torch.Tensor, layout: KVLayout) -> None:
+    """``k_feedback`` needs fp8 or nvfp4 and finite fp32 [Hkv, d/16, 16, 16]; ValueError saying why not."""
+    if layout.fmt not in (KVFormat.FP8, KVFormat.NVFP4):
+        raise ValueError(f"k_feedback (query-weighted rounding) applies to fp8 and nvfp4, not {layout.fmt.value}")
+    feedback.check(k_feedback, layout.num_kv_heads, layout.head_dim)
+
+
 SCALE_COUNT_KINDS = ("zero", "subnormal", "saturated")
 
 
@@ -68,15 +77,20 @@ def stored_rows(x: torch.Tensor, layout: KVLayout, kv: int, k_offset: torch.Tens
 
 
 def encode_rows(x: torch.Tensor, layout: KVLayout, kv: int, global_scales: torch.Tensor,
-                k_offset: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                k_offset: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                k_feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``x`` [N, H, d] as K (kv=0) or V (kv=1) -> codes [N, H, cb], scales [N, H, sb]
-    (``rows``: ``stored_rows`` of ``x`` when the caller has them already)."""
+    (``rows``: ``stored_rows`` of ``x`` when the caller has them already; ``k_feedback``:
+    K's rounding feedback, ignored for V)."""
     n, h, d = x.shape
     if rows is None:
         rows = stored_rows(x, layout, kv, k_offset)
     g = global_scales[kv].to(torch.float32).expand(n, h).reshape(-1)
     # nvfp4 scales may clip K's largest values but never V's (see kv_formats.nvfp4)
-    extra = {"clip": kv == 0} if layout.fmt is KVFormat.NVFP4 else {}
+    extra: dict = {"clip": kv == 0} if layout.fmt is KVFormat.NVFP4 else {}
+    if kv == 0 and k_feedback is not None:
+        fb = k_feedback.to(device=rows.device, dtype=torch.float32)
+        extra["feedback"] = fb.expand(n, *fb.shape).reshape(n * h, *fb.shape[1:])
     codes, scales = layout.codec.encode(rows.reshape(n * h, d), g, **extra)
     return codes.view(n, h, -1), scales.view(n, h, -1)
 
@@ -90,11 +104,14 @@ def append(
     global_scales: torch.Tensor,
     k_offset: torch.Tensor | None = None,
     scale_counts: torch.Tensor | None = None,
+    k_feedback: torch.Tensor | None = None,
 ) -> None:
     layout.check_cache(cache)
     check_global_scales(global_scales, layout)
     if k_offset is not None:
         check_k_offset(k_offset, layout)
+    if k_feedback is not None:
+        check_k_feedback(k_feedback, layout)
     if scale_counts is not None:
         check_scale_counts(scale_counts, layout)
     n = k.shape[0]
@@ -113,7 +130,7 @@ def append(
     codes_r, scales_r = _regions(cache, layout)
     for kv, x in ((0, k[keep]), (1, v[keep])):
         rows = stored_rows(x, layout, kv, k_offset)
-        codes, scales = encode_rows(x, layout, kv, global_scales, rows=rows)
+        codes, scales = encode_rows(x, layout, kv, global_scales, rows=rows, k_feedback=k_feedback)
         if scale_counts is not None and layout.fmt in (KVFormat.FP8, KVFormat.NVFP4):
             from kernels.calibration import count_rows
 

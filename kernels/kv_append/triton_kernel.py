@@ -17,6 +17,12 @@ does). With ``scale_counts`` (fp8 / nvfp4) every program adds its zero / subnorm
 saturated block-scale counts per head (the reference's numbers exactly: the same fp32 scale
 inputs, compared against the same bounds) with an atomic add only for a kind that occurred;
 always-on int64 atomics measured 4.65 -> 6.35 us (nvfp4) per layer.
+
+With ``k_feedback`` (fp8 / nvfp4) a K program rounds its rows with the reference's error
+feedback recursion (``kv_formats.feedback``): sixteen column steps over every 16-block of
+its tokens, each column taken out exactly (a masked sum of one value and zeros), the
+products and differences kept separate (the launch sets ``enable_fp_fusion=False``, so no
+FMA contraction anywhere in that compilation).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import triton.language as tl
 from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.hadamard.triton_fn import fwht_rows
 from kernels.calibration import counted_per_row
-from kernels.kv_append.reference import check_k_offset, check_scale_counts
+from kernels.kv_append.reference import check_k_feedback, check_k_offset, check_scale_counts
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 from kernels.kv_formats.int8 import INV_127
 from kernels.kv_formats import nvfp4
@@ -109,6 +115,80 @@ def _try_scale(c, best, best_err, a, big_a, half_unit):
 
 
 @triton.jit
+def fp8_codes(x, sv):
+    """Signed E4M3 codes int32 of ``x`` from ``sv = |x| / g`` (nearest rounding)."""
+    code, _ = e4m3_encode(sv)
+    return code | (((x < 0) & (code != 0)).to(tl.int32) << 7)
+
+
+@triton.jit
+def nvfp4_nibbles(a, xb, best, c6):
+    """E2M1 nibbles int32 [T, B, 16] of blocks ``xb`` (``a = |xb| / g``) under scale codes
+    ``best``, zero where ``c6 == 0`` (nearest rounding)."""
+    idx = nvfp4_index(a, e4m3_value(best))
+    idx = tl.where(c6[:, :, None] > 0, idx, 0)
+    return idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
+
+
+@triton.jit
+def feedback_rows(fb_ptr, BLOCK_T: tl.constexpr, NB: tl.constexpr):
+    """The head's 16 feedback rows (row ``i`` of every block), each at the blocks' shape [T, B, 16]
+    (rows re-read the same addresses), issued together before the recursion (K programs only):
+    H200, nvfp4, 64 tokens x 4 heads, d = 256: 5.05 us per layer against 6.5 with each row
+    loaded in its step and 5.8-7.3 with the loads at the program's start (docs/kernels.md)."""
+    j = tl.arange(0, 16)[None, None, :]
+    ptrs = fb_ptr + (tl.zeros([BLOCK_T, NB, 16], dtype=tl.int32) + tl.arange(0, NB)[None, :, None] * 256 + j)
+    rows = ()
+    for i in tl.static_range(16):
+        rows = rows + (tl.load(ptrs + i * 16),)
+    return rows
+
+
+@triton.jit
+def _column(w, i):
+    """Column ``i`` of every block of ``w`` [T, B, 16] (exact: one value plus zeros) and its mask."""
+    j = tl.arange(0, 16)[None, None, :]
+    return tl.sum(tl.where(j == i, w, 0.0), axis=2), j == i
+
+
+@triton.jit
+def fp8_feedback(x, inv_g, g, rows, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """Signed E4M3 codes int32 [T, D] of rows ``x`` rounded with error feedback (``rows``:
+    ``feedback_rows`` of the head; ``kv_formats.feedback``: products and differences rounded
+    one by one, the launch turns FMA contraction off)."""
+    w = tl.reshape(x, [BLOCK_T, D // 16, 16])
+    codes = tl.zeros([BLOCK_T, D // 16, 16], dtype=tl.int32)
+    for i in tl.static_range(16):
+        col, here = _column(w, i)
+        c, mag = e4m3_encode(tl.abs(col) * inv_g)
+        neg = (col < 0) & (c != 0)
+        val = mag * g
+        codes = tl.where(here, (c | (neg.to(tl.int32) << 7))[:, :, None], codes)
+        err = col - tl.where(neg, -val, val)
+        w = w - err[:, :, None] * rows[i]
+    return tl.reshape(codes, [BLOCK_T, D])
+
+
+@triton.jit
+def nvfp4_feedback(xb, inv_g, g, sv, rows):
+    """E2M1 nibbles (sign in bit 3) int32 [T, B, 16] of blocks ``xb`` under block-scale values
+    ``sv`` [T, B] (0: the block encodes to zero), rounded with error feedback as ``fp8_feedback``."""
+    w = xb
+    nib = tl.zeros(xb.shape, dtype=tl.int32)
+    for i in tl.static_range(16):
+        col, here = _column(w, i)
+        b2, b1, b0 = nvfp4_tree(tl.abs(col) * inv_g, sv)
+        idx = tl.where(sv > 0, 4 * b2.to(tl.int32) + 2 * b1.to(tl.int32) + b0.to(tl.int32), 0)
+        h = tl.where(idx < 4, idx, tl.where(idx < 6, 2 * idx - 4, 4 * idx - 16))
+        mag = (h.to(tl.float32) * 0.5) * sv * g
+        neg = col < 0
+        nib = tl.where(here, (idx | ((neg & (idx > 0)).to(tl.int32) << 3))[:, :, None], nib)
+        err = col - tl.where(neg, -mag, mag)
+        w = w - err[:, :, None] * rows[i]
+    return nib
+
+
+@triton.jit
 def _count_scales(cnt_ptr, sv, ok):
     """Add the zero / subnormal / saturated counts of the scale inputs ``sv`` (where ``ok``)
     to ``cnt_ptr[0:3]`` (int64; ``kernels.calibration`` definitions): one int32 reduction of
@@ -131,12 +211,13 @@ def _count_scales(cnt_ptr, sv, ok):
 
 @triton.jit
 def kv_append_fwd_kernel(
-    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr, cnt_ptr,
+    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr, cnt_ptr, fb_ptr,
     N, NUM_HEADS,
     stride_kn, stride_kh, stride_vn, stride_vh,
     stride_cp, stride_ckv, stride_ch,
     FMT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
-    HADAMARD: tl.constexpr, HAS_OFFSET: tl.constexpr, COUNT: tl.constexpr, PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
+    HADAMARD: tl.constexpr, HAS_OFFSET: tl.constexpr, COUNT: tl.constexpr, FEEDBACK: tl.constexpr,
+    PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
     SEARCH_DOWN: tl.constexpr, SEARCH_UP: tl.constexpr, UP_SPAN: tl.constexpr, ERR_BITS: tl.constexpr,
     ERR_EXP_FLOOR: tl.constexpr,
@@ -173,10 +254,17 @@ def kv_append_fwd_kernel(
         tl.store(ptrs, (b >> 16).to(tl.int16), mask=valid[:, None])
     elif FMT == 1:
         sv = tl.abs(x * inv_g)
-        code, _ = e4m3_encode(sv)
         if COUNT:
             _count_scales(cnt_ptr + (kv * NUM_HEADS + h) * 3, sv, valid[:, None] & (offs_d[None, :] >= 0))
-        code = code | (((x < 0) & (code != 0)).to(tl.int32) << 7)
+        if FEEDBACK:
+            if kv == 0:
+                g = tl.load(g_ptr + h)
+                rows = feedback_rows(fb_ptr + h * (D * 16), BLOCK_T, D // 16)
+                code = fp8_feedback(x, inv_g, g, rows, BLOCK_T, D)
+            else:
+                code = fp8_codes(x, sv)
+        else:
+            code = fp8_codes(x, sv)
         tl.store(code_row[:, None] + offs_d[None, :], code.to(tl.uint8), mask=valid[:, None])
     elif FMT == 2:
         s = tl.max(tl.abs(x), axis=1) * 0.007874015718698502  # fp32(1/127), see int8.INV_127
@@ -218,10 +306,16 @@ def kv_append_fwd_kernel(
         for k in tl.static_range(1, UP_SPAN + 1):
             best, best_err = _try_scale(tl.minimum(c0 + k, top), best, best_err, a, big_a, half_unit)
         # the winner's element indices, evaluated once (not carried through the search)
-        idx = nvfp4_index(a, e4m3_value(best))
         s_code = tl.where(c6 > 0, best, 0)
-        idx = tl.where(c6[:, :, None] > 0, idx, 0)
-        nib = idx | (((xb < 0) & (idx > 0)).to(tl.int32) << 3)
+        if FEEDBACK:
+            if kv == 0:
+                g = tl.load(g_ptr + h)
+                rows = feedback_rows(fb_ptr + h * (D * 16), BLOCK_T, D // 16)
+                nib = nvfp4_feedback(xb, inv_g, g, tl.where(c6 > 0, e4m3_value(best), 0.0), rows)
+            else:
+                nib = nvfp4_nibbles(a, xb, best, c6)
+        else:
+            nib = nvfp4_nibbles(a, xb, best, c6)
         halves = tl.permute(tl.reshape(nib, [BLOCK_T, 2, D // 2]), (0, 2, 1))
         lo, hi = tl.split(halves)
         packed = (lo | (hi << 4)).to(tl.uint8)
@@ -240,6 +334,7 @@ def append(
     global_scales: torch.Tensor,
     k_offset: torch.Tensor | None = None,
     scale_counts: torch.Tensor | None = None,
+    k_feedback: torch.Tensor | None = None,
     *,
     block_t: int | None = None,
     num_warps: int | None = None,
@@ -260,6 +355,8 @@ def append(
             check_k_offset(k_offset, layout)
         if scale_counts is not None:
             check_scale_counts(scale_counts, layout)
+        if k_feedback is not None:
+            check_k_feedback(k_feedback, layout)
     if n == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -268,25 +365,31 @@ def append(
         raise ValueError("global scales must be contiguous float32 [2, num_kv_heads]")
     if k_offset is not None and (k_offset.dtype != torch.float32 or not k_offset.is_contiguous()):
         raise ValueError("k_offset must be contiguous float32 [num_kv_heads, head_dim]")
+    if k_feedback is not None and (k_feedback.dtype != torch.float32 or not k_feedback.is_contiguous()):
+        raise ValueError("k_feedback must be contiguous float32 [num_kv_heads, head_dim / 16, 16, 16]")
     d = layout.head_dim
     count = scale_counts if layout.fmt in (KVFormat.FP8, KVFormat.NVFP4) else None
     if count is not None and (count.dtype != torch.int64 or not count.is_contiguous()):
         raise ValueError("scale_counts must be contiguous int64 [2, num_kv_heads, 3]")
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
-    bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or (count is not None and d > 128) else 4)
+    bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or k_feedback is not None or (count is not None and d > 128)
+                     else 4)
     if count is not None and bt * counted_per_row(layout) >= 1024:
         raise ValueError(f"block_t={bt} puts 1024 or more scale inputs in a program; counting needs fewer")
     grid = (triton.cdiv(n, bt), layout.num_kv_heads, 2)
     kv_append_fwd_kernel[grid](
         cache, k, v, slots, global_scales, global_scales if k_offset is None else k_offset,
-        slots if count is None else count,
+        slots if count is None else count, slots if k_feedback is None else k_feedback,
         n, layout.num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2),
         FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(d)), HSCALE=hadamard_scale(d),
-        HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, COUNT=count is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
+        HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, COUNT=count is not None,
+        FEEDBACK=k_feedback is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), SCALE_OFF=layout.scale_offset, BLOCK_T=bt,
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
         ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps or 4,
+        # the feedback recursion rounds every product and difference on its own, as the reference
+        enable_fp_fusion=k_feedback is None,
     )

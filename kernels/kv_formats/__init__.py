@@ -7,6 +7,8 @@
   Rounding is round-half-even with saturation, zero encodes to zero, and each step is exact
   fp32 arithmetic so the Triton append reproduces the bytes exactly.
 - ``e4m3``: the E4M3 rounding shared by fp8 codes and nvfp4 block scales.
+- ``feedback``: query-weighted rounding of K (fp8 / nvfp4 ``encode(..., feedback=F)``):
+  other codes of the same format, chosen for the queries that will read them.
 """
 
 from kernels.kv_formats.layout import (

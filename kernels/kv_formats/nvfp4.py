@@ -69,6 +69,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_formats import e4m3
+from kernels.kv_formats.feedback import round_blocks
 
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -121,9 +122,7 @@ def encode_with_scales(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor) -
     sb = e4m3.decode(s_code)[:, :, None]
     a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // BLOCK, BLOCK)
     idx = e2m1_index(a, sb).view(n, d)
-    nib = idx | (((x < 0) & (idx > 0)).to(torch.int32) << 3)
-    packed = nib[:, : d // 2] | (nib[:, d // 2 :] << 4)
-    return packed.to(torch.uint8), s_code
+    return _pack(idx, x < 0), s_code
 
 
 def first_candidate(c6: torch.Tensor, m: torch.Tensor, clip: bool) -> torch.Tensor:
@@ -182,14 +181,48 @@ def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, d
     return torch.where(c6 > 0, best, 0).to(torch.uint8)
 
 
-def encode(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(idx: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """E2M1 indices [N, d] and signs -> half-split packed codes uint8 [N, d/2]."""
+    d = idx.shape[1]
+    nib = idx | ((negative & (idx > 0)).to(torch.int32) << 3)
+    return (nib[:, : d // 2] | (nib[:, d // 2 :] << 4)).to(torch.uint8)
+
+
+def encode_with_feedback(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor,
+                         fb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode fp32 rows [N, d] with block-scale codes [N, d/16], elements rounded one block
+    column at a time with error feedback ``fb`` [N, d/16, 16, 16] (``kv_formats.feedback``)."""
+    x = x.to(torch.float32)
+    n, d = x.shape
+    sb = e4m3.decode(s_code)  # [N, d/16]
+    inv_g = (1.0 / g.to(torch.float32))[:, None]
+    gv = g.to(torch.float32)[:, None]
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    negative = torch.empty(n, d // BLOCK, BLOCK, dtype=torch.bool, device=x.device)
+
+    def quantize(col: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = e2m1_index(col.abs() * inv_g, sb)
+        mag = lut[idx] * sb * gv
+        negative[:, :, i] = col < 0
+        return idx, torch.where(col < 0, -mag, mag)
+
+    idx = round_blocks(x, fb, quantize)
+    return _pack(idx, negative.view(n, d)), s_code
+
+
+def encode(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True,
+           feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 rows [N, d], global scales [N] -> (codes uint8 [N, d/2], scales uint8 [N, d/16]).
-    ``clip``: may the block scale clip the block's largest values (K: yes, V: no; module doc)."""
+    ``clip``: may the block scale clip the block's largest values (K: yes, V: no; module doc).
+    ``feedback`` [N, d/16, 16, 16]: round with error feedback (``kv_formats.feedback``)."""
     x = x.to(torch.float32)
     d = x.shape[1]
     if d % 32:
         raise ValueError(f"nvfp4 needs head_dim divisible by 32, got {d}")
-    return encode_with_scales(x, g, choose_scale_codes(x, g, clip=clip))
+    s_code = choose_scale_codes(x, g, clip=clip)
+    if feedback is not None:
+        return encode_with_feedback(x, g, s_code, feedback)
+    return encode_with_scales(x, g, s_code)
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
