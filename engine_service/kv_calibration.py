@@ -16,6 +16,13 @@ channels that RoPE turns by at most pi/4 over the served context (the engine's
 from every key before encoding (exact for attention: the softmax cancels a shift shared
 by all keys); the global scales are then calibrated on the centered K.
 
+With query-weighted rounding of K (``--kv-k-rounding``: feedback for fp8 by default, opt-in for nvfp4)
+``RecordingPool`` also sums each layer's query products per 16-channel block in K's
+stored basis (Q Hadamard-rotated when the layout rotates K: the basis the codes live in),
+and ``calibrate_layers`` turns their means into the layer's feedback matrices
+(``kernels.kv_formats.feedback.from_block_covariance``), which the append then uses to
+pick K's codes.
+
 Only fp8 and nvfp4 use global scales; float pools and int8 skip calibration. The token ids
 come from the model's ``tokenizer.json``; a model without a usable one is calibrated on a
 fixed pseudo-random sequence of token ids (seeded, logged as ``source="random_ids"``):
@@ -32,6 +39,8 @@ import torch
 from engine_service.layers.context import StepContext
 from engine_service.memory import FloatLayerKV, KVPool
 from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_offset
+from kernels.hadamard.reference import fwht
+from kernels.kv_formats import feedback
 from kernels.kv_formats.layout import KVLayout
 
 CALIBRATION_TEXT = '''The harbour was quiet that morning. Fishing boats rocked against the pier while gulls \
@@ -94,6 +103,9 @@ class _RecordingLayer:
     inner: FloatLayerKV
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    q_sums: list  # [block products fp64 [Hkv, d/16, 16, 16], count] or empty (not recorded)
+    q_rotate: bool | None  # None: do not record queries; else rotate them first (K's stored basis)
+    num_kv_heads: int
 
     def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
         self.k.append(k.detach().float().cpu())
@@ -101,28 +113,47 @@ class _RecordingLayer:
         self.inner.write(k, v, ctx)
 
     def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
+        if self.q_rotate is not None:
+            qs = q.detach().float()
+            prod, count = feedback.block_covariance(fwht(qs) if self.q_rotate else qs, self.num_kv_heads)
+            if self.q_sums:
+                self.q_sums[0] += prod.cpu()
+                self.q_sums[1] += float(count)
+            else:
+                self.q_sums.extend([prod.cpu(), float(count)])
         return self.inner.attend(q, ctx, scale)
 
 
 class RecordingPool:
-    """A scratch float ``KVPool`` whose layers record the K/V written to them."""
+    """A scratch float ``KVPool`` whose layers record the K/V written to them and, with
+    ``q_rotate`` set (not None), the block products of the queries they attend with (in K's
+    stored basis: Hadamard-rotated when ``q_rotate``)."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, q_rotate: bool | None = None) -> None:
         self.pool = pool
+        self.q_rotate = q_rotate
         n = pool.layout.num_layers
         self.k: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.q_sums: list[list] = [[] for _ in range(n)]
 
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
 
     def layer(self, i: int) -> _RecordingLayer:
-        return _RecordingLayer(self.pool.layer(i), self.k[i], self.v[i])
+        return _RecordingLayer(self.pool.layer(i), self.k[i], self.v[i], self.q_sums[i], self.q_rotate,
+                               self.pool.layout.num_kv_heads)
 
     def captured(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(k, v)`` fp32 ``[N, Hkv, D]`` (CPU)."""
         return [(torch.cat(k), torch.cat(v)) for k, v in zip(self.k, self.v, strict=True)]
+
+    def query_covariances(self) -> list[torch.Tensor]:
+        """Per layer the mean query block products fp64 ``[Hkv, d/16, 16, 16]`` (CPU); needs ``q_rotate``."""
+        if self.q_rotate is None or any(not s for s in self.q_sums):
+            raise RuntimeError("queries were not recorded (q_rotate unset, or no forward ran)")
+        return [s[0] / s[1] for s in self.q_sums]
 
 
 @dataclass(frozen=True)
@@ -140,13 +171,17 @@ class KVCalibration:
     k_offsets: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     centered_channels: int = 0
     k_energy_removed: float = 0.0
+    # query-weighted rounding of K: per attention layer fp32 [Hkv, d/16, 16, 16] (None: nearest)
+    k_feedback: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     def digest(self) -> str:
-        """sha256 (hex, 16 chars) of the format, every global scale and every K offset: what the
-        cached bytes mean. Pages kept outside this process (the KV daemon) may only be reused
-        by an engine whose calibration has the same digest."""
+        """sha256 (hex, 16 chars) of the format, every global scale, K offset and K feedback
+        matrix: what the cached bytes mean. Pages kept outside this process (the KV daemon) may
+        only be reused by an engine whose calibration has the same digest."""
         h = hashlib.sha256(self.kv_format.encode())
-        for t in (*self.scales, *(self.k_offsets or ())):
+        if self.k_feedback is not None:
+            h.update(b"k_feedback")
+        for t in (*self.scales, *(self.k_offsets or ()), *(self.k_feedback or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
@@ -157,11 +192,15 @@ class KVCalibration:
 
 
 def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.Tensor]], *, source: str,
-                     tokens: int, name: str, center_k: torch.Tensor | None = None) -> KVCalibration:
+                     tokens: int, name: str, center_k: torch.Tensor | None = None,
+                     q_covariances: list[torch.Tensor] | None = None) -> KVCalibration:
     """Global scales of every layer from its captured K/V, and their block-scale counts.
 
     ``center_k``: bool [d], the channels to center (``stationary_channels``); None = no
-    K centering."""
+    K centering. ``q_covariances``: per layer mean query block products in K's stored basis
+    (``RecordingPool.query_covariances``), turned into K feedback; None = nearest rounding."""
+    if q_covariances is not None and len(q_covariances) != len(captured):
+        raise ValueError(f"need query covariances for {len(captured)} layers, got {len(q_covariances)}")
     counter = ScaleCounter()
     scales, offsets = [], []
     energy = centered_energy = 0.0
@@ -179,4 +218,6 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
                          k=counter.k, v=counter.v,
                          k_offsets=tuple(offsets) if center_k is not None else None,
                          centered_channels=int(center_k.sum()) if center_k is not None else 0,
-                         k_energy_removed=1.0 - centered_energy / energy if energy > 0 else 0.0)
+                         k_energy_removed=1.0 - centered_energy / energy if energy > 0 else 0.0,
+                         k_feedback=None if q_covariances is None else
+                         tuple(feedback.from_block_covariance(c) for c in q_covariances))

@@ -24,7 +24,9 @@ again for V, vs 512 for bf16).
 Global scales start at 1.0; ``set_scales`` installs calibrated ones
 (``engine_service.kv_calibration``), checked to be positive powers of two; ``set_k_offsets``
 installs the K centering offsets (fp32 ``[Hkv, d]`` per layer, subtracted from K before
-encoding; none by default). Both are fixed once the pool holds tokens. For fp8 / nvfp4 every
+encoding; none by default) and ``set_k_feedback`` K's query-weighted rounding (fp32
+``[Hkv, d/16, 16, 16]`` per layer, ``kernels.kv_formats.feedback``; fp8 / nvfp4, none by
+default). All are fixed once the pool holds tokens. For fp8 / nvfp4 every
 append also counts its block scales (``scale_counts``: zero / subnormal / saturated of the
 total over every layer, the served counterpart of the calibration's counts).
 """
@@ -39,10 +41,12 @@ import torch
 from engine_service.layers.context import StepContext
 from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_backend
 from kernels.calibration import ScaleCounts, counted_per_row
-from kernels.kv_append.reference import SCALE_COUNT_KINDS, check_k_offset
+from kernels.kv_append.reference import SCALE_COUNT_KINDS, check_k_feedback, check_k_offset
 from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
 
 QUANT_FORMATS = ("fp8", "int8", "nvfp4")
+K_ROUNDING_MODES = ("auto", "nearest", "feedback")  # feedback: fp8 / nvfp4 only (kernels.kv_formats.feedback)
+FEEDBACK_BY_DEFAULT = ("fp8",)  # auto: where query-weighted rounding measured better (docs/kernels.md)
 HADAMARD_MODES = ("auto", "on", "off")
 CENTER_K_MODES = ("auto", "on", "off")  # auto: on for the calibrated formats
 SCALED_FORMATS = ("fp8", "nvfp4")  # formats whose global scales matter (calibrated)
@@ -184,3 +188,16 @@ class QuantKVPool:
             check_k_offset(o.to(torch.float32).cpu().contiguous(), self.layout)
         for c, o in zip(self.caches, offsets, strict=True):
             c.k_offset = o.to(device=c.data.device, dtype=torch.float32).contiguous()
+
+    def k_feedbacks(self) -> list[torch.Tensor | None]:
+        """Copies of every layer's K rounding feedback fp32 ``[Hkv, d/16, 16, 16]`` (CPU), None where unset."""
+        return [None if c.k_feedback is None else c.k_feedback.detach().cpu().clone() for c in self.caches]
+
+    def set_k_feedback(self, feedback: Sequence[torch.Tensor]) -> None:
+        """Install per-layer K rounding feedback (finite fp32 ``[Hkv, d/16, 16, 16]``; fp8 / nvfp4)."""
+        if len(feedback) != len(self.caches):
+            raise ValueError(f"need K feedback for {len(self.caches)} attention layers, got {len(feedback)}")
+        for f in feedback:
+            check_k_feedback(f.to(torch.float32).cpu().contiguous(), self.layout)
+        for c, f in zip(self.caches, feedback, strict=True):
+            c.k_feedback = f.to(device=c.data.device, dtype=torch.float32).contiguous()

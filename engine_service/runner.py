@@ -35,6 +35,8 @@ from deepwell.logs import get_logger
 from engine_service.kv_calibration import KVCalibration, RecordingPool, calibrate_layers
 from engine_service.kv_quant import (
     CENTER_K_MODES,
+    FEEDBACK_BY_DEFAULT,
+    K_ROUNDING_MODES,
     SCALED_FORMATS,
     KVSettingsError,
     QuantKVPool,
@@ -80,6 +82,7 @@ class TorchModelRunner:
         kv_hadamard: str = "auto",
         ops: ReferenceBackend | None = None,
         kv_center_k: str = "auto",
+        kv_k_rounding: str = "auto",
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -100,6 +103,13 @@ class TorchModelRunner:
             raise KVSettingsError(f"kv_center_k 'on' needs a calibrated kv dtype ({', '.join(SCALED_FORMATS)}), "
                                   f"not {kv_dtype!r}: use auto or off")
         self.kv_center_k = kv_center_k != "off" and kv_dtype in SCALED_FORMATS
+        if kv_k_rounding not in K_ROUNDING_MODES:
+            raise KVSettingsError(f"kv_k_rounding {kv_k_rounding!r} must be one of {', '.join(K_ROUNDING_MODES)}")
+        if kv_k_rounding == "feedback" and kv_dtype not in SCALED_FORMATS:
+            raise KVSettingsError(f"kv_k_rounding 'feedback' needs a calibrated kv dtype ({', '.join(SCALED_FORMATS)}), "
+                                  f"not {kv_dtype!r}: use auto or nearest")
+        self.kv_k_rounding_feedback = kv_k_rounding == "feedback" or (
+            kv_k_rounding == "auto" and kv_dtype in FEEDBACK_BY_DEFAULT)
         # float pools: the KV dtype; quantized: the model dtype (used by the calibration scratch pool)
         self.kv_dtype = dtype if quantized else resolve_kv_dtype(kv_dtype, dtype)
         self.kv_layout = KVLayout(
@@ -195,13 +205,16 @@ class TorchModelRunner:
         """Every attention layer's global scales fp32 ``[2, Hkv]`` (quantized KV only)."""
         return self._quant_pool().scales()
 
-    def set_kv_scales(self, scales: Sequence[torch.Tensor], k_offsets: Sequence[torch.Tensor] | None = None) -> None:
-        """Install per-layer global scales (and K centering offsets fp32 ``[Hkv, d]``) by hand
-        (quantized KV only, before the first forward)."""
+    def set_kv_scales(self, scales: Sequence[torch.Tensor], k_offsets: Sequence[torch.Tensor] | None = None,
+                      k_feedback: Sequence[torch.Tensor] | None = None) -> None:
+        """Install per-layer global scales (and K centering offsets fp32 ``[Hkv, d]``, K rounding
+        feedback fp32 ``[Hkv, d/16, 16, 16]``) by hand (quantized KV only, before the first forward)."""
         pool = self._scales_settable()
         pool.set_scales(scales)
         if k_offsets is not None:
             pool.set_k_offsets(k_offsets)
+        if k_feedback is not None:
+            pool.set_k_feedback(k_feedback)
 
     def kv_scale_counts(self) -> tuple[ScaleCounts, ScaleCounts] | None:
         """(K, V) block-scale counts of everything the serving pool has stored (fp8 / nvfp4),
@@ -211,6 +224,10 @@ class TorchModelRunner:
     def kv_k_offsets(self) -> list[torch.Tensor | None]:
         """Every attention layer's K centering offset fp32 ``[Hkv, d]`` (None: not centered)."""
         return self._quant_pool().k_offsets()
+
+    def kv_k_feedback(self) -> list[torch.Tensor | None]:
+        """Every attention layer's K rounding feedback fp32 ``[Hkv, d/16, 16, 16]`` (None: nearest)."""
+        return self._quant_pool().k_feedbacks()
 
     def _quant_pool(self) -> QuantKVPool:
         if not isinstance(self.kv, QuantKVPool):
@@ -227,7 +244,7 @@ class TorchModelRunner:
 
     def calibrate_kv(self, token_ids: Sequence[int], source: str = "token_ids",
                      max_position: int | None = None) -> KVCalibration | None:
-        """Set the quantized pool's global scales (and K centering offsets, ``kv_center_k``)
+        """Set the quantized pool's global scales (and K centering offsets, ``kv_center_k``, and K feedback, ``kv_k_rounding``)
         from one scratch forward of ``token_ids``. ``max_position``: the most positions any
         sequence will use (the served context; default the model's) — K is centered on the
         channels that RoPE turns by at most pi/4 over that many positions.
@@ -250,7 +267,8 @@ class TorchModelRunner:
             raise ValueError(f"calibration token ids must be in [0, {self.vocab_size})")
         n, ps = len(ids), self.page_size
         pages = -(-n // ps)
-        scratch = RecordingPool(KVPool(self.kv_layout, pages, self._device, self.ops))
+        scratch = RecordingPool(KVPool(self.kv_layout, pages, self._device, self.ops),
+                                q_rotate=self.quant_layout.hadamard if self.kv_k_rounding_feedback else None)
         state = StatePool(self.state_layout, 1, self._device) if self.state_layout is not None else None
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long),
                              [SeqSlice(0 if state else -1, list(range(pages)), 0, n, need_logits=False)])
@@ -262,10 +280,13 @@ class TorchModelRunner:
             inv_freq, _ = inv_freq_and_scale(self.args.rope)
             keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
         report = calibrate_layers(self.quant_layout, scratch.captured(), source=source, tokens=n,
-                                  name=describe(self.quant_layout), center_k=keep)
+                                  name=describe(self.quant_layout), center_k=keep,
+                                  q_covariances=scratch.query_covariances() if self.kv_k_rounding_feedback else None)
         pool.set_scales(report.scales)
         if report.k_offsets is not None:
             pool.set_k_offsets(report.k_offsets)
+        if report.k_feedback is not None:
+            pool.set_k_feedback(report.k_feedback)
         self.kv_calibration = report
         (k_lo, k_hi), (v_lo, v_hi) = report.scale_range(0), report.scale_range(1)
         log.info("kv_calibrated", kv_format=report.kv_format, tokens=n, source=source,
@@ -273,7 +294,8 @@ class TorchModelRunner:
                  k_blocks=report.k.blocks, k_zero=report.k.zero, k_subnormal=report.k.subnormal,
                  k_saturated=report.k.saturated, v_blocks=report.v.blocks, v_zero=report.v.zero,
                  v_subnormal=report.v.subnormal, v_saturated=report.v.saturated,
-                 k_centered_channels=report.centered_channels, digest=report.digest(),
+                 k_centered_channels=report.centered_channels, k_rounding="feedback" if report.k_feedback else "nearest",
+                 digest=report.digest(),
                  k_energy_removed=round(report.k_energy_removed, 4))
         return report
 
@@ -450,6 +472,7 @@ def build_runner(
     backend: str = "reference",
     kv_hadamard: str = "auto",
     kv_center_k: str = "auto",
+    kv_k_rounding: str = "auto",
 ) -> TorchModelRunner:
     """Build the model for ``source`` on ``device`` and stream its weights in.
 
@@ -457,7 +480,7 @@ def build_runner(
     dev = torch.device(device)
     ops = get_backend(backend)
     model, family, text_cfg = build_model(source.config, dev, dtype, ops)
-    runner = TorchModelRunner(model, dev, dtype, kv_dtype, page_size, kv_hadamard, ops, kv_center_k)
+    runner = TorchModelRunner(model, dev, dtype, kv_dtype, page_size, kv_hadamard, ops, kv_center_k, kv_k_rounding)
     load_weights(model, family, text_cfg, source.iter_tensors())
     log.info(
         "runner_built",
