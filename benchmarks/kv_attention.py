@@ -216,10 +216,11 @@ def append_table() -> list[dict]:
     as the engine does for fp8/nvfp4), per tokens-per-program and warps; the first of each
     format is the default."""
     rows = []
-    cases = [("nvfp4", None, None, True), ("nvfp4", None, None, False), ("nvfp4", 1, 4, True)]
-    cases += [("bf16", None, None, False), ("fp8", None, None, True), ("fp8", None, None, False), ("fp8", 4, None, False),
-              ("int8", None, None, False)]
-    for fmt, bt, warps, counted in cases:
+    cases = [("nvfp4", None, None, True, False), ("nvfp4", None, None, False, False), ("nvfp4", 1, 4, True, False),
+             ("nvfp4", None, None, True, True), ("nvfp4", 1, 2, True, True)]
+    cases += [("bf16", None, None, False, False), ("fp8", None, None, True, False), ("fp8", None, None, False, False),
+              ("fp8", 4, None, False, False), ("fp8", None, None, True, True), ("int8", None, None, False, False)]
+    for fmt, bt, warps, counted, fed in cases:
         layout = KVLayout.make(fmt, HKV, D)
         cache = layout.allocate(64 * 4, "cuda")
         k = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
@@ -228,17 +229,19 @@ def append_table() -> list[dict]:
         scales = layout.default_scales("cuda")
         offset = torch.randn(HKV, D, device="cuda") * 0.1 if fmt in ("fp8", "nvfp4") else None
         counts = torch.zeros(2, HKV, 3, dtype=torch.int64, device="cuda") if counted else None  # as the engine
+        # --kv-k-rounding feedback: calibrated-like matrices (the cost does not depend on the values)
+        fb = torch.triu(torch.randn(HKV, D // 16, 16, 16, device="cuda") * 0.1, 1).contiguous() if fed else None
 
         def call():
-            append_tk.append(cache, layout, k, v, slots, scales, offset, counts, validate=False, block_t=bt,
+            append_tk.append(cache, layout, k, v, slots, scales, offset, counts, fb, validate=False, block_t=bt,
                              num_warps=warps)
 
         sec = graph_time(call, 100)
         eager = bench(call)
-        rows.append(dict(fmt=fmt, block_t=bt or "default", warps=warps or "default", counted=counted, graph_us=sec * 1e6,
-                         eager_us=eager * 1e6))
+        rows.append(dict(fmt=fmt, block_t=bt or "default", warps=warps or "default", counted=counted, k_feedback=fed,
+                         graph_us=sec * 1e6, eager_us=eager * 1e6))
         print(f"append {fmt:6s} 64 tokens x 4 heads block_t={bt or 'default'} warps={warps or 'default'} "
-              f"counted={counted}: "
+              f"counted={counted} k_feedback={fed}: "
               f"{sec*1e6:6.2f} us/layer in a graph, {eager*1e6:6.2f} us eager", flush=True)
     return rows
 

@@ -43,6 +43,10 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   equalizes the two energies (the optimum for an error spread evenly by the Hadamard);
 - ``signs=SEED`` flips the sign of K (and so of Q) on a random half of the channels before
   the Hadamard (a randomized Hadamard transform, screening);
+- ``round=feedback`` rounds K the way ``--kv-k-rounding feedback`` does (``kv_formats.feedback``:
+  error feedback inside each 16-block, from the calibration window's queries, ``damp=D``
+  relative damping, default 0.01); ``gptq=full`` (screening) pushes each element's error onto
+  the whole rest of the row instead (GPTQ; the cache has no such rule);
 - ``layers=0,3,5-7`` quantizes only those layers.
 
 ``--prefix TEXT`` starts every window with the tokens of TEXT (e.g. ``"<|im_start|>"``, a chat
@@ -68,7 +72,7 @@ import torch  # noqa: E402
 
 from kernels.calibration import ScaleCounter, calibrate, count_rows, k_offset, stationary_channels  # noqa: E402
 from kernels.hadamard import fwht  # noqa: E402
-from kernels.kv_formats import KVLayout, e4m3, nvfp4  # noqa: E402
+from kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4  # noqa: E402
 
 # +H and K centering: the cache defaults for fp8 and nvfp4
 DEFAULT_CONFIGS = "bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4"
@@ -90,6 +94,9 @@ class Config:
     balance: float = 0.0  # bal=P: Q/K channel balancing exponent (0: off)
     pca: bool = False  # rot=pca: K and Q in the eigenbasis of the calibration Q (screening)
     signs: int = 0  # signs=SEED: random +-1 per channel on K (and Q) before the Hadamard (0: off)
+    gptq: str = ""  # gptq=full: K rounded for the queries across whole rows (screening)
+    damp: float = 0.01
+    feedback: bool = False  # round=feedback: the cache's query-weighted rounding of K
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -135,6 +142,12 @@ def parse_config(spec: str) -> Config:
             kw["pca"] = choice(key, val, ("pca",)) == "pca"
         elif key == "signs":
             kw["signs"] = int(val)
+        elif key == "gptq":
+            kw["gptq"] = choice(key, val, ("full",))
+        elif key == "round":
+            kw["feedback"] = choice(key, val, ("nearest", "feedback")) == "feedback"
+        elif key == "damp":
+            kw["damp"] = float(val)
         elif key == "sink":
             kw["sink"] = int(val)
         elif key == "kfmt":
@@ -275,6 +288,54 @@ def corpus_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
+def q_covariance(q: torch.Tensor, h: int, hadamard: bool) -> torch.Tensor:
+    """fp64 [h, d, d] ``E[q q^T]`` per KV head over its query group, in K's encoded basis."""
+    n, hq, d = q.shape
+    qr = fwht(q) if hadamard else q.float()
+    qr = qr.double().view(n, h, hq // h, d)
+    return torch.einsum("nhgd,nhge->hde", qr, qr) / (n * hq // h)
+
+
+def block_diagonal(cov: torch.Tensor) -> torch.Tensor:
+    """[h, d, d] -> its 16x16 diagonal blocks [h, d/16, 16, 16]."""
+    h, d, _ = cov.shape
+    bs = nvfp4.BLOCK
+    return torch.stack([cov[:, i * bs:(i + 1) * bs, i * bs:(i + 1) * bs] for i in range(d // bs)], 1)
+
+
+def gptq_round(x: torch.Tensor, g: torch.Tensor, cov: torch.Tensor, fmt: str, damp: float) -> torch.Tensor:
+    """Rows x [N, d] of one head rounded column by column onto the format's grid, each
+    column's error pushed onto ALL later columns so that ``e^T cov e`` is small (GPTQ over the
+    whole row; the cache's ``round=feedback`` does this within 16-blocks only); nvfp4 block
+    scales chosen by the codec's search when a block's first column is reached. Returns the
+    rounded values (exactly representable: encoding them reproduces them)."""
+    n, d = x.shape
+    hm = cov.clone()
+    hm += damp * torch.diagonal(hm).mean() * torch.eye(d, dtype=hm.dtype)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hm)), upper=True)
+    w = x.double().clone()
+    out = torch.zeros_like(w)
+    inv_g = (1.0 / g.double())
+    sval = None
+    for i in range(d):
+        if fmt == "nvfp4" and i % nvfp4.BLOCK == 0:
+            blk = w[:, i : i + nvfp4.BLOCK].float()
+            sc = nvfp4.choose_scale_codes(blk, g, clip=True)[:, 0]
+            sval = e4m3.decode(sc).double()
+        col = w[:, i]
+        if fmt == "nvfp4":
+            a = (col.abs() * inv_g).float()
+            idx = nvfp4.e2m1_index(a, sval.float())
+            lut = torch.tensor(nvfp4.E2M1_VALUES, dtype=torch.float64)
+            q = torch.sign(col) * lut[idx] * sval * g.double()
+        else:  # fp8
+            q = e4m3.decode(e4m3.encode_signed((col * inv_g).float())).double() * g.double()
+        out[:, i] = q
+        err = (col - q) / u[i, i]
+        w[:, i + 1 :] -= err[:, None] * u[i, i + 1 :][None, :]
+    return out.float()
+
+
 def balance(q: torch.Tensor, k: torch.Tensor, p: float, rotary_dims: int) -> torch.Tensor:
     """Per-(KV head, channel) fp32 [H, d] ``alpha = (E[k^2] / E[q^2])^p`` from q [N, Hq, d]
     and k [N, H, d] (both after RoPE), rotary pairs averaged, geometric mean 1 per head."""
@@ -336,6 +397,9 @@ class KVRoundTrip:
             gen = torch.Generator().manual_seed(cfg.signs * 1000 + layer)
             sgn = torch.randint(0, 2, (h, d), generator=gen).float() * 2 - 1
             st["alpha"][layer] = st["alpha"].get(layer, torch.ones(h, d)) * sgn
+        if self.calibrating and (cfg.gptq or cfg.feedback):
+            qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d)
+            st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
         alpha = st["alpha"].get(layer)
         if alpha is not None:
             kr = kr / alpha
@@ -352,14 +416,24 @@ class KVRoundTrip:
             rows = fwht(x) if kv == 0 and lay.hadamard else x
             st["counter"].add(kv, count_rows(lay, rows, g[kv]))
             gg = g[kv].expand(b * t, h).reshape(-1)
-            if cfg.enc in CLIP_AWARE:
-                codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg, clip=kv == 0)
-            elif ENCODERS[cfg.enc] is not None:
-                codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg)
-            else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
-                extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}
-                codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
-            deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
+            if kv == 0 and cfg.gptq:
+                r3 = rows.reshape(-1, h, d)
+                gh = g[kv]
+                qv = torch.stack([gptq_round(r3[:, j], gh[j].expand(r3.shape[0]), st["qcov"][layer][j],
+                                             lay.fmt.value, cfg.damp) for j in range(h)], 1).reshape(-1, d)
+                deq = qv.view(b * t, h, d)  # on the grid: what decoding its codes gives
+            else:
+                if cfg.enc in CLIP_AWARE:
+                    codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg, clip=kv == 0)
+                elif ENCODERS[cfg.enc] is not None:
+                    codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg)
+                else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
+                    extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}
+                    if kv == 0 and cfg.feedback:
+                        fb = feedback.from_block_covariance(block_diagonal(st["qcov"][layer]), cfg.damp)
+                        extra["feedback"] = fb.expand(b * t, *fb.shape).reshape(b * t * h, *fb.shape[1:])
+                    codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
+                deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
             st["err"][kv] += float(((deq - rows).double() ** 2).sum())
             st["energy"][kv] += float((rows.double() ** 2).sum())
             if kv == 0 and lay.hadamard:
@@ -431,7 +505,7 @@ def main() -> int:
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
           f"{int(hook.center_keep.sum())} of {d} channels; prefix ids {pre.tolist()}", flush=True)
-    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
+    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
     for w in range(windows):
         x = torch.cat([pre, ids[w * args.ctx : (w + 1) * args.ctx - pre.numel()]])[None]
