@@ -429,6 +429,7 @@ def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, t
         if kv in ("fp8", "nvfp4"):  # the start-up calibration on this device (scratch float pool)
             cal = r.calibrate_kv(calibration_token_ids(None, r.vocab_size)[0][:160], source="random_ids")
             assert cal is not None and cal.k_offsets is not None
+            assert (cal.k_feedback is not None) == (kv == "fp8")  # fp8 rounds K with feedback by default
         # K offsets by hand on top: non-zero on every channel (the tiny model's RoPE leaves few stationary)
         gen = torch.Generator().manual_seed(7)
         h = r.quant_layout.num_kv_heads  # type: ignore[union-attr]
