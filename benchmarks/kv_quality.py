@@ -400,6 +400,8 @@ class KVRoundTrip:
         if self.calibrating and (cfg.gptq or cfg.feedback):
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d)
             st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
+            if cfg.feedback:  # the cache's rule, computed once from the calibration window
+                st["fb"][layer] = feedback.from_block_covariance(block_diagonal(st["qcov"][layer]), cfg.damp)
         alpha = st["alpha"].get(layer)
         if alpha is not None:
             kr = kr / alpha
@@ -430,7 +432,7 @@ class KVRoundTrip:
                 else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
                     extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}
                     if kv == 0 and cfg.feedback:
-                        fb = feedback.from_block_covariance(block_diagonal(st["qcov"][layer]), cfg.damp)
+                        fb = st["fb"][layer]
                         extra["feedback"] = fb.expand(b * t, *fb.shape).reshape(b * t * h, *fb.shape[1:])
                     codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
@@ -505,7 +507,7 @@ def main() -> int:
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
           f"{int(hook.center_keep.sum())} of {d} channels; prefix ids {pre.tolist()}", flush=True)
-    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
+    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, fb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
     for w in range(windows):
         x = torch.cat([pre, ids[w * args.ctx : (w + 1) * args.ctx - pre.numel()]])[None]

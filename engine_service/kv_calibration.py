@@ -97,13 +97,30 @@ def calibration_token_ids(tokenizer_json: bytes | None, vocab_size: int) -> tupl
 
 
 @dataclass
+class _QuerySums:
+    """Running sums of one layer's query block products (``feedback.block_covariance``)."""
+
+    products: torch.Tensor | None = None
+    count: int = 0
+
+    def add(self, products: torch.Tensor, count: int) -> None:
+        self.products = products if self.products is None else self.products + products
+        self.count += count
+
+    def mean(self) -> torch.Tensor:
+        if self.products is None or not self.count:
+            raise RuntimeError("queries were not recorded (q_rotate unset, or no forward ran)")
+        return self.products / self.count
+
+
+@dataclass
 class _RecordingLayer:
     """Stores into the scratch float layer and keeps fp32 copies of what it stored."""
 
     inner: FloatLayerKV
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    q_sums: list  # [block products fp64 [Hkv, d/16, 16, 16], count] or empty (not recorded)
+    q_sums: _QuerySums
     q_rotate: bool | None  # None: do not record queries; else rotate them first (K's stored basis)
     num_kv_heads: int
 
@@ -116,11 +133,7 @@ class _RecordingLayer:
         if self.q_rotate is not None:
             qs = q.detach().float()
             prod, count = feedback.block_covariance(fwht(qs) if self.q_rotate else qs, self.num_kv_heads)
-            if self.q_sums:
-                self.q_sums[0] += prod.cpu()
-                self.q_sums[1] += float(count)
-            else:
-                self.q_sums.extend([prod.cpu(), float(count)])
+            self.q_sums.add(prod.cpu(), count)
         return self.inner.attend(q, ctx, scale)
 
 
@@ -135,7 +148,7 @@ class RecordingPool:
         n = pool.layout.num_layers
         self.k: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        self.q_sums: list[list] = [[] for _ in range(n)]
+        self.q_sums = [_QuerySums() for _ in range(n)]
 
     @property
     def num_pages(self) -> int:
@@ -151,9 +164,7 @@ class RecordingPool:
 
     def query_covariances(self) -> list[torch.Tensor]:
         """Per layer the mean query block products fp64 ``[Hkv, d/16, 16, 16]`` (CPU); needs ``q_rotate``."""
-        if self.q_rotate is None or any(not s for s in self.q_sums):
-            raise RuntimeError("queries were not recorded (q_rotate unset, or no forward ran)")
-        return [s[0] / s[1] for s in self.q_sums]
+        return [s.mean() for s in self.q_sums]
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ total over every layer, the served counterpart of the calibration's counts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -176,28 +176,31 @@ class QuantKVPool:
         for c, s in zip(self.caches, scales, strict=True):
             c.scales.copy_(s.to(device=c.scales.device, dtype=torch.float32))
 
+    def _copies(self, attr: str) -> list[torch.Tensor | None]:
+        return [None if getattr(c, attr) is None else getattr(c, attr).detach().cpu().clone() for c in self.caches]
+
+    def _install(self, attr: str, what: str, tensors: Sequence[torch.Tensor],
+                 check: Callable[[torch.Tensor, KVLayout], None]) -> None:
+        """Check every layer's fp32 tensor, then set ``attr`` of every cache (all or nothing)."""
+        if len(tensors) != len(self.caches):
+            raise ValueError(f"need {what} for {len(self.caches)} attention layers, got {len(tensors)}")
+        for t in tensors:
+            check(t.to(torch.float32).cpu().contiguous(), self.layout)
+        for c, t in zip(self.caches, tensors, strict=True):
+            setattr(c, attr, t.to(device=c.data.device, dtype=torch.float32).contiguous())
+
     def k_offsets(self) -> list[torch.Tensor | None]:
         """Copies of every layer's K centering offset fp32 ``[Hkv, d]`` (CPU), None where unset."""
-        return [None if c.k_offset is None else c.k_offset.detach().cpu().clone() for c in self.caches]
+        return self._copies("k_offset")
 
     def set_k_offsets(self, offsets: Sequence[torch.Tensor]) -> None:
         """Install per-layer K centering offsets (finite fp32 ``[Hkv, d]``)."""
-        if len(offsets) != len(self.caches):
-            raise ValueError(f"need K offsets for {len(self.caches)} attention layers, got {len(offsets)}")
-        for o in offsets:
-            check_k_offset(o.to(torch.float32).cpu().contiguous(), self.layout)
-        for c, o in zip(self.caches, offsets, strict=True):
-            c.k_offset = o.to(device=c.data.device, dtype=torch.float32).contiguous()
+        self._install("k_offset", "K offsets", offsets, check_k_offset)
 
     def k_feedbacks(self) -> list[torch.Tensor | None]:
         """Copies of every layer's K rounding feedback fp32 ``[Hkv, d/16, 16, 16]`` (CPU), None where unset."""
-        return [None if c.k_feedback is None else c.k_feedback.detach().cpu().clone() for c in self.caches]
+        return self._copies("k_feedback")
 
     def set_k_feedback(self, feedback: Sequence[torch.Tensor]) -> None:
         """Install per-layer K rounding feedback (finite fp32 ``[Hkv, d/16, 16, 16]``; fp8 / nvfp4)."""
-        if len(feedback) != len(self.caches):
-            raise ValueError(f"need K feedback for {len(self.caches)} attention layers, got {len(feedback)}")
-        for f in feedback:
-            check_k_feedback(f.to(torch.float32).cpu().contiguous(), self.layout)
-        for c, f in zip(self.caches, feedback, strict=True):
-            c.k_feedback = f.to(device=c.data.device, dtype=torch.float32).contiguous()
+        self._install("k_feedback", "K feedback", feedback, check_k_feedback)

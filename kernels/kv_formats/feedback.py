@@ -56,12 +56,12 @@ def check(feedback: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
         raise ValueError("k_feedback must be finite")
 
 
-def block_covariance(q: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_covariance(q: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, int]:
     """Sums over the queries ``q`` [N, Hq, d] (already in K's stored basis) of each KV head's
     query group: (block products fp64 ``[Hkv, d/16, 16, 16]``, number of query vectors)."""
     n, hq, d = q.shape
     qb = q.double().reshape(n, num_kv_heads, hq // num_kv_heads, d // BLOCK, BLOCK)
-    return torch.einsum("nhgbi,nhgbj->hbij", qb, qb), torch.tensor(float(n * (hq // num_kv_heads)))
+    return torch.einsum("nhgbi,nhgbj->hbij", qb, qb), n * (hq // num_kv_heads)
 
 
 def from_block_covariance(cov: torch.Tensor, damp: float = DEFAULT_DAMP) -> torch.Tensor:
