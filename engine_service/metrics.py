@@ -10,7 +10,9 @@ A quantized KV cache's start-up calibration (``set_kv_calibration``) sets
 scales - fp8: elements - of the calibration K/V under the calibrated global scales) and
 ``deepwell_engine_kv_global_scale{kv="k|v",stat="min|max"}`` (over layers and KV heads) and
 ``deepwell_engine_kv_k_centering{stat="channels|energy_removed"}`` (K centering: channels
-centered per head, 0 when off, and the share of the calibration K's energy it removed).
+centered per head, 0 when off, and the share of the calibration K's energy it removed) and
+``deepwell_engine_kv_k_rounding{mode="nearest|feedback"}`` (1 for the rounding of K the cache
+uses, ``--kv-k-rounding``; 0 for the other).
 While serving, ``deepwell_engine_kv_served_scales_total{kv="k|v",kind="zero|subnormal|saturated|total"}``
 counts the block scales (fp8: elements) of every K/V the quantized cache stored (read from
 the device at most once a second): a growing saturated or subnormal share means the
@@ -58,6 +60,9 @@ class EngineMetrics(StepObserver):
                                     "K centering of the start-up calibration: channels centered per head "
                                     "(stat=channels) and the share of the calibration K's energy removed "
                                     "(stat=energy_removed)", labels + ["stat"], registry=r)
+        self.kv_k_rounding = Gauge("deepwell_engine_kv_k_rounding",
+                                   "Rounding of K in the quantized cache: 1 for the mode in use (nearest, or "
+                                   "feedback: query-weighted), 0 for the other", labels + ["mode"], registry=r)
         self.kv_served_scales = Counter("deepwell_engine_kv_served_scales",
                                         "Block scales (fp8: elements) of the K/V stored in the quantized cache, "
                                         "by kind", labels + ["kv", "kind"], registry=r)
@@ -78,6 +83,9 @@ class EngineMetrics(StepObserver):
             self.kv_global_scale.labels(m, name, "max").set(hi)
         self.kv_k_centering.labels(m, "channels").set(cal.centered_channels)
         self.kv_k_centering.labels(m, "energy_removed").set(cal.k_energy_removed)
+        feedback = cal.k_feedback is not None
+        self.kv_k_rounding.labels(m, "feedback").set(int(feedback))
+        self.kv_k_rounding.labels(m, "nearest").set(int(not feedback))
 
     def on_kv_scales(self, k: Any, v: Any) -> None:
         """Advance the served block-scale counters to the totals ``k``, ``v`` (``ScaleCounts``)."""

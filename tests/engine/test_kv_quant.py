@@ -506,6 +506,13 @@ def test_metrics_export_the_calibration(smol) -> None:
     assert got("deepwell_engine_kv_global_scale", {"model": "smol", "kv": "k", "stat": "max"}) == cal.scale_range(0)[1]
     assert got("deepwell_engine_kv_k_centering", {"model": "smol", "stat": "channels"}) == cal.centered_channels > 0
     assert got("deepwell_engine_kv_k_centering", {"model": "smol", "stat": "energy_removed"}) == cal.k_energy_removed
+    # nvfp4's default rounding of K is nearest (auto); fp8's is query-weighted
+    assert got("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "nearest"}) == 1
+    assert got("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "feedback"}) == 0
+    m8 = EngineMetrics("smol")
+    m8.set_kv_calibration(quant_runner(base, "fp8").kv_calibration)
+    assert m8.registry.get_sample_value("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "feedback"}) == 1
+    assert m8.registry.get_sample_value("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "nearest"}) == 0
     assert "lighthouse" in CALIBRATION_TEXT and "<tool_call>" in CALIBRATION_TEXT and "def " in CALIBRATION_TEXT
 
 
