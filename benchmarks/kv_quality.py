@@ -47,6 +47,11 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   error feedback inside each 16-block, from the calibration window's queries, ``damp=D``
   relative damping, default 0.01); ``gptq=full`` (screening) pushes each element's error onto
   the whole rest of the row instead (GPTQ; the cache has no such rule);
+- ``vround=wo`` (screening) rounds V with the same error feedback inside 16-blocks, its
+  weights from the layer's output projection instead of queries: V's error ``e`` reaches the
+  residual stream as ``W_o e`` (per query head, through its attention weights), so ``C =
+  sum over the KV head's query group of W_o,g^T W_o,g`` plays the Hessian's role (``vround=wosum``:
+  ``(sum_g W_o,g)^T (sum_g W_o,g)``, as if the group's heads attended alike); ``damp=`` as above;
 - ``layers=0,3,5-7`` quantizes only those layers.
 
 ``--prefix TEXT`` starts every window with the tokens of TEXT (e.g. ``"<|im_start|>"``, a chat
@@ -97,6 +102,7 @@ class Config:
     gptq: str = ""  # gptq=full: K rounded for the queries across whole rows (screening)
     damp: float = 0.01
     feedback: bool = False  # round=feedback: the cache's query-weighted rounding of K
+    vround: str = ""  # vround=wo|wosum: V rounded with feedback weighted by W_o (screening)
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -146,6 +152,8 @@ def parse_config(spec: str) -> Config:
             kw["gptq"] = choice(key, val, ("full",))
         elif key == "round":
             kw["feedback"] = choice(key, val, ("nearest", "feedback")) == "feedback"
+        elif key == "vround":
+            kw["vround"] = choice(key, val, ("wo", "wosum"))
         elif key == "damp":
             kw["damp"] = float(val)
         elif key == "sink":
@@ -364,6 +372,7 @@ class KVRoundTrip:
         self.center_keep: torch.Tensor | None = None  # bool [d]: channels K centering may use
         self.k_layout: KVLayout | None = None  # K's layout when it differs from V's (kfmt=)
         self.rotary_dims = 0  # channels RoPE rotates (pairs c, c + rotary_dims/2)
+        self.o_proj: dict[int, torch.Tensor] = {}  # layer -> W_o [hidden, Hq, d] (vround=)
 
     def apply(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, lay, st = self.config, self.layout, self.state
@@ -402,6 +411,15 @@ class KVRoundTrip:
             st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
             if cfg.feedback:  # the cache's rule, computed once from the calibration window
                 st["fb"][layer] = feedback.from_block_covariance(block_diagonal(st["qcov"][layer]), cfg.damp)
+        if self.calibrating and cfg.vround:
+            wo = self.o_proj[layer].double()  # [hidden, Hq, d]
+            wg = wo.view(wo.shape[0], h, -1, d)  # [hidden, Hkv, group, d]
+            if cfg.vround == "wo":
+                cov = torch.einsum("xhgd,xhge->hde", wg, wg)
+            else:
+                ws = wg.sum(2)
+                cov = torch.einsum("xhd,xhe->hde", ws, ws)
+            st["vfb"][layer] = feedback.from_block_covariance(block_diagonal(cov), cfg.damp)
         alpha = st["alpha"].get(layer)
         if alpha is not None:
             kr = kr / alpha
@@ -431,8 +449,8 @@ class KVRoundTrip:
                     codes, sc = ENCODERS[cfg.enc](rows.reshape(-1, d), gg)
                 else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
                     extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}
-                    if kv == 0 and cfg.feedback:
-                        fb = st["fb"][layer]
+                    if (kv == 0 and cfg.feedback) or (kv == 1 and cfg.vround):
+                        fb = st["fb" if kv == 0 else "vfb"][layer]
                         extra["feedback"] = fb.expand(b * t, *fb.shape).reshape(b * t * h, *fb.shape[1:])
                     codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
@@ -486,6 +504,9 @@ def main() -> int:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     hook.rotary_dims = 2 * model.model.rotary_emb.inv_freq.numel()
+    for i, layer in enumerate(model.model.layers):
+        w = layer.self_attn.o_proj.weight.detach().float()
+        hook.o_proj[i] = w.view(w.shape[0], model.config.num_attention_heads, -1)
     AttentionInterface.register("deepwell_kv", attention)
     model.set_attn_implementation("deepwell_kv")
     cfg = model.config
@@ -507,7 +528,7 @@ def main() -> int:
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
           f"{int(hook.center_keep.sum())} of {d} channels; prefix ids {pre.tolist()}", flush=True)
-    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, fb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
+    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, fb={}, vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
     for w in range(windows):
         x = torch.cat([pre, ids[w * args.ctx : (w + 1) * args.ctx - pre.numel()]])[None]
