@@ -54,6 +54,9 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   ``(sum_g W_o,g)^T (sum_g W_o,g)``, as if the group's heads attended alike); ``damp=`` as above;
 - ``layers=0,3,5-7`` quantizes only those layers.
 
+``--calibrate-on builtin`` calibrates (global scales, K offsets, feedback matrices) on the
+engine's start-up text (``engine_service.kv_calibration.CALIBRATION_TEXT``) instead of the
+first window: how well the engine's calibration carries over to other text.
 ``--prefix TEXT`` starts every window with the tokens of TEXT (e.g. ``"<|im_start|>"``, a chat
 prompt's fixed first token: the attention sink of chat use), the window's last tokens making room.
 ``--sweep-layers SPEC`` adds ``SPEC:layers=i`` for every layer (one-layer sensitivity).
@@ -480,6 +483,8 @@ def main() -> int:
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated config specs (default {DEFAULT_CONFIGS})")
     ap.add_argument("--sweep-layers", default=None, metavar="SPEC", help="also run SPEC:layers=i for every layer i")
     ap.add_argument("--baseline", action="store_true", help="also run fp32 K/V without any codec")
+    ap.add_argument("--calibrate-on", choices=("window", "builtin"), default="window",
+                    help="calibrate on the first window (default) or on the engine's start-up text")
     ap.add_argument("--prefix", default="", help="text whose tokens start every window (e.g. a chat template's first token)")
     args = ap.parse_args()
     try:
@@ -530,11 +535,25 @@ def main() -> int:
           f"{int(hook.center_keep.sum())} of {d} channels; prefix ids {pre.tolist()}", flush=True)
     state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, fb={}, vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
+    if args.calibrate_on == "builtin":  # one unscored forward of the engine's calibration text per config
+        from engine_service.kv_calibration import CALIBRATION_TEXT
+
+        cal_ids = tok(CALIBRATION_TEXT, return_tensors="pt").input_ids
+        for c in configs:
+            if c.fmt is None:
+                continue
+            hook.config, hook.state, hook.calibrating = c, state[c.spec], True
+            hook.layout = KVLayout.make(c.fmt, h, d, c.hadamard)
+            hook.k_layout = KVLayout.make(c.kfmt, h, d, c.hadamard) if c.kfmt else None
+            with torch.no_grad():
+                model(cal_ids)
+        print(f"calibrated on the engine's start-up text ({cal_ids.shape[1]} tokens)", flush=True)
     for w in range(windows):
         x = torch.cat([pre, ids[w * args.ctx : (w + 1) * args.ctx - pre.numel()]])[None]
         for c in configs:
             st = state[c.spec]
-            hook.config, hook.state, hook.calibrating = c, st, w == 0 and c.fmt is not None
+            hook.config, hook.state = c, st
+            hook.calibrating = w == 0 and c.fmt is not None and args.calibrate_on == "window"
             hook.layout = KVLayout.make(c.fmt, h, d, c.hadamard) if c.fmt else None
             hook.k_layout = KVLayout.make(c.kfmt, h, d, c.hadamard) if c.kfmt else None
             t0 = time.time()
