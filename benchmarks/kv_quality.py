@@ -47,6 +47,9 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   error feedback inside each 16-block, from the calibration window's queries, ``damp=D``
   relative damping, default 0.01); ``gptq=full`` (screening) pushes each element's error onto
   the whole rest of the row instead (GPTQ; the cache has no such rule);
+- ``fbsink=1`` with ``round=feedback``: the window's first token (the attention sink: with
+  ``--prefix "<|im_start|>"``, a chat template's first token) rounded to nearest, as the
+  engine does for position 0;
 - ``vround=wo`` (screening) rounds V with the same error feedback inside 16-blocks, its
   weights from the layer's output projection instead of queries: V's error ``e`` reaches the
   residual stream as ``W_o e`` (per query head, through its attention weights), so ``C =
@@ -106,6 +109,7 @@ class Config:
     damp: float = 0.01
     feedback: bool = False  # round=feedback: the cache's query-weighted rounding of K
     vround: str = ""  # vround=wo|wosum: V rounded with feedback weighted by W_o (screening)
+    fbsink: bool = False  # fbsink=1: round=feedback except the first token (nearest), as the engine
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -155,6 +159,8 @@ def parse_config(spec: str) -> Config:
             kw["gptq"] = choice(key, val, ("full",))
         elif key == "round":
             kw["feedback"] = choice(key, val, ("nearest", "feedback")) == "feedback"
+        elif key == "fbsink":
+            kw["fbsink"] = choice(key, val, ("0", "1")) == "1"
         elif key == "vround":
             kw["vround"] = choice(key, val, ("wo", "wosum"))
         elif key == "damp":
@@ -453,8 +459,11 @@ class KVRoundTrip:
                 else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
                     extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}
                     if (kv == 0 and cfg.feedback) or (kv == 1 and cfg.vround):
-                        fb = st["fb" if kv == 0 else "vfb"][layer]
-                        extra["feedback"] = fb.expand(b * t, *fb.shape).reshape(b * t * h, *fb.shape[1:])
+                        fb = st["fb" if kv == 0 else "vfb"][layer].expand(b, t, *fb_shape(st, kv, layer))
+                        if kv == 0 and cfg.fbsink:  # zero feedback = nearest rounding (the first token)
+                            fb = fb.clone()
+                            fb[:, 0] = 0.0
+                        extra["feedback"] = fb.reshape(b * t * h, *fb.shape[3:])
                     codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
             st["err"][kv] += float(((deq - rows).double() ** 2).sum())
@@ -472,6 +481,11 @@ class KVRoundTrip:
                 deq[:, : cfg.sink] = (k if kv == 0 else v).permute(0, 2, 1, 3)[:, : cfg.sink]
             out[kv] = deq.permute(0, 2, 1, 3).to(k.dtype)
         return out[0], out[1]
+
+
+def fb_shape(st: dict, kv: int, layer: int) -> tuple[int, ...]:
+    """Shape of the layer's K (``kv=0``) or V feedback matrices ``[h, d/16, 16, 16]``."""
+    return tuple(st["fb" if kv == 0 else "vfb"][layer].shape)
 
 
 def main() -> int:

@@ -17,8 +17,8 @@ applied at start-up (``engine_service.cli``):
   K before quantizing (``engine_service.kv_calibration``); ``on`` with another kv_dtype is
   an error. ``kv_k_rounding`` picks K's codes by plain nearest rounding or by query-weighted
   rounding calibrated at start-up (``feedback``, fp8 / nvfp4 only, ``kernels.kv_formats.feedback``);
-  auto = feedback for fp8 (better in every evaluation), nearest for nvfp4 (feedback lowers the
-  perplexity corpus's KL by a third but was no better on chat prompts: docs/kernels.md).
+  auto = feedback (fp8 and nvfp4: lower KL to the unquantized cache on long text and on chat
+  prompts, a sequence's position 0 rounded to nearest; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class EngineConfig:
                                                                  "feedback (fp8 / nvfp4: query-weighted rounding "
                                                                  "calibrated at start-up; same bytes per token, less "
                                                                  "attention error, the append ~1.6x slower); auto "
-                                                                 "(feedback for fp8, nearest for nvfp4)",
+                                                                 "(feedback for fp8 and nvfp4)",
                                                          "choices": KV_K_ROUNDING})
     page_size: int = field(default=64, metadata={"help": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})

@@ -16,7 +16,7 @@ channels that RoPE turns by at most pi/4 over the served context (the engine's
 from every key before encoding (exact for attention: the softmax cancels a shift shared
 by all keys); the global scales are then calibrated on the centered K.
 
-With query-weighted rounding of K (``--kv-k-rounding``: feedback for fp8 by default, opt-in for nvfp4)
+With query-weighted rounding of K (``--kv-k-rounding``: feedback for fp8 and nvfp4 by default)
 ``RecordingPool`` also sums each layer's query products per 16-channel block in K's
 stored basis (Q Hadamard-rotated when the layout rotates K: the basis the codes live in),
 and ``calibrate_layers`` turns their means into the layer's feedback matrices
@@ -190,8 +190,8 @@ class KVCalibration:
         matrix: what the cached bytes mean. Pages kept outside this process (the KV daemon) may
         only be reused by an engine whose calibration has the same digest."""
         h = hashlib.sha256(self.kv_format.encode())
-        if self.k_feedback is not None:
-            h.update(b"k_feedback")
+        if self.k_feedback is not None:  # (with the rule: position 0 rounded to nearest)
+            h.update(b"k_feedback;position0=nearest")
         for t in (*self.scales, *(self.k_offsets or ()), *(self.k_feedback or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]

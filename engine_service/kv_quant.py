@@ -26,7 +26,8 @@ Global scales start at 1.0; ``set_scales`` installs calibrated ones
 installs the K centering offsets (fp32 ``[Hkv, d]`` per layer, subtracted from K before
 encoding; none by default) and ``set_k_feedback`` K's query-weighted rounding (fp32
 ``[Hkv, d/16, 16, 16]`` per layer, ``kernels.kv_formats.feedback``; fp8 / nvfp4, none by
-default). All are fixed once the pool holds tokens. For fp8 / nvfp4 every
+default), which ``write`` applies to every token but a sequence's position 0 (rounded to
+nearest: the attention sink). All are fixed once the pool holds tokens. For fp8 / nvfp4 every
 append also counts its block scales (``scale_counts``: zero / subnormal / saturated of the
 total over every layer, the served counterpart of the calibration's counts).
 """
@@ -34,7 +35,7 @@ total over every layer, the served counterpart of the calibration's counts).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,7 +47,7 @@ from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_glob
 
 QUANT_FORMATS = ("fp8", "int8", "nvfp4")
 K_ROUNDING_MODES = ("auto", "nearest", "feedback")  # feedback: fp8 / nvfp4 only (kernels.kv_formats.feedback)
-FEEDBACK_BY_DEFAULT = ("fp8",)  # auto: where query-weighted rounding measured better (docs/kernels.md)
+FEEDBACK_BY_DEFAULT = ("fp8", "nvfp4")  # auto: where query-weighted rounding measured better (docs/kernels.md)
 HADAMARD_MODES = ("auto", "on", "off")
 CENTER_K_MODES = ("auto", "on", "off")  # auto: on for the calibrated formats
 SCALED_FORMATS = ("fp8", "nvfp4")  # formats whose global scales matter (calibrated)
@@ -95,7 +96,18 @@ class QuantLayerKV:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
         assert ctx.kv_slots is not None
-        self.backend.append(self.cache, k, v, ctx.kv_slots)
+        slots = ctx.kv_slots
+        sinks = [s.offset for s in ctx.seqs if s.start == 0 and s.num_tokens > 0]
+        if self.cache.k_feedback is None or not sinks:
+            self.backend.append(self.cache, k, v, slots)
+        else:
+            # position 0 of a sequence (the attention sink: a chat template's fixed first
+            # token) is rounded to nearest: feedback calibrated on the average query can put
+            # that one key's error where the queries leaning on it look (docs/kernels.md)
+            rows = torch.tensor(sinks, dtype=torch.long, device=slots.device)
+            self.backend.append(replace(self.cache, k_feedback=None), k.index_select(0, rows),
+                                v.index_select(0, rows), slots.index_select(0, rows))
+            self.backend.append(self.cache, k, v, slots.index_fill(0, rows, -1))
         if self.stored is not None:
             self.stored[0] += k.shape[0]  # every row has a slot (the runner never skips one)
 
