@@ -383,6 +383,12 @@ class KVRoundTrip:
         self.rotary_dims = 0  # channels RoPE rotates (pairs c, c + rotary_dims/2)
         self.o_proj: dict[int, torch.Tensor] = {}  # layer -> W_o [hidden, Hq, d] (vround=)
 
+    def select(self, c: Config, state: dict, calibrating: bool, h: int, d: int) -> None:
+        """Put config ``c`` (with its state) in force for the next forward."""
+        self.config, self.state, self.calibrating = c, state, calibrating
+        self.layout = KVLayout.make(c.fmt, h, d, c.hadamard) if c.fmt else None
+        self.k_layout = KVLayout.make(c.kfmt, h, d, c.hadamard) if c.kfmt else None
+
     def apply(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, lay, st = self.config, self.layout, self.state
         if cfg is None or lay is None or not (cfg.quantizes(layer, 0) or cfg.quantizes(layer, 1)):
@@ -459,7 +465,8 @@ class KVRoundTrip:
                 else:  # the cache's own bytes: what kv_append.reference.encode_rows writes
                     extra = {"clip": kv == 0} if lay.fmt.value == "nvfp4" else {}
                     if (kv == 0 and cfg.feedback) or (kv == 1 and cfg.vround):
-                        fb = st["fb" if kv == 0 else "vfb"][layer].expand(b, t, *fb_shape(st, kv, layer))
+                        src = st["fb" if kv == 0 else "vfb"][layer]  # [h, d/16, 16, 16]
+                        fb = src.expand(b, t, *src.shape)
                         if kv == 0 and cfg.fbsink:  # zero feedback = nearest rounding (the first token)
                             fb = fb.clone()
                             fb[:, 0] = 0.0
@@ -481,11 +488,6 @@ class KVRoundTrip:
                 deq[:, : cfg.sink] = (k if kv == 0 else v).permute(0, 2, 1, 3)[:, : cfg.sink]
             out[kv] = deq.permute(0, 2, 1, 3).to(k.dtype)
         return out[0], out[1]
-
-
-def fb_shape(st: dict, kv: int, layer: int) -> tuple[int, ...]:
-    """Shape of the layer's K (``kv=0``) or V feedback matrices ``[h, d/16, 16, 16]``."""
-    return tuple(st["fb" if kv == 0 else "vfb"][layer].shape)
 
 
 def main() -> int:
@@ -556,9 +558,7 @@ def main() -> int:
         for c in configs:
             if c.fmt is None:
                 continue
-            hook.config, hook.state, hook.calibrating = c, state[c.spec], True
-            hook.layout = KVLayout.make(c.fmt, h, d, c.hadamard)
-            hook.k_layout = KVLayout.make(c.kfmt, h, d, c.hadamard) if c.kfmt else None
+            hook.select(c, state[c.spec], True, h, d)
             with torch.no_grad():
                 model(cal_ids)
         print(f"calibrated on the engine's start-up text ({cal_ids.shape[1]} tokens)", flush=True)
@@ -566,10 +566,7 @@ def main() -> int:
         x = torch.cat([pre, ids[w * args.ctx : (w + 1) * args.ctx - pre.numel()]])[None]
         for c in configs:
             st = state[c.spec]
-            hook.config, hook.state = c, st
-            hook.calibrating = w == 0 and c.fmt is not None and args.calibrate_on == "window"
-            hook.layout = KVLayout.make(c.fmt, h, d, c.hadamard) if c.fmt else None
-            hook.k_layout = KVLayout.make(c.kfmt, h, d, c.hadamard) if c.kfmt else None
+            hook.select(c, st, w == 0 and c.fmt is not None and args.calibrate_on == "window", h, d)
             t0 = time.time()
             with torch.no_grad():
                 logits = model(x).logits[0, :-1].float()
