@@ -59,7 +59,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 
 ``--calibrate-on builtin`` calibrates (global scales, K offsets, feedback matrices) on the
 engine's start-up text (``engine_service.kv_calibration.CALIBRATION_TEXT``) instead of the
-first window: how well the engine's calibration carries over to other text.
+first window: how well the engine's calibration carries over to other text;
+``--calibrate-on FILE`` on the text of a file (candidate calibration texts).
 ``--prefix TEXT`` starts every window with the tokens of TEXT (e.g. ``"<|im_start|>"``, a chat
 prompt's fixed first token: the attention sink of chat use), the window's last tokens making room.
 ``--sweep-layers SPEC`` adds ``SPEC:layers=i`` for every layer (one-layer sensitivity).
@@ -76,6 +77,7 @@ import sys
 import time
 import zipfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -499,8 +501,8 @@ def main() -> int:
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"comma-separated config specs (default {DEFAULT_CONFIGS})")
     ap.add_argument("--sweep-layers", default=None, metavar="SPEC", help="also run SPEC:layers=i for every layer i")
     ap.add_argument("--baseline", action="store_true", help="also run fp32 K/V without any codec")
-    ap.add_argument("--calibrate-on", choices=("window", "builtin"), default="window",
-                    help="calibrate on the first window (default) or on the engine's start-up text")
+    ap.add_argument("--calibrate-on", default="window", metavar="window|builtin|FILE",
+                    help="calibrate on the first window (default), on the engine's start-up text, or on a UTF-8 text file")
     ap.add_argument("--prefix", default="", help="text whose tokens start every window (e.g. a chat template's first token)")
     args = ap.parse_args()
     try:
@@ -551,17 +553,20 @@ def main() -> int:
           f"{int(hook.center_keep.sum())} of {d} channels; prefix ids {pre.tolist()}", flush=True)
     state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, fb={}, vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
-    if args.calibrate_on == "builtin":  # one unscored forward of the engine's calibration text per config
-        from engine_service.kv_calibration import CALIBRATION_TEXT
-
-        cal_ids = tok(CALIBRATION_TEXT, return_tensors="pt").input_ids
+    if args.calibrate_on != "window":  # one unscored forward of the calibration text per config
+        if args.calibrate_on == "builtin":
+            from engine_service.kv_calibration import CALIBRATION_TEXT as cal_text
+        else:
+            cal_text = Path(args.calibrate_on).read_text(encoding="utf-8")
+        cal_ids = tok(cal_text, return_tensors="pt").input_ids
         for c in configs:
             if c.fmt is None:
                 continue
             hook.select(c, state[c.spec], True, h, d)
             with torch.no_grad():
                 model(cal_ids)
-        print(f"calibrated on the engine's start-up text ({cal_ids.shape[1]} tokens)", flush=True)
+        print(f"calibrated on {'the engine start-up text' if args.calibrate_on == 'builtin' else args.calibrate_on} "
+              f"({cal_ids.shape[1]} tokens)", flush=True)
     for w in range(windows):
         x = torch.cat([pre, ids[w * args.ctx : (w + 1) * args.ctx - pre.numel()]])[None]
         for c in configs:
