@@ -493,7 +493,10 @@ def merge_kernel(out_ptr, opart_ptr, lse_ptr, HQ, stride_ot, stride_oh,
     wgt = tl.where(s_ok & (lse > float("-inf")), tl.exp2(lse - mx), 0.0)
     offs_d = tl.arange(0, D)
     o = tl.load(opart_ptr + (part * NUM_SPLITS + offs_s)[:, None] * D + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    res = tl.sum(o * wgt[:, None], axis=0) / tl.sum(wgt, axis=0)
+    den = tl.sum(wgt, axis=0)
+    # a row that sees no key in any split (only if q_len > context_len, which the reference
+    # rejects) comes out as zeros, as without splits, instead of 0 / 0
+    res = tl.sum(o * wgt[:, None], axis=0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
@@ -553,7 +556,9 @@ def paged_attention(
     capturable. ``num_splits`` > 1 splits each sequence's pages (decode); ``scratch`` may be
     preallocated (CUDA graphs); ``out`` may be fp32 (for accuracy checks) or q's dtype.
     ``global_scales`` must be contiguous fp32 ``[2, Hkv]``. ``max_registers`` caps registers
-    per thread (``ptxas`` ``maxnreg``: more programs per SM, possibly spills).
+    per thread (``ptxas`` ``maxnreg``: more programs per SM, possibly spills). ``q_len`` must
+    not exceed ``context_lens`` (the reference raises; checking here would need a device
+    sync): a query row that sees no key comes out as zeros, split or not.
     """
     total, hq, d = q.shape
     h = layout.num_kv_heads

@@ -69,6 +69,24 @@ def test_triton_matches_fp64_over_dequantized_cache(fmt, d, hq, h, ctx, ql):
             assert rel_l2(out_u.cpu(), ref) <= 1e-3 and rel_l2(out_u, out1) <= 1e-5
 
 
+def test_rows_without_visible_keys_are_zero_split_or_not():
+    """q_len > context_len is a caller bug (the reference raises); the Triton kernel, which
+    cannot check without a device sync, gives such rows zeros with or without splits (never
+    NaN) and leaves the other sequences' rows right."""
+    case = build_case(KVLayout.make("nvfp4", 1, 64), [2, 70], seed=2, device=DEV)
+    q = torch.randn(8, 3, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEV)
+    for splits in (1, 3):
+        out, starts, lens = _run(case, q, [4, 4], splits)
+        assert not torch.isnan(out).any()
+        assert torch.equal(out[:2].cpu(), torch.zeros(2, 3, 64))  # positions -2, -1: no key
+        ref = attn_ref.paged_attention(q[4:].cpu(), case.cache.cpu(), case.layout, case.scales.cpu(),
+                                       case.block_tables[1:].cpu(), case.context_lens[1:].cpu(), torch.tensor([0]),
+                                       torch.tensor([4]), 64 ** -0.5, compute_dtype=torch.float64)
+        assert rel_l2(out[4:].cpu(), ref) <= 1e-3
+    with pytest.raises(ValueError, match="q_len 4 > context_len 2"):
+        _oracle(case, q, starts, lens)
+
+
 def test_prefill_row_blocks_cover_long_chunks():
     # prefill: many row blocks per sequence, chunk over a cached prefix
     case = build_case(KVLayout.make("nvfp4", 2, 64), [130, 40], seed=11, device=DEV)
