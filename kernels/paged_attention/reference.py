@@ -30,6 +30,43 @@ def rotate_q(q: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return fwht(q).to(q.dtype) if layout.hadamard else q
 
 
+def check_inputs(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layout: KVLayout,
+    global_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    q_start: torch.Tensor | None,
+    q_len: torch.Tensor | None,
+) -> None:
+    """Shapes, dtypes and devices of the attention inputs (both backends; metadata only, so
+    it never waits on the device and is safe inside CUDA-graph capture). A kernel handed an
+    int64 block table or a short ``context_lens`` would read the wrong pages or out of
+    bounds instead of failing."""
+    if q.dim() != 3 or q.shape[2] != layout.head_dim or q.shape[1] % layout.num_kv_heads:
+        raise ValueError(f"q must be [tokens, Hq, {layout.head_dim}] with Hq a multiple of "
+                         f"{layout.num_kv_heads}, got {list(q.shape)}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    layout.check_cache(cache)
+    if global_scales.dtype != torch.float32 or tuple(global_scales.shape) != (2, layout.num_kv_heads):
+        raise ValueError(f"global scales must be float32 [2, {layout.num_kv_heads}], got "
+                         f"{global_scales.dtype} {list(global_scales.shape)}")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables must be int32 [B, max_pages] with contiguous rows, got "
+                         f"{block_tables.dtype} {list(block_tables.shape)}")
+    b = block_tables.shape[0]
+    named = [("context_lens", context_lens), ("q_start", q_start), ("q_len", q_len)]
+    for name, t in named:
+        if t is not None and (t.dtype != torch.int32 or tuple(t.shape) != (b,) or not t.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous int32 [{b}] (one per block-table row), got "
+                             f"{t.dtype} {list(t.shape)}")
+    for name, t in [("cache", cache), ("global scales", global_scales), ("block_tables", block_tables)] + named:
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: every input must be on one device")
+
+
 def paged_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -43,10 +80,9 @@ def paged_attention(
     *,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
+    check_inputs(q, cache, layout, global_scales, block_tables, context_lens, q_start, q_len)
     total, hq, d = q.shape
     h = layout.num_kv_heads
-    if hq % h:
-        raise ValueError(f"query heads {hq} not a multiple of KV heads {h}")
     group = hq // h
     out = torch.zeros(total, hq, d, dtype=compute_dtype, device=q.device)
     for b in range(block_tables.shape[0]):

@@ -62,6 +62,7 @@ import triton.language as tl
 
 from kernels.kv_append.triton_kernel import FMT_ID
 from kernels.kv_formats.layout import KVFormat, KVLayout
+from kernels.paged_attention.reference import check_inputs
 
 LOG2E = 1.4426950408889634
 # The interpreter keeps 16-bit floats as raw bits in dot/multiply, so it computes in fp32.
@@ -571,15 +572,24 @@ def paged_attention(
     not exceed ``context_lens`` (the reference raises; checking here would need a device
     sync): a query row that sees no key comes out as zeros, split or not.
     """
+    check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
+                 None if uniform_t else q_start, None if uniform_t else q_len)
     total, hq, d = q.shape
     h = layout.num_kv_heads
     group = hq // h
-    if hq % h or d != layout.head_dim:
-        raise ValueError(f"q [{total}, {hq}, {d}] does not fit the layout ({h} KV heads, d={layout.head_dim})")
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in the last dimension")
+    if uniform_t and total != block_tables.shape[0] * uniform_t:
+        raise ValueError(f"uniform_t={uniform_t}: q must hold {uniform_t} tokens per block-table row "
+                         f"({block_tables.shape[0] * uniform_t}), got {total}")
+    if not uniform_t and (q_start is None or q_len is None):
+        raise ValueError("q_start and q_len are required unless uniform_t > 0")
+    if out is not None and (tuple(out.shape) != tuple(q.shape) or out.stride(-1) != 1 or out.device != q.device
+                            or out.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        raise ValueError(f"out must be a float32/bfloat16/float16 tensor shaped like q {list(q.shape)} on "
+                         f"{q.device} with a contiguous last dimension, got {out.dtype} {list(out.shape)}")
     if uniform_t:
         lens = [uniform_t]
     else:
@@ -609,6 +619,11 @@ def paged_attention(
                 torch.empty(total * hq * num_splits, dtype=torch.float32, device=q.device),
             )
         opart, lse = scratch
+        need = total * hq * num_splits
+        if (opart.dtype != torch.float32 or lse.dtype != torch.float32 or opart.numel() < need * d
+                or lse.numel() < need or not opart.is_contiguous() or not lse.is_contiguous()):
+            raise ValueError(f"scratch must be contiguous float32 tensors of at least {need * d} and {need} "
+                             f"elements for {num_splits} splits, got {opart.numel()} and {lse.numel()}")
     else:
         opart = lse = out
     nw = num_warps or (4 if bm <= 64 else 8)

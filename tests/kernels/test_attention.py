@@ -79,9 +79,10 @@ def test_rows_without_visible_keys_are_zero_split_or_not():
         out, starts, lens = _run(case, q, [4, 4], splits)
         assert not torch.isnan(out).any()
         assert torch.equal(out[:2].cpu(), torch.zeros(2, 3, 64))  # positions -2, -1: no key
+        one = torch.tensor([0, 4], dtype=torch.int32)
         ref = attn_ref.paged_attention(q[4:].cpu(), case.cache.cpu(), case.layout, case.scales.cpu(),
-                                       case.block_tables[1:].cpu(), case.context_lens[1:].cpu(), torch.tensor([0]),
-                                       torch.tensor([4]), 64 ** -0.5, compute_dtype=torch.float64)
+                                       case.block_tables[1:].cpu(), case.context_lens[1:].cpu(), one[:1], one[1:],
+                                       64 ** -0.5, compute_dtype=torch.float64)
         assert rel_l2(out[4:].cpu(), ref) <= 1e-3
     with pytest.raises(ValueError, match="q_len 4 > context_len 2"):
         _oracle(case, q, starts, lens)
@@ -171,6 +172,53 @@ def test_backend_rejects_bad_shapes():
         be.decode_attention(torch.randn(1, 3, 64), layer, tables, torch.tensor([1], dtype=torch.int32), sm_scale=1.0)
     with pytest.raises(ValueError, match="q_lens"):
         be.prefill_attention(torch.randn(3, 4, 64), layer, tables, torch.tensor([3], dtype=torch.int32), [2], sm_scale=1.0)
+
+
+def test_bad_attention_inputs_are_rejected_before_any_launch():
+    """Both paths check shapes, dtypes and devices from metadata (no device sync, so also while
+    capturing a CUDA graph): an int64 block table or a short ``context_lens`` would otherwise
+    be read as wrong pages or out of bounds."""
+    from kernels.paged_attention import triton_kernel
+
+    lay = KVLayout.make("nvfp4", 2, 64)
+    cache = lay.allocate(4, DEV)
+    scales = lay.default_scales(DEV)
+    q = torch.randn(2, 6, 64, device=DEV)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([5, 7], dtype=torch.int32, device=DEV)
+    ones = torch.ones(2, dtype=torch.int32, device=DEV)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    bad = [
+        (dict(block_tables=tables.long()), "block_tables must be int32"),
+        (dict(context_lens=lens[:1]), r"context_lens must be contiguous int32 \[2\]"),
+        (dict(context_lens=lens.long()), "context_lens must be"),
+        (dict(q_len=ones.long()), "q_len must be"),
+        (dict(global_scales=scales[:1]), "global scales must be float32"),
+        (dict(cache=cache[:, :1]), "cache must be uint8"),
+        (dict(q=q.to(torch.int32)), "q must be float32"),
+        (dict(q=q[:, :5]), "Hq a multiple"),
+    ]
+    base = dict(q=q, cache=cache, global_scales=scales, block_tables=tables, context_lens=lens, q_start=starts, q_len=ones)
+    for change, why in bad:
+        kw = {**base, **change}
+        args = (kw["q"], kw["cache"], lay, kw["global_scales"], kw["block_tables"], kw["context_lens"], kw["q_start"], kw["q_len"], 1.0)
+        with pytest.raises(ValueError, match=why):
+            attn_ref.paged_attention(*args)
+        with pytest.raises(ValueError, match=why):
+            triton_kernel.paged_attention(*args, q_lens_host=[1, 1])
+    ok = (q, cache, lay, scales, tables, lens, None, None, 1.0)
+    with pytest.raises(ValueError, match="uniform_t=2: q must hold 2 tokens per block-table row"):
+        triton_kernel.paged_attention(*ok, uniform_t=2)
+    with pytest.raises(ValueError, match="q_start and q_len are required"):
+        triton_kernel.paged_attention(*ok)
+    with pytest.raises(ValueError, match="out must be"):
+        triton_kernel.paged_attention(*ok, uniform_t=1, out=torch.empty(2, 6, 32, device=DEV))
+    with pytest.raises(ValueError, match="scratch must be"):
+        small = (torch.empty(10, device=DEV), torch.empty(10, device=DEV))
+        triton_kernel.paged_attention(*ok, uniform_t=1, num_splits=2, scratch=small)
+    if DEV == "cuda":
+        with pytest.raises(ValueError, match="block_tables is on cpu"):
+            triton_kernel.paged_attention(q, cache, lay, scales, tables.cpu(), lens, None, None, 1.0, uniform_t=1)
 
 
 def test_default_splits_from_the_batch_shape_only():
