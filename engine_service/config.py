@@ -18,7 +18,7 @@ applied at start-up (``engine_service.cli``):
   an error. ``kv_k_rounding`` picks K's codes by plain nearest rounding or by query-weighted
   rounding calibrated at start-up (``feedback``, fp8 / nvfp4 only, ``kernels.kv_formats.feedback``);
   auto = feedback (fp8 and nvfp4: lower KL to the unquantized cache on long text and on chat
-  prompts, a sequence's position 0 rounded to nearest; docs/kernels.md).
+  prompts; nvfp4 rounds a sequence's position 0 to nearest; docs/kernels.md).
 """
 
 from __future__ import annotations

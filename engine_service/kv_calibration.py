@@ -190,8 +190,8 @@ class KVCalibration:
         matrix: what the cached bytes mean. Pages kept outside this process (the KV daemon) may
         only be reused by an engine whose calibration has the same digest."""
         h = hashlib.sha256(self.kv_format.encode())
-        if self.k_feedback is not None:  # (with the rule: position 0 rounded to nearest)
-            h.update(b"k_feedback;position0=nearest")
+        if self.k_feedback is not None:  # nvfp4 rounds position 0 to nearest (kv_quant.position0_nearest)
+            h.update(b"k_feedback;position0=nearest" if self.kv_format.startswith("nvfp4") else b"k_feedback;all")
         for t in (*self.scales, *(self.k_offsets or ()), *(self.k_feedback or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
