@@ -11,6 +11,8 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
 4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay);
 5. the engine's decode call (``TritonBackend.decode_attention``: Q rotation, attention,
    split merge) captured in a CUDA graph, against the attention kernel alone.
+nvfp4 decode / verify rows time the kernel the engine runs: on Hopper the Gluon one
+(``gluon_decode``) for up to 4 tokens per sequence, with the Triton kernel beside it.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays (decode, verify,
 append, the engine step: the GPU's time, as the engine runs them) or of eager calls (prefill).
@@ -31,6 +33,7 @@ import triton  # noqa: E402
 from kernels.backend import KVCacheLayer, TritonBackend  # noqa: E402
 from kernels.kv_append import triton_kernel as append_tk  # noqa: E402
 from kernels.kv_formats import KVLayout  # noqa: E402
+from kernels.paged_attention import gluon_decode  # noqa: E402
 from kernels.paged_attention import triton_kernel as attn_tk  # noqa: E402
 
 HQ, HKV, D = 24, 4, 256
@@ -91,15 +94,23 @@ def bench_graph(fn, reps: int = 20) -> float:
 
 
 def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load_k=None, nv_load_v=None,
-                ppt=None, maxreg=None, bm=None):
+                ppt=None, maxreg=None, bm=None, impl="auto"):
+    """``impl``: "auto" is the engine's choice (``TritonBackend.uses_gluon``: the Gluon kernel for
+    nvfp4 decode / verify on Hopper, else the Triton kernel); "triton" forces the Triton kernel."""
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
+    be = TritonBackend()
+    gluon = impl == "auto" and be.uses_gluon(layout, HQ // HKV, t, q.device)
     if splits is None:
-        splits = TritonBackend().default_splits(batch, HKV, torch.device("cuda"))
+        splits = (be.gluon_splits if gluon else be.default_splits)(batch, HKV, torch.device("cuda"))
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)
     scratch = (torch.empty(batch * t * HQ * splits * D, device="cuda"), torch.empty(batch * t * HQ * splits, device="cuda"))
 
     def run():  # the engine's decode call (uniform_t: row blocks derived in-kernel), Q pre-rotated
+        if gluon:
+            gluon_decode.paged_decode(q, cache, layout, scales, tables, ctx_lens, D**-0.5, tokens_per_seq=t,
+                                      num_splits=splits, out=out, scratch=scratch)
+            return
         attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, None, None, D**-0.5,
                                 num_splits=splits, out=out, scratch=scratch, uniform_t=t,
                                 num_warps=warps, num_stages=stages, unpack_asm=asm, nv_load_k=nv_load_k,
@@ -120,7 +131,7 @@ def decode_table(quick: bool) -> list[dict]:
     ctxs = [2048, 16384, 131072, 1048576] if not quick else [16384, 131072]
     batches = [1, 8, 64] if not quick else [1, 8]
     for fmt in ("nvfp4", "bf16", "fp8", "int8"):
-        cfg = BEST.get(fmt, {})
+        cfg = BEST.get(fmt, {}) if fmt != "nvfp4" else {}  # nvfp4: the engine's kernel choice
         for ctx in ctxs:
             for batch in batches:
                 tokens = batch * ctx
@@ -130,6 +141,13 @@ def decode_table(quick: bool) -> list[dict]:
                 sec, bw, splits = time_decode(fmt, batch, ctx, **cfg)
                 rows.append(dict(fmt=fmt, ctx=ctx, batch=batch, splits=splits, us=sec * 1e6, tbps=bw / 1e12, frac=bw / PEAK))
                 print(f"decode {fmt:6s} ctx={ctx:8d} B={batch:3d} splits={splits:3d} {sec*1e6:9.1f} us {bw/1e12:6.2f} TB/s {bw/PEAK:6.1%}", flush=True)
+    # the Triton kernel at the same points, where the engine runs the Gluon one (nvfp4 on Hopper)
+    for ctx, batch in ((16384, 64), (131072, 1), (131072, 8), (131072, 64)):
+        if quick and batch == 64:
+            continue
+        sec, bw, splits = time_decode("nvfp4", batch, ctx, impl="triton", **BEST.get("nvfp4", {}))
+        rows.append(dict(fmt="nvfp4-triton", ctx=ctx, batch=batch, splits=splits, us=sec * 1e6, tbps=bw / 1e12, frac=bw / PEAK))
+        print(f"decode nvfp4 (Triton kernel) ctx={ctx:8d} B={batch:3d} splits={splits:3d} {sec*1e6:9.1f} us {bw/1e12:6.2f} TB/s {bw/PEAK:6.1%}", flush=True)
     return rows
 
 
@@ -173,8 +191,8 @@ def verify_table() -> list[dict]:
             rows.append(dict(ctx=ctx, batch=batch, t1_us=t1 * 1e6, t4_us=t4 * 1e6, ratio=t4 / t1))
             print(f"verify nvfp4 ctx={ctx} B={batch}: T=1 {t1*1e6:.1f} us, T=4 {t4*1e6:.1f} us, ratio {t4/t1:.2f}", flush=True)
     t1, _, _ = time_decode("nvfp4", 8, 131072, 1)
-    for warps, stages, ppt in [(4, 2, 2), (4, 3, 2), (8, 2, 2), (8, 3, 2), (4, 3, 1), (8, 2, 1)]:
-        t4, _, _ = time_decode("nvfp4", 8, 131072, 4, warps=warps, stages=stages, ppt=ppt)
+    for warps, stages, ppt in [(4, 2, 2), (4, 3, 2), (8, 2, 2)]:  # the Triton kernel's T = 4
+        t4, _, _ = time_decode("nvfp4", 8, 131072, 4, warps=warps, stages=stages, ppt=ppt, impl="triton")
         rows.append(dict(ctx=131072, batch=8, warps=warps, stages=stages, ppt=ppt, t1_us=t1 * 1e6, t4_us=t4 * 1e6,
                          ratio=t4 / t1))
         print(f"verify T=4 variant warps={warps} stages={stages} ppt={ppt}: {t4*1e6:.1f} us, ratio {t4/t1:.2f}", flush=True)
@@ -258,7 +276,7 @@ def step_table() -> list[dict]:
             be.decode_attention(q, layer, tables, ctx_lens, sm_scale=D**-0.5, out=out, validate=False)
 
         step = graph_time(call, 1)
-        kernel, _, splits = time_decode("nvfp4", batch, ctx, 1, **BEST.get("nvfp4", {}))
+        kernel, _, splits = time_decode("nvfp4", batch, ctx, 1)
         rows.append(dict(batch=batch, ctx=ctx, step_us=step * 1e6, kernel_us=kernel * 1e6))
         print(f"step nvfp4 B={batch} ctx={ctx}: backend decode call in a graph {step*1e6:8.1f} us, "
               f"attention kernel alone {kernel*1e6:8.1f} us", flush=True)

@@ -112,7 +112,7 @@ class ReferenceBackend:
         if sum(q_lens) != q.shape[0]:
             raise ValueError(f"q has {q.shape[0]} tokens but q_lens sum to {sum(q_lens)}")
         qr = rotate_q(q, layer.layout)
-        lens = torch.tensor(q_lens, dtype=torch.int32)
+        lens = torch.tensor(q_lens, dtype=torch.int32, device=q.device)
         res = attn_ref.paged_attention(
             qr, layer.data, layer.layout, layer.scales, block_tables,
             context_lens, _starts(q_lens, q.device), lens, sm_scale,
@@ -133,13 +133,19 @@ class ReferenceBackend:
         return self._attend(q, layer, block_tables, context_lens, list(q_lens), sm_scale, out)
 
 
+# decode with up to this many tokens per sequence runs the Gluon nvfp4 kernel on Hopper; verify
+# (T = 4) measured slower there than the Triton kernel (1001 vs 763 us at 128k x 8, docs/kernels.md)
+GLUON_MAX_TOKENS = 1
+
+
 class TritonBackend:
     """Triton kernels (CUDA; also the interpreter under TRITON_INTERPRET=1)."""
 
     name = "triton"
 
-    def __init__(self, max_splits: int = 64) -> None:
+    def __init__(self, max_splits: int = 64, gluon_max_tokens: int = GLUON_MAX_TOKENS) -> None:
         self.max_splits = max_splits
+        self.gluon_max_tokens = gluon_max_tokens
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, validate: bool = True) -> None:
         from kernels.kv_append import triton_kernel
@@ -154,6 +160,28 @@ class TritonBackend:
         want = max(2, (2 * sms) // max(1, batch * num_kv_heads))
         return min(self.max_splits, 1 << (want.bit_length() - 1))
 
+    def gluon_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
+        """Splits for the Gluon kernel, from the batch shape only: as many as fill two whole
+        waves of three programs per SM (one wave if that needs more than ``2 * max_splits``),
+        rounded down so no third wave starts with a few programs (H200, 27B layout,
+        docs/kernels.md: 128k x 8 -> 24 splits 459 us, 25 splits 511 us)."""
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        slots, work = 3 * sms, max(1, batch * num_kv_heads)
+        splits = 2 * slots // work
+        if splits > 2 * self.max_splits:
+            splits = min(2 * self.max_splits, slots // work)
+        return max(1, splits)
+
+    def uses_gluon(self, layout: KVLayout, group: int, tokens_per_seq: int, device: torch.device) -> bool:
+        """Whether decode / verify of this shape runs the Gluon nvfp4 kernel (Hopper)."""
+        if tokens_per_seq > self.gluon_max_tokens:
+            return False
+        try:
+            from kernels.paged_attention import gluon_decode
+        except ImportError:  # a Triton without Gluon: the Triton kernel serves everything
+            return False
+        return gluon_decode.supported(layout, group, tokens_per_seq) and gluon_decode.available(device)
+
     def decode_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor, *,
                          tokens_per_seq: int = 1, sm_scale: float, num_splits: int | None = None,
                          out: Tensor | None = None, validate: bool = True) -> Tensor:
@@ -164,7 +192,15 @@ class TritonBackend:
         b, t = block_tables.shape[0], tokens_per_seq
         if validate and (q.shape[0] != b * t or not 1 <= t <= 16):
             raise ValueError(f"decode needs q [B * T, Hq, d] with 1 <= T <= 16; got {list(q.shape)} for B={b}, T={t}")
-        splits = num_splits or self.default_splits(b, layer.layout.num_kv_heads, q.device)
+        h = layer.layout.num_kv_heads
+        if self.uses_gluon(layer.layout, q.shape[1] // h, t, q.device):
+            from kernels.paged_attention import gluon_decode
+
+            return gluon_decode.paged_decode(
+                _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
+                sm_scale, tokens_per_seq=t, num_splits=num_splits or self.gluon_splits(b, h, q.device), out=out,
+            )
+        splits = num_splits or self.default_splits(b, h, q.device)
         # two launches (Q rotation, attention) + the split merge: global scales and row
         # blocks are derived in-kernel, so nothing else runs and a step is graph-capturable
         return triton_kernel.paged_attention(

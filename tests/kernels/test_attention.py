@@ -231,3 +231,16 @@ def test_default_splits_from_the_batch_shape_only():
     assert be.default_splits(3, 1, cpu) == 4  # rounded down to a power of two
     assert be.default_splits(64, 4, cpu) == 2  # at least two
     assert TritonBackend(max_splits=8).default_splits(1, 1, cpu) == 8
+
+
+def test_gluon_splits_fill_whole_waves_from_the_batch_shape_only():
+    """Three programs per SM on the (CPU stand-in's) 8 SMs: two waves = 48 programs, rounded
+    down; one wave where two would need more than ``2 * max_splits``; never below one."""
+    be = TritonBackend(max_splits=64)
+    cpu = torch.device("cpu")
+    assert be.gluon_splits(8, 4, cpu) == 1  # 48 // 32
+    assert be.gluon_splits(1, 4, cpu) == 12
+    assert be.gluon_splits(1, 1, cpu) == 48
+    assert TritonBackend(max_splits=8).gluon_splits(1, 1, cpu) == 16  # 48 > 16: one wave (24), capped
+    assert be.gluon_splits(64, 4, cpu) == 1
+    assert not be.uses_gluon(KVLayout.make("nvfp4", 4, 256), 6, 1, cpu)  # not CUDA

@@ -1,0 +1,421 @@
+"""nvfp4 paged decode attention in Gluon (Hopper): keys as the rows of the tensor-core products.
+
+Same meaning as ``reference.paged_attention`` for one query token per sequence (decode),
+nvfp4 caches with head_dim 128 or 256 and up to 8 query heads per KV head. A program owns
+one (sequence, KV head, split); each loop iteration one 64-token page:
+
+- raw page bytes (K and V codes and block scales) arrive in shared memory through
+  ``cp.async`` ``STAGES - 1`` pages ahead of use (a ring of ``STAGES`` buffers), so each
+  program keeps its own memory latency covered instead of relying on a second program;
+- ``Sᵀ = K·Qᵀ`` is a warpgroup MMA with the 64 keys as rows (M = 64) and the query heads as
+  the N = 8 columns. K is unpacked from the page bytes straight into the A operand's
+  registers: thread ``c`` of a quad holds 32 consecutive code bytes of a row, and the MMA's
+  reduction index ``p`` is a permutation of the head dim (``_k_perm``) that Q, staged once in
+  shared memory, follows too, so no value moves between threads;
+- ``Oᵀ = Vᵀ·Pᵀ``: V is unpacked (fp16, times its block scales) in a row layout, stored once
+  to shared memory, and read by the MMA as an MN-major A operand (the transpose is the
+  MMA's); ``Pᵀ`` goes through shared memory as the B operand;
+- softmax per page (``page_max``, as the Triton kernel): each page's probabilities are
+  relative to that page's own maximum and its ``Vᵀ·Pᵀ`` starts from zero, so a page
+  contributes the same bits in every split; the running state is rescaled in fp32.
+
+A nibble ``n`` becomes the fp16 pattern ``((n & 7) << 9) | ((n & 8) << 12)`` (value * 2**-14)
+times its block's E4M3 scale in fp16 (exact); 2**14 and the global scales go into the fp32
+score scale and the output scale. Probabilities are fp16 times 2**15 (``P_LOG2``).
+Split-K writes normalized partial outputs and log2-sum-exps for ``merge_kernel``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from kernels.kv_formats.layout import KVFormat, KVLayout
+from kernels.paged_attention.reference import check_inputs
+
+LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+P_LOG2 = 15.0
+MAX_COLS = 32  # query tokens x query heads per KV head: the MMA's N (registers: O is [d, N] fp32)
+
+
+@gluon.constexpr_function
+def _j_basis(CB, row, j):
+    """3-D basis [row, block, byte-in-block] of code byte ``j`` of row ``row``."""
+    return [row, j // 16, j % 16]
+
+
+@gluon.constexpr_function
+def _k_codes_layout(CB):
+    """K code bytes [64 rows, CB // 16 blocks, 16] as the A operand wants them, in byte terms.
+
+    Thread (warp w, lane l) holds rows ``16 w + l // 4`` and ``+ 8`` and, with ``c = l % 4``,
+    bytes ``j = (CB / 4) c + 4 kc + 2 ihi + ilo`` of each; register order ilo, ihi, kc0, kc1,
+    row + 8, kc2.. (four consecutive bytes first: one 32-bit word per unpack)."""
+    nkc = CB // 16
+    kc_bits = [1 << b for b in range(nkc.bit_length() - 1)]
+    regs = [[0, 0, 1], [0, 0, 2]]
+    regs += [_j_basis(CB, 0, 4 * k) for k in kc_bits[:2]]
+    regs += [[8, 0, 0]]
+    regs += [_j_basis(CB, 0, 4 * k) for k in kc_bits[2:]]
+    lanes = [_j_basis(CB, 0, (CB // 4) * c) for c in (1, 2)] + [[1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[[16, 0, 0], [32, 0, 0]],
+                                      block_bases=[], shape=[64, CB // 16, 16])
+
+
+@gluon.constexpr_function
+def _k_codes_layout_2d(CB):
+    """``_k_codes_layout`` over [64 rows, CB bytes]."""
+    l3 = _k_codes_layout(CB)
+    flat = lambda bs: [[r, 16 * blk + w] for r, blk, w in bs]
+    return gl.DistributedLinearLayout(reg_bases=flat(l3.reg_bases), lane_bases=flat(l3.lane_bases),
+                                      warp_bases=flat(l3.warp_bases), block_bases=[], shape=[64, CB])
+
+
+@gluon.constexpr_function
+def _v_codes_layout(CB):
+    """V code bytes [64 rows, CB // 16 blocks, 16]: eight consecutive bytes per thread."""
+    nb = CB // 16
+    return gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[32 // (2 * nb), nb, 2],
+                            warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+
+
+@gluon.constexpr_function
+def _copy_layout(width, vec):
+    """cp.async of a [64, width] byte tile, ``vec`` bytes per thread and copy."""
+    tpr = width // vec
+    return gl.BlockedLayout(size_per_thread=[1, vec], threads_per_warp=[32 // tpr, tpr], warps_per_cta=[4, 1],
+                            order=[1, 0])
+
+
+def _k_perm(cb: int) -> list[int]:
+    """Byte (= head-dim index within a half) of MMA reduction index ``p``: the inverse view of
+    ``_k_codes_layout`` (p = 16 kc + 8 ihi + 2 c + ilo <-> j = (cb / 4) c + 4 kc + 2 ihi + ilo)."""
+    out = []
+    for p in range(cb):
+        kc, ihi, c, ilo = p // 16, (p // 8) % 2, (p // 2) % 4, p % 2
+        out.append((cb // 4) * c + 4 * kc + 2 * ihi + ilo)
+    return out
+
+
+# fp16 high bytes of the four code bytes' low nibbles (sign to bit 7, magnitude to bits 1-3)
+_LO = "{ .reg .b32 a, b, x, z, t; shl.b32 a, $2, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 4; lop3.b32 x, b, 0x80808080, a, 0xEA;"
+# ... and of their high nibbles
+_HI = "{ .reg .b32 a, b, x, z, t; shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; lop3.b32 x, $2, 0x80808080, a, 0xEA;"
+# byte permutes place them into fp16 lanes, each pair times its scales
+_PLACE = "mov.b32 z, 0; prmt.b32 t, x, z, 0x1404; mul.rn.f16x2 $0, t, $3; prmt.b32 t, x, z, 0x3424; mul.rn.f16x2 $1, t, $4; }"
+_ASM_LO = gl.constexpr(_LO + _PLACE)
+_ASM_HI = gl.constexpr(_HI + _PLACE)
+
+
+@gluon.jit
+def _unpack_half(c, sc, HI: gl.constexpr):
+    """code bytes -> fp16 values * 2**-14 of their low (``HI`` False: head-dim ``j``) or high
+    nibbles (``j + d/2``), times their fp16 block scales ``sc`` (same shape, broadcast)."""
+    if HI:
+        res = gl.inline_asm_elementwise(
+            asm=_ASM_HI,
+            constraints="=r,=r,r,r,r", args=[c, sc], dtype=gl.float16, is_pure=True, pack=4)
+    else:
+        res = gl.inline_asm_elementwise(
+            asm=_ASM_LO,
+            constraints="=r,=r,r,r,r", args=[c, sc], dtype=gl.float16, is_pure=True, pack=4)
+    return res
+
+
+@gluon.jit
+def _issue_page(cache_ptr, bt_ptr, b, pg, stage, kc_s, ks_s, vc_s, vs_s,
+                stride_bt, stride_cp, stride_ckv, stride_ch, kvh,
+                CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr):
+    page = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + pg).to(gl.int64)
+    base = cache_ptr + page * stride_cp + kvh * stride_ch
+    cl: gl.constexpr = _copy_layout(CB, 16)
+    sl: gl.constexpr = _copy_layout(SB, 8)
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
+    cc = gl.arange(0, CB, layout=gl.SliceLayout(0, cl))
+    offs = gl.expand_dims(r, 1) * CB + gl.expand_dims(cc, 0)
+    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, sl))
+    cs = gl.arange(0, SB, layout=gl.SliceLayout(0, sl))
+    offs_s = SCALE_OFF + gl.expand_dims(rs, 1) * SB + gl.expand_dims(cs, 0)
+    async_copy.async_copy_global_to_shared(kc_s.index(stage), base + offs)
+    async_copy.async_copy_global_to_shared(ks_s.index(stage), base + offs_s)
+    async_copy.async_copy_global_to_shared(vc_s.index(stage), base + stride_ckv + offs)
+    async_copy.async_copy_global_to_shared(vs_s.index(stage), base + stride_ckv + offs_s)
+
+
+@gluon.jit
+def nvfp4_decode_kernel(
+    q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr, bt_ptr, ctx_ptr, perm_ptr,
+    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cp, stride_ckv, stride_ch, stride_bt, H,
+    D: gl.constexpr, G: gl.constexpr, SCALE_OFF: gl.constexpr,
+    NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr,
+    T: gl.constexpr, N: gl.constexpr,
+):
+    CB: gl.constexpr = D // 2
+    SB: gl.constexpr = D // 16
+    NB: gl.constexpr = CB // 16
+    b = gl.program_id(0)
+    kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    hq = H * G
+
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    kl3: gl.constexpr = _k_codes_layout(CB)
+    vl3: gl.constexpr = _v_codes_layout(CB)
+    kl2: gl.constexpr = _k_codes_layout_2d(CB)
+    vl2: gl.constexpr = _copy_layout(CB, 8)
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
+    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
+
+    # raw page ring: codes swizzled by 16-byte chunks (the K reads run down rows)
+    kc_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=128 // CB, max_phase=CB // 16, order=[1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
+    ks_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, SB], plain)
+    vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], plain)
+    vs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, SB], plain)
+    vt_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, CB], gl.float16)
+    vt_lo = gl.allocate_shared_memory(gl.float16, [64, CB], vt_lay)
+    vt_hi = gl.allocate_shared_memory(gl.float16, [64, CB], vt_lay)
+    q_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, CB], gl.float16)
+    q_lo = gl.allocate_shared_memory(gl.float16, [N, CB], q_lay)
+    q_hi = gl.allocate_shared_memory(gl.float16, [N, CB], q_lay)
+    p_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([N, 64], gl.float16)
+    p_s = gl.allocate_shared_memory(gl.float16, [N, 64], p_lay)
+
+    ctx = gl.load(ctx_ptr + b)
+    n_pages = gl.cdiv(ctx, 64)
+    pps = gl.cdiv(n_pages, NUM_SPLITS)
+    p_begin = split * pps
+    p_end = gl.minimum(p_begin + pps, n_pages)
+    n = gl.maximum(p_end - p_begin, 0)
+
+    for i in gl.static_range(STAGES - 1):
+        if i < n:
+            _issue_page(cache_ptr, bt_ptr, b, p_begin + i, i, kc_s, ks_s, vc_s, vs_s,
+                        stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF)
+        async_copy.commit_group()
+
+    # Q (fp16, the MMA's reduction order) into shared memory once
+    ql: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
+                                        order=[1, 0])
+    nq = gl.arange(0, N, layout=gl.SliceLayout(1, ql))  # column n: query token n // G, head n % G
+    pp = gl.arange(0, CB, layout=gl.SliceLayout(0, ql))
+    dj = gl.load(perm_ptr + pp)
+    qtok = (b * T + gl.expand_dims(nq // G, 1)).to(gl.int64)
+    qrow = q_ptr + qtok * stride_qt + (kvh * G + gl.expand_dims(nq % G, 1)) * stride_qh
+    qmask = gl.expand_dims(nq < T * G, 1) & gl.expand_dims(pp < CB, 0)
+    q_lo.store(gl.load(qrow + gl.expand_dims(dj, 0), mask=qmask, other=0.0).to(gl.float16))
+    q_hi.store(gl.load(qrow + CB + gl.expand_dims(dj, 0), mask=qmask, other=0.0).to(gl.float16))
+
+    gk = gl.load(gscale_ptr + kvh)
+    gv = gl.load(gscale_ptr + H + kvh)
+    s_scale = qk_scale * gk * 16384.0
+
+    m_i = gl.full([N], float("-inf"), gl.float32, layout=col_l)
+    l_r = gl.zeros([64, N], gl.float32, layout=acc_l)  # per-row partial sums (one reduction at the end)
+    acc_lo = gl.zeros([CB, N], gl.float32, layout=acc_l)
+    acc_hi = gl.zeros([CB, N], gl.float32, layout=acc_l)
+    zero_s = gl.zeros([64, N], gl.float32, layout=acc_l)
+    krow = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, kl3)))
+    vrow = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, vl3)))
+    srow = gl.arange(0, 64, layout=row_l)
+    gcol = gl.arange(0, N, layout=col_l)
+
+    for i in range(0, n):
+        nxt = i + STAGES - 1
+        if nxt < n:
+            _issue_page(cache_ptr, bt_ptr, b, p_begin + nxt, nxt % STAGES, kc_s, ks_s, vc_s, vs_s,
+                        stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        st = i % STAGES
+        first = (p_begin + i) * 64
+        valid = ctx - first  # keys of this page: rows < valid
+
+        # K: bytes -> A operand registers, block scales (rows past the context: scale 0)
+        kc = gl.convert_layout(gl.reshape(kc_s.index(st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
+        ksc = ks_s.index(st)
+        kok = gl.expand_dims(krow < valid, 1)
+        ks_lo = gl.where(kok, ksc.slice(0, NB, dim=1).load(gl.SliceLayout(2, kl3)), 0)
+        ks_hi = gl.where(kok, ksc.slice(NB, NB, dim=1).load(gl.SliceLayout(2, kl3)), 0)
+        ks_lo = gl.expand_dims(ks_lo.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
+        ks_hi = gl.expand_dims(ks_hi.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
+        k_lo = _to_a_operand(_unpack_half(kc, ks_lo, False), CB, a_l)
+        s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # frees K's registers: 3 programs per SM
+        k_hi = _to_a_operand(_unpack_half(kc, ks_hi, True), CB, a_l)
+        s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
+
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        if T == 1:
+            seen = gl.expand_dims(srow < valid, 1)
+        else:  # causal among the T tokens
+            seen = gl.expand_dims(srow, 1) < gl.expand_dims(valid - T + 1 + gcol // G, 0)
+        s = gl.where(seen, s * s_scale, float("-inf"))
+        m_t = gl.max(s, axis=0)
+        if T == 1:  # every page in range holds a key the token sees
+            p = gl.exp2(s - gl.expand_dims(m_t, 0))
+        else:  # m_t is -inf in a column whose token sees no key of this page
+            p = gl.exp2(s - gl.expand_dims(gl.where(m_t > float("-inf"), m_t, 0.0), 0))
+        p_s.store(gl.permute((p * P_SHIFT).to(gl.float16), (1, 0)))
+        # V: bytes -> fp16 rows in shared memory
+        vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vl2), [64, NB, 16]), vl3, assert_trivial=True)
+        vsc = vs_s.index(st)
+        vok = gl.expand_dims(vrow < valid, 1)
+        vs_lo = gl.where(vok, vsc.slice(0, NB, dim=1).load(gl.SliceLayout(2, vl3)), 0)
+        vs_hi = gl.where(vok, vsc.slice(NB, NB, dim=1).load(gl.SliceLayout(2, vl3)), 0)
+        vs_lo = gl.expand_dims(vs_lo.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
+        vs_hi = gl.expand_dims(vs_hi.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
+        vt_lo.store(gl.reshape(_unpack_half(vc, vs_lo, False), [64, CB]))
+        vt_hi.store(gl.reshape(_unpack_half(vc, vs_hi, True), [64, CB]))
+
+        fence_async_shared()
+        gl.thread_barrier()
+        o_lo = warpgroup_mma(vt_lo.permute((1, 0)), p_s.permute((1, 0)), acc_lo, use_acc=False, is_async=True)
+        o_hi = warpgroup_mma(vt_hi.permute((1, 0)), p_s.permute((1, 0)), acc_hi, use_acc=False, is_async=True)
+        m_new = gl.maximum(m_i, m_t)
+        if T == 1:
+            m_ref = m_new
+        else:
+            m_ref = gl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = gl.exp2(m_i - m_ref)
+        beta = gl.exp2(m_t - m_ref)
+        l_r = l_r * gl.expand_dims(alpha, 0) + p * gl.expand_dims(beta, 0)
+        m_i = m_new
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
+        acc_lo = acc_lo * gl.expand_dims(alpha, 0) + o_lo * gl.expand_dims(beta, 0)
+        acc_hi = acc_hi * gl.expand_dims(alpha, 0) + o_hi * gl.expand_dims(beta, 0)
+
+    async_copy.wait_group(0)
+    l_i = gl.sum(l_r, axis=0)
+    out_scale = gv * 16384.0 / P_SHIFT
+    den = gl.where(l_i > 0, l_i, 1.0)
+    o_scale = gl.expand_dims(out_scale / den, 0)
+    d_lo = gl.arange(0, CB, layout=row_l)
+    gg = gl.arange(0, N, layout=col_l)
+    omask = gl.expand_dims(gg < T * G, 0) & gl.expand_dims(d_lo < CB, 1)
+    otok = b.to(gl.int64) * T + gg // G
+    if NUM_SPLITS == 1:
+        orow = out_ptr + gl.expand_dims(otok * stride_ot + (kvh * G + gg % G) * stride_oh, 0)
+        gl.store(orow + gl.expand_dims(d_lo, 1), (acc_lo * o_scale).to(out_ptr.dtype.element_ty), mask=omask)
+        gl.store(orow + CB + gl.expand_dims(d_lo, 1), (acc_hi * o_scale).to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        part = (otok * hq + kvh * G + gg % G) * NUM_SPLITS + split
+        prow = opart_ptr + gl.expand_dims(part, 0) * D
+        gl.store(prow + gl.expand_dims(d_lo, 1), acc_lo * o_scale, mask=omask)
+        gl.store(prow + CB + gl.expand_dims(d_lo, 1), acc_hi * o_scale, mask=omask)
+        lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
+        gl.store(lse_ptr + part, lse, mask=gg < T * G)
+
+
+@gluon.jit
+def _to_a_operand(x, CB: gl.constexpr, a_l: gl.constexpr):
+    """[64, NB, 16] values in byte order -> [64, CB] in the MMA's reduction order (p), which
+    is the same registers: only the index labels change."""
+    NKC: gl.constexpr = CB // 16
+    x = gl.reshape(x, [64, 4, NKC, 2, 2])
+    x = gl.permute(x, (0, 2, 3, 1, 4))
+    x = gl.reshape(x, [64, CB])
+    return gl.convert_layout(x, a_l, assert_trivial=True)
+
+
+_PERM_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def supported(layout: KVLayout, group: int, tokens_per_seq: int = 1) -> bool:
+    """What this kernel covers; everything else stays with ``triton_kernel``."""
+    return (layout.fmt is KVFormat.NVFP4 and layout.head_dim in (128, 256) and group >= 1
+            and 1 <= tokens_per_seq * group <= MAX_COLS)
+
+
+def available(device: torch.device) -> bool:
+    """Hopper (sm_90: warpgroup MMA) and not the interpreter."""
+    return (device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def num_columns(tokens_per_seq: int, group: int) -> int:
+    """The MMA's N: query tokens x heads of a KV head, padded to a power of two >= 8."""
+    return max(8, triton.next_power_of_2(tokens_per_seq * group))
+
+
+def paged_decode(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    layout: KVLayout,
+    global_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    tokens_per_seq: int = 1,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stages: int = 2,
+) -> torch.Tensor:
+    """Decode / verify attention, Q already rotated: ``tokens_per_seq`` query tokens per
+    block-table row, stored back to back, the last of them at position ``context_lens - 1``
+    (causal among them). Same meaning as ``reference.paged_attention`` with ``q_len = T``
+    everywhere; nvfp4 with head_dim 128/256 and T x group <= 32 only (``supported``).
+    ``num_splits`` > 1 splits each sequence's pages; ``scratch`` (float32, at least
+    ``B * T * Hq * splits * d`` and ``B * T * Hq * splits`` elements) may be preallocated."""
+    from kernels.paged_attention.triton_kernel import merge_kernel
+
+    check_inputs(q, cache, layout, global_scales, block_tables, context_lens, None, None)
+    total, hq, d = q.shape
+    h = layout.num_kv_heads
+    group = hq // h
+    t = tokens_per_seq
+    if not supported(layout, group, t):
+        raise ValueError(f"gluon decode needs nvfp4, head_dim 128/256 and tokens_per_seq * group <= {MAX_COLS}; "
+                         f"got {layout.fmt.value}, d={layout.head_dim}, group={group}, tokens_per_seq={t}")
+    if total != block_tables.shape[0] * t:
+        raise ValueError(f"q must hold {t} tokens per block-table row ({block_tables.shape[0] * t}), got {total}")
+    if num_splits < 1 or stages < 2:
+        raise ValueError(f"num_splits must be >= 1 and stages >= 2, got {num_splits}, {stages}")
+    if q.stride(-1) != 1 or not global_scales.is_contiguous():
+        raise ValueError("q must be contiguous in the last dimension and global scales contiguous")
+    if out is None:
+        out = torch.empty_like(q)
+    elif (tuple(out.shape) != tuple(q.shape) or out.stride(-1) != 1 or out.device != q.device
+          or out.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        raise ValueError(f"out must be a float32/bfloat16/float16 tensor shaped like q {list(q.shape)} on "
+                         f"{q.device} with a contiguous last dimension, got {out.dtype} {list(out.shape)}")
+    key = (d, q.device)
+    if key not in _PERM_CACHE:
+        _PERM_CACHE[key] = torch.tensor(_k_perm(d // 2), dtype=torch.int32, device=q.device)
+    perm = _PERM_CACHE[key]
+    if num_splits > 1:
+        need = total * hq * num_splits
+        if scratch is None:
+            scratch = (torch.empty(need * d, dtype=torch.float32, device=q.device),
+                       torch.empty(need, dtype=torch.float32, device=q.device))
+        opart, lse = scratch
+        if (opart.dtype != torch.float32 or lse.dtype != torch.float32 or opart.numel() < need * d
+                or lse.numel() < need or not opart.is_contiguous() or not lse.is_contiguous()
+                or opart.device != q.device or lse.device != q.device):
+            raise ValueError(f"scratch must be contiguous float32 tensors on {q.device} of at least {need * d} "
+                             f"and {need} elements for {num_splits} splits, got {opart.numel()} and {lse.numel()}")
+    else:
+        opart = lse = out
+    nvfp4_decode_kernel[(block_tables.shape[0], h, num_splits)](
+        q, out, opart, lse, cache, global_scales, block_tables, context_lens, perm,
+        sm_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0), h,
+        D=d, G=group, SCALE_OFF=layout.scale_offset, NUM_SPLITS=num_splits, STAGES=stages,
+        P_SHIFT=2.0 ** P_LOG2, T=t, N=num_columns(t, group), num_warps=4,
+    )
+    if num_splits > 1:
+        merge_kernel[(total, hq)](out, opart, lse, hq, out.stride(0), out.stride(1),
+                                  D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits))
+    return out

@@ -1,0 +1,139 @@
+"""Gluon nvfp4 decode / verify (Hopper): fp64 evaluation over the dequantized cache, split-K
+invariance, verify(T=k) == k sequential decodes, the backend's dispatch; on CPU, the reduction
+order that Q follows and the input checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.backend import KVCacheLayer, TritonBackend
+from kernels.kv_formats import KVLayout
+from kernels.paged_attention import gluon_decode as gd
+from kernels.paged_attention import reference as attn_ref
+from tests.kernels.helpers import build_case, rel_l2
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and gd.available(torch.device("cuda"))
+
+
+hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (warpgroup MMA)")
+
+
+@pytest.mark.parametrize("cb", [64, 128])
+def test_q_order_is_the_a_operand_relabelling(cb):
+    """``_k_perm`` (Q's order) is exactly the index relabelling ``_to_a_operand`` applies to the
+    unpacked K bytes (reshape [4, cb/16, 2, 2], permute (1, 2, 0, 3)), and a permutation."""
+    j = torch.arange(cb).reshape(4, cb // 16, 2, 2).permute(1, 2, 0, 3).reshape(cb)
+    assert j.tolist() == gd._k_perm(cb)
+    assert sorted(gd._k_perm(cb)) == list(range(cb))
+
+
+def test_supported_shapes_and_bad_inputs_are_rejected_before_any_launch():
+    assert gd.supported(KVLayout.make("nvfp4", 4, 256), 6, 4)
+    assert not gd.supported(KVLayout.make("nvfp4", 4, 256), 6, 6)  # 36 columns > 32
+    assert not gd.supported(KVLayout.make("nvfp4", 3, 64), 3)
+    assert not gd.supported(KVLayout.make("fp8", 4, 256), 6)
+    assert gd.num_columns(1, 6) == 8 and gd.num_columns(4, 6) == 32 and gd.num_columns(1, 1) == 8
+    layout = KVLayout.make("fp8", 1, 128)
+    cache = layout.allocate(2)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([70], dtype=torch.int32)
+    with pytest.raises(ValueError, match="nvfp4"):
+        gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1)
+    layout = KVLayout.make("nvfp4", 1, 128)
+    cache = layout.allocate(2)
+    with pytest.raises(ValueError, match="2 tokens per block-table row"):
+        gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
+                        tokens_per_seq=2)
+    with pytest.raises(ValueError, match="out must be"):
+        gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
+                        out=torch.empty(1, 4, 64))
+    with pytest.raises(ValueError, match="scratch"):
+        gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
+                        num_splits=2, scratch=(torch.empty(8), torch.empty(8)))
+
+
+def _oracle(case, q, t):
+    b = case.block_tables.shape[0]
+    lens = torch.full((b,), t, dtype=torch.int32, device=q.device)
+    starts = torch.arange(b, dtype=torch.int32, device=q.device) * t
+    return attn_ref.paged_attention(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens,
+                                    starts, lens, q.shape[-1] ** -0.5, compute_dtype=torch.float64)
+
+
+CASES = [
+    # d, Hq, Hkv, context lens, tokens per sequence
+    (256, 24, 4, [1, 15, 16, 17], 1),
+    (256, 24, 4, [63, 64, 65, 130, 4100], 1),
+    (256, 24, 4, [4, 63, 64, 65, 129, 1000], 4),
+    (256, 6, 1, [2, 65, 300], 2),
+    (128, 8, 2, [1, 17, 64, 65, 700], 1),
+    (128, 16, 2, [4, 64, 65, 200], 4),  # (contexts hold the T new tokens)
+    (256, 32, 4, [90, 190], 1),  # 8 heads per KV head
+    (256, 4, 4, [90, 190], 1),  # 1 head per KV head
+    (256, 24, 4, [4096 + 37 * i for i in range(16)], 1),
+    (256, 24, 4, [32768 + 5, 65, 1], 1),
+]
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,hq,h,ctx,t", CASES)
+def test_gluon_matches_fp64_and_splits_agree(d, hq, h, ctx, t):
+    case = build_case(KVLayout.make("nvfp4", h, d), ctx, seed=d + hq + len(ctx) + t, device="cuda")
+    q = torch.randn(len(ctx) * t, hq, d, device="cuda").to(torch.bfloat16)
+    ref = _oracle(case, q, t)
+    outs = []
+    for splits in (1, 3, 16):
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device="cuda")
+        gd.paged_decode(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens, d ** -0.5,
+                        tokens_per_seq=t, num_splits=splits, out=out)
+        assert not torch.isnan(out).any()
+        assert rel_l2(out, ref) <= 1e-3
+        outs.append(out)
+    assert rel_l2(outs[1], outs[0]) <= 1e-5 and rel_l2(outs[2], outs[0]) <= 1e-5
+
+
+@hopper
+@pytest.mark.gpu
+def test_verify_equals_sequential_decodes():
+    """T = 4 query tokens in one call == four decode steps with growing context lengths."""
+    ctx = [70, 300, 4]
+    case = build_case(KVLayout.make("nvfp4", 4, 256), ctx, seed=11, device="cuda")
+    t = 4
+    q = torch.randn(len(ctx), t, 24, 256, device="cuda").to(torch.bfloat16)
+    out = torch.empty(len(ctx) * t, 24, 256, dtype=torch.float32, device="cuda")
+    gd.paged_decode(q.reshape(-1, 24, 256), case.cache, case.layout, case.scales, case.block_tables,
+                    case.context_lens, 256 ** -0.5, tokens_per_seq=t, num_splits=2, out=out)
+    for i in range(t):
+        lens_i = case.context_lens - (t - 1 - i)
+        step = torch.empty(len(ctx), 24, 256, dtype=torch.float32, device="cuda")
+        gd.paged_decode(q[:, i].contiguous(), case.cache, case.layout, case.scales, case.block_tables, lens_i,
+                        256 ** -0.5, num_splits=2, out=step)
+        assert rel_l2(out.view(len(ctx), t, 24, 256)[:, i], step) <= 1e-5
+
+
+@hopper
+@pytest.mark.gpu
+def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(monkeypatch):
+    from kernels.paged_attention import triton_kernel
+
+    layout = KVLayout.make("nvfp4", 4, 256)
+    case = build_case(layout, [700, 65, 1], seed=3, device="cuda")
+    layer = KVCacheLayer(layout=layout, data=case.cache, scales=case.scales)
+    q = torch.randn(3, 24, 256, device="cuda").to(torch.bfloat16)
+    be = TritonBackend()
+    calls = []
+    orig = gd.paged_decode
+    monkeypatch.setattr(gd, "paged_decode", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    got = be.decode_attention(q, layer, case.block_tables, case.context_lens, sm_scale=0.0625,
+                              out=torch.empty(3, 24, 256, dtype=torch.float32, device="cuda"))
+    assert calls == [1]
+    from kernels.paged_attention.reference import rotate_q
+
+    want = triton_kernel.paged_attention(rotate_q(q, layout), case.cache, layout, case.scales, case.block_tables,
+                                         case.context_lens, None, None, 0.0625, uniform_t=1,
+                                         out=torch.empty(3, 24, 256, dtype=torch.float32, device="cuda"))
+    assert rel_l2(got, want) <= 1e-4
