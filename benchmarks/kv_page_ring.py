@@ -33,11 +33,7 @@ def copy_kernel(out_ptr, cache_ptr, bt_ptr, ctx_ptr, stride_cp, stride_ckv, stri
     vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], plain)
     vs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, SB], plain)
     ctx = gl.load(ctx_ptr + b)
-    n_pages = gl.cdiv(ctx, 64)
-    pps = gl.cdiv(n_pages, NUM_SPLITS)
-    p_begin = split * pps
-    p_end = gl.minimum(p_begin + pps, n_pages)
-    n = gl.maximum(p_end - p_begin, 0)
+    p_begin, n = gd._split_pages(ctx, split, NUM_SPLITS)
     for i in gl.static_range(STAGES - 1):
         if i < n:
             gd._issue_page(cache_ptr, bt_ptr, b, p_begin + i, i, kc_s, ks_s, vc_s, vs_s,

@@ -150,6 +150,26 @@ def _issue_page(cache_ptr, bt_ptr, b, pg, stage, kc_s, ks_s, vc_s, vs_s,
 
 
 @gluon.jit
+def _block_scales(sc, row_ok, NB: gl.constexpr, l3: gl.constexpr):
+    """A page's E4M3 block scales [64, 2 NB] in shared memory -> fp16 (low half's blocks, high
+    half's), [64, NB, 1] in the codes' layout ``l3``; rows past the context get scale 0."""
+    ok = gl.expand_dims(row_ok, 1)
+    lo = gl.where(ok, sc.slice(0, NB, dim=1).load(gl.SliceLayout(2, l3)), 0)
+    hi = gl.where(ok, sc.slice(NB, NB, dim=1).load(gl.SliceLayout(2, l3)), 0)
+    return (gl.expand_dims(lo.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2),
+            gl.expand_dims(hi.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2))
+
+
+@gluon.jit
+def _split_pages(ctx, split, NUM_SPLITS: gl.constexpr):
+    """(first page, page count) of split ``split`` of a ``ctx``-token sequence."""
+    n_pages = gl.cdiv(ctx, 64)
+    pps = gl.cdiv(n_pages, NUM_SPLITS)
+    p_begin = split * pps
+    return p_begin, gl.maximum(gl.minimum(p_begin + pps, n_pages) - p_begin, 0)
+
+
+@gluon.jit
 def nvfp4_decode_kernel(
     q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr, bt_ptr, ctx_ptr, perm_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
@@ -192,11 +212,7 @@ def nvfp4_decode_kernel(
     p_s = gl.allocate_shared_memory(gl.float16, [N, 64], p_lay)
 
     ctx = gl.load(ctx_ptr + b)
-    n_pages = gl.cdiv(ctx, 64)
-    pps = gl.cdiv(n_pages, NUM_SPLITS)
-    p_begin = split * pps
-    p_end = gl.minimum(p_begin + pps, n_pages)
-    n = gl.maximum(p_end - p_begin, 0)
+    p_begin, n = _split_pages(ctx, split, NUM_SPLITS)
 
     for i in gl.static_range(STAGES - 1):
         if i < n:
@@ -244,12 +260,7 @@ def nvfp4_decode_kernel(
 
         # K: bytes -> A operand registers, block scales (rows past the context: scale 0)
         kc = gl.convert_layout(gl.reshape(kc_s.index(st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
-        ksc = ks_s.index(st)
-        kok = gl.expand_dims(krow < valid, 1)
-        ks_lo = gl.where(kok, ksc.slice(0, NB, dim=1).load(gl.SliceLayout(2, kl3)), 0)
-        ks_hi = gl.where(kok, ksc.slice(NB, NB, dim=1).load(gl.SliceLayout(2, kl3)), 0)
-        ks_lo = gl.expand_dims(ks_lo.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
-        ks_hi = gl.expand_dims(ks_hi.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
+        ks_lo, ks_hi = _block_scales(ks_s.index(st), krow < valid, NB, kl3)
         k_lo = _to_a_operand(_unpack_half(kc, ks_lo, False), CB, a_l)
         s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # frees K's registers: 3 programs per SM
@@ -270,12 +281,7 @@ def nvfp4_decode_kernel(
         p_s.store(gl.permute((p * P_SHIFT).to(gl.float16), (1, 0)))
         # V: bytes -> fp16 rows in shared memory
         vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vl2), [64, NB, 16]), vl3, assert_trivial=True)
-        vsc = vs_s.index(st)
-        vok = gl.expand_dims(vrow < valid, 1)
-        vs_lo = gl.where(vok, vsc.slice(0, NB, dim=1).load(gl.SliceLayout(2, vl3)), 0)
-        vs_hi = gl.where(vok, vsc.slice(NB, NB, dim=1).load(gl.SliceLayout(2, vl3)), 0)
-        vs_lo = gl.expand_dims(vs_lo.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
-        vs_hi = gl.expand_dims(vs_hi.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2)
+        vs_lo, vs_hi = _block_scales(vs_s.index(st), vrow < valid, NB, vl3)
         vt_lo.store(gl.reshape(_unpack_half(vc, vs_lo, False), [64, CB]))
         vt_hi.store(gl.reshape(_unpack_half(vc, vs_hi, True), [64, CB]))
 
