@@ -27,6 +27,7 @@ Split-K writes normalized partial outputs and log2-sum-exps for ``merge_kernel``
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -346,7 +347,13 @@ def supported(layout: KVLayout, group: int, tokens_per_seq: int = 1) -> bool:
 
 def available(device: torch.device) -> bool:
     """Hopper (sm_90: warpgroup MMA) and not the interpreter."""
-    return (device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(device) == (9, 0))
+    return device.type == "cuda" and not INTERPRET and _is_sm90(device.index if device.index is not None
+                                                                 else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:  # once per device: decode calls ask every step
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def num_columns(tokens_per_seq: int, group: int) -> int:
