@@ -11,8 +11,8 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
 4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay);
 5. the engine's decode call (``TritonBackend.decode_attention``: Q rotation, attention,
    split merge) captured in a CUDA graph, against the attention kernel alone.
-nvfp4 decode / verify rows time the kernel the engine runs: on Hopper the Gluon one
-(``gluon_decode``) for up to 4 tokens per sequence, with the Triton kernel beside it.
+nvfp4 rows time the kernel the engine runs: on Hopper, decode (T = 1) runs the Gluon one
+(``gluon_decode``), timed beside the Triton kernel; verify (T = 4) runs the Triton kernel.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays (decode, verify,
 append, the engine step: the GPU's time, as the engine runs them) or of eager calls (prefill).
@@ -96,7 +96,7 @@ def bench_graph(fn, reps: int = 20) -> float:
 def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load_k=None, nv_load_v=None,
                 ppt=None, maxreg=None, bm=None, impl="auto"):
     """``impl``: "auto" is the engine's choice (``TritonBackend.uses_gluon``: the Gluon kernel for
-    nvfp4 decode / verify on Hopper, else the Triton kernel); "triton" forces the Triton kernel."""
+    nvfp4 decode on Hopper, else the Triton kernel); "triton" forces the Triton kernel."""
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
     be = TritonBackend()
     gluon = impl == "auto" and be.uses_gluon(layout, HQ // HKV, t, q.device)

@@ -1,14 +1,16 @@
 """nvfp4 paged decode attention in Gluon (Hopper): keys as the rows of the tensor-core products.
 
-Same meaning as ``reference.paged_attention`` for one query token per sequence (decode),
-nvfp4 caches with head_dim 128 or 256 and up to 8 query heads per KV head. A program owns
-one (sequence, KV head, split); each loop iteration one 64-token page:
+Same meaning as ``reference.paged_attention`` for ``T`` query tokens per sequence (decode,
+or verify with a causal mask among them), nvfp4 caches with head_dim 128 or 256 and
+``T`` x (query heads per KV head) <= 32. The backend runs it for T = 1 (``GLUON_MAX_TOKENS``
+in ``kernels/backend.py``). A program owns one (sequence, KV head, split); each loop
+iteration one 64-token page:
 
 - raw page bytes (K and V codes and block scales) arrive in shared memory through
   ``cp.async`` ``STAGES - 1`` pages ahead of use (a ring of ``STAGES`` buffers), so each
   program keeps its own memory latency covered instead of relying on a second program;
-- ``Sᵀ = K·Qᵀ`` is a warpgroup MMA with the 64 keys as rows (M = 64) and the query heads as
-  the N = 8 columns. K is unpacked from the page bytes straight into the A operand's
+- ``Sᵀ = K·Qᵀ`` is a warpgroup MMA with the 64 keys as rows (M = 64) and the (query token,
+  query head) pairs of the KV head as the N columns (8, 16 or 32, padded). K is unpacked from the page bytes straight into the A operand's
   registers: thread ``c`` of a quad holds 32 consecutive code bytes of a row, and the MMA's
   reduction index ``p`` is a permutation of the head dim (``_k_perm``) that Q, staged once in
   shared memory, follows too, so no value moves between threads;
@@ -47,7 +49,7 @@ MAX_COLS = 32  # query tokens x query heads per KV head: the MMA's N (registers:
 
 
 @gluon.constexpr_function
-def _j_basis(CB, row, j):
+def _j_basis(row, j):
     """3-D basis [row, block, byte-in-block] of code byte ``j`` of row ``row``."""
     return [row, j // 16, j % 16]
 
@@ -62,10 +64,10 @@ def _k_codes_layout(CB):
     nkc = CB // 16
     kc_bits = [1 << b for b in range(nkc.bit_length() - 1)]
     regs = [[0, 0, 1], [0, 0, 2]]
-    regs += [_j_basis(CB, 0, 4 * k) for k in kc_bits[:2]]
+    regs += [_j_basis(0, 4 * k) for k in kc_bits[:2]]
     regs += [[8, 0, 0]]
-    regs += [_j_basis(CB, 0, 4 * k) for k in kc_bits[2:]]
-    lanes = [_j_basis(CB, 0, (CB // 4) * c) for c in (1, 2)] + [[1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    regs += [_j_basis(0, 4 * k) for k in kc_bits[2:]]
+    lanes = [_j_basis(0, (CB // 4) * c) for c in (1, 2)] + [[1, 0, 0], [2, 0, 0], [4, 0, 0]]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=lanes, warp_bases=[[16, 0, 0], [32, 0, 0]],
                                       block_bases=[], shape=[64, CB // 16, 16])
 
@@ -119,15 +121,8 @@ _ASM_HI = gl.constexpr(_HI + _PLACE)
 def _unpack_half(c, sc, HI: gl.constexpr):
     """code bytes -> fp16 values * 2**-14 of their low (``HI`` False: head-dim ``j``) or high
     nibbles (``j + d/2``), times their fp16 block scales ``sc`` (same shape, broadcast)."""
-    if HI:
-        res = gl.inline_asm_elementwise(
-            asm=_ASM_HI,
-            constraints="=r,=r,r,r,r", args=[c, sc], dtype=gl.float16, is_pure=True, pack=4)
-    else:
-        res = gl.inline_asm_elementwise(
-            asm=_ASM_LO,
-            constraints="=r,=r,r,r,r", args=[c, sc], dtype=gl.float16, is_pure=True, pack=4)
-    return res
+    return gl.inline_asm_elementwise(asm=_ASM_HI if HI else _ASM_LO, constraints="=r,=r,r,r,r", args=[c, sc],
+                                     dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit
