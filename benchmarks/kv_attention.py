@@ -11,8 +11,8 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
 4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay);
 5. the engine's decode call (``TritonBackend.decode_attention``: Q rotation, attention,
    split merge) captured in a CUDA graph, against the attention kernel alone.
-nvfp4 rows time the kernel the engine runs: on Hopper, decode (T = 1) runs the Gluon one
-(``gluon_decode``), timed beside the Triton kernel; verify (T = 4) runs the Triton kernel.
+nvfp4 rows time the kernel the engine runs: on Hopper, decode and verify (T = 1-5 here) run
+the Gluon one (``gluon_decode``), timed beside the Triton kernel.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays (decode, verify,
 append, the engine step: the GPU's time, as the engine runs them) or of eager calls (prefill).
@@ -101,7 +101,9 @@ def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=
     be = TritonBackend()
     gluon = impl == "auto" and be.uses_gluon(layout, HQ // HKV, t, q.device)
     if splits is None:
-        splits = (be.gluon_splits if gluon else be.default_splits)(batch, HKV, torch.device("cuda"))
+        dev = torch.device("cuda")
+        splits = (be.gluon_splits(batch, HKV, dev, gluon_decode.programs_per_sm(t, HQ // HKV)) if gluon
+                  else be.default_splits(batch, HKV, dev))
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)
     scratch = (torch.empty(batch * t * HQ * splits * D, device="cuda"), torch.empty(batch * t * HQ * splits, device="cuda"))
@@ -182,7 +184,8 @@ def sweep(fmt: str, batch: int, ctx: int) -> list[dict]:
 
 
 def verify_table() -> list[dict]:
-    """T=4 vs T=1 with the kernel defaults the engine uses, then T=4 variants at 128k x 8."""
+    """T=4 vs T=1 with the kernels the engine uses (Gluon on Hopper), then the Triton kernel's
+    T=4 variants at 128k x 8 (against the engine's T=1)."""
     rows = []
     for ctx in (16384, 131072):
         for batch in (1, 8, 64):

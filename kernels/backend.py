@@ -133,9 +133,9 @@ class ReferenceBackend:
         return self._attend(q, layer, block_tables, context_lens, list(q_lens), sm_scale, out)
 
 
-# decode with up to this many tokens per sequence runs the Gluon nvfp4 kernel on Hopper; verify
-# (T = 4) measured slower there than the Triton kernel (1001 vs 763 us at 128k x 8, docs/kernels.md)
-GLUON_MAX_TOKENS = 1
+# decode / verify with up to this many tokens per sequence runs the Gluon nvfp4 kernel on Hopper
+# (where tokens x query heads per KV head <= 32, ``gluon_decode.supported``)
+GLUON_MAX_TOKENS = 16
 
 
 class TritonBackend:
@@ -160,13 +160,13 @@ class TritonBackend:
         want = max(2, (2 * sms) // max(1, batch * num_kv_heads))
         return min(self.max_splits, 1 << (want.bit_length() - 1))
 
-    def gluon_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
+    def gluon_splits(self, batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 3) -> int:
         """Splits for the Gluon kernel, from the batch shape only: as many as fill two whole
-        waves of three programs per SM (one wave if that needs more than ``2 * max_splits``),
-        rounded down so no third wave starts with a few programs (H200, 27B layout,
-        docs/kernels.md: 128k x 8 -> 24 splits 459 us, 25 splits 511 us)."""
+        waves of ``per_sm`` programs per SM (``gluon_decode.programs_per_sm``; one wave if that
+        needs more than ``2 * max_splits``), rounded down so no further wave starts with a few
+        programs (H200, 27B layout, docs/kernels.md: 128k x 8 -> 24 splits 459 us, 25 splits 511 us)."""
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        slots, work = 3 * sms, max(1, batch * num_kv_heads)
+        slots, work = per_sm * sms, max(1, batch * num_kv_heads)
         splits = 2 * slots // work
         if splits > 2 * self.max_splits:
             splits = min(2 * self.max_splits, slots // work)
@@ -198,7 +198,8 @@ class TritonBackend:
 
             return gluon_decode.paged_decode(
                 _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
-                sm_scale, tokens_per_seq=t, num_splits=num_splits or self.gluon_splits(b, h, q.device), out=out,
+                sm_scale, tokens_per_seq=t, out=out,
+                num_splits=num_splits or self.gluon_splits(b, h, q.device, gluon_decode.programs_per_sm(t, q.shape[1] // h)),
             )
         splits = num_splits or self.default_splits(b, h, q.device)
         # two launches (Q rotation, attention) + the split merge: global scales and row

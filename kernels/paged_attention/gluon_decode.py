@@ -2,9 +2,9 @@
 
 Same meaning as ``reference.paged_attention`` for ``T`` query tokens per sequence (decode,
 or verify with a causal mask among them), nvfp4 caches with head_dim 128 or 256 and
-``T`` x (query heads per KV head) <= 32. The backend runs it for T = 1 (``GLUON_MAX_TOKENS``
-in ``kernels/backend.py``). A program owns one (sequence, KV head, split); each loop
-iteration one 64-token page:
+``T`` x (query heads per KV head) <= 32 (the backend's choice for every such shape on Hopper:
+``TritonBackend.uses_gluon``; T = 1-5 for the 27B layout). A program owns one (sequence, KV
+head, split); each loop iteration one 64-token page:
 
 - raw page bytes (K and V codes and block scales) arrive in shared memory through
   ``cp.async`` ``STAGES - 1`` pages ahead of use (a ring of ``STAGES`` buffers), so each
@@ -17,9 +17,11 @@ iteration one 64-token page:
 - ``Oᵀ = Vᵀ·Pᵀ``: V is unpacked (fp16, times its block scales) in a row layout, stored once
   to shared memory, and read by the MMA as an MN-major A operand (the transpose is the
   MMA's); ``Pᵀ`` goes through shared memory as the B operand;
-- softmax per page (``page_max``, as the Triton kernel): each page's probabilities are
-  relative to that page's own maximum and its ``Vᵀ·Pᵀ`` starts from zero, so a page
-  contributes the same bits in every split; the running state is rescaled in fp32.
+- softmax: each page's probabilities are relative to that page's own maximum rounded up to an
+  integer (log2 units), so a page's fp16 ``P`` has the same bits in every split (split
+  invariance to ~1e-7, not fp16's ~1e-4); they are scaled by an exact power of two to the
+  running reference (an integer too) before the fp16 rounding, and the accumulator by another
+  before ``Vᵀ·Pᵀ`` adds into it in the MMA (no second accumulator: 16-32 columns fit).
 
 A nibble ``n`` becomes the fp16 pattern ``((n & 7) << 9) | ((n & 8) << 12)`` (value * 2**-14)
 times its block's E4M3 scale in fp16 (exact); 2**14 and the global scales go into the fp32
@@ -123,6 +125,12 @@ def _unpack_half(c, sc, HI: gl.constexpr):
     nibbles (``j + d/2``), times their fp16 block scales ``sc`` (same shape, broadcast)."""
     return gl.inline_asm_elementwise(asm=_ASM_HI if HI else _ASM_LO, constraints="=r,=r,r,r,r", args=[c, sc],
                                      dtype=gl.float16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _pow2(e):
+    """2**e for integer-valued e <= 0, exactly (0 below 2**-126, and for -inf)."""
+    return ((gl.maximum(e, -127.0).to(gl.int32) + 127) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -236,7 +244,6 @@ def nvfp4_decode_kernel(
     l_r = gl.zeros([64, N], gl.float32, layout=acc_l)  # per-row partial sums (one reduction at the end)
     acc_lo = gl.zeros([CB, N], gl.float32, layout=acc_l)
     acc_hi = gl.zeros([CB, N], gl.float32, layout=acc_l)
-    zero_s = gl.zeros([64, N], gl.float32, layout=acc_l)
     krow = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, kl3)))
     vrow = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, vl3)))
     srow = gl.arange(0, 64, layout=row_l)
@@ -258,7 +265,8 @@ def nvfp4_decode_kernel(
         kc = gl.convert_layout(gl.reshape(kc_s.index(st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
         ks_lo, ks_hi = _block_scales(ks_s.index(st), krow < valid, NB, kl3)
         k_lo = _to_a_operand(_unpack_half(kc, ks_lo, False), CB, a_l)
-        s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), gl.zeros([64, N], gl.float32, layout=acc_l), use_acc=False,
+                          is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))  # frees K's registers: 3 programs per SM
         k_hi = _to_a_operand(_unpack_half(kc, ks_hi, True), CB, a_l)
         s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
@@ -269,34 +277,37 @@ def nvfp4_decode_kernel(
         else:  # causal among the T tokens
             seen = gl.expand_dims(srow, 1) < gl.expand_dims(valid - T + 1 + gcol // G, 0)
         s = gl.where(seen, s * s_scale, float("-inf"))
-        m_t = gl.max(s, axis=0)
+        # probabilities relative to the page's own maximum rounded up to an integer (log2 units),
+        # so a page's fp16 P has the same bits in every split; the running reference m_i is an
+        # integer too, so every rescaling is by an exact power of two (_pow2)
+        c_t = gl.ceil(gl.max(s, axis=0))
+        m_new = gl.maximum(m_i, c_t)
         if T == 1:  # every page in range holds a key the token sees
-            p = gl.exp2(s - gl.expand_dims(m_t, 0))
-        else:  # m_t is -inf in a column whose token sees no key of this page
-            p = gl.exp2(s - gl.expand_dims(gl.where(m_t > float("-inf"), m_t, 0.0), 0))
-        p_s.store(gl.permute((p * P_SHIFT).to(gl.float16), (1, 0)))
+            c_ref = c_t
+            m_ref = m_new
+        else:  # -inf in a column whose token sees no key of this page / has seen none yet
+            c_ref = gl.where(c_t > float("-inf"), c_t, 0.0)
+            m_ref = gl.where(m_new > float("-inf"), m_new, 0.0)
+        p = gl.exp2(s - gl.expand_dims(c_ref, 0))
+        w = gl.expand_dims(_pow2(c_t - m_ref), 0)
+        alpha = gl.expand_dims(_pow2(m_i - m_ref), 0)
+        m_i = m_new
+        p_s.store(gl.permute((p * (w * P_SHIFT)).to(gl.float16), (1, 0)))
+        pw = p * w
         # V: bytes -> fp16 rows in shared memory
         vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vl2), [64, NB, 16]), vl3, assert_trivial=True)
         vs_lo, vs_hi = _block_scales(vs_s.index(st), vrow < valid, NB, vl3)
         vt_lo.store(gl.reshape(_unpack_half(vc, vs_lo, False), [64, CB]))
         vt_hi.store(gl.reshape(_unpack_half(vc, vs_hi, True), [64, CB]))
+        acc_lo = acc_lo * alpha
+        acc_hi = acc_hi * alpha
 
         fence_async_shared()
         gl.thread_barrier()
-        o_lo = warpgroup_mma(vt_lo.permute((1, 0)), p_s.permute((1, 0)), acc_lo, use_acc=False, is_async=True)
-        o_hi = warpgroup_mma(vt_hi.permute((1, 0)), p_s.permute((1, 0)), acc_hi, use_acc=False, is_async=True)
-        m_new = gl.maximum(m_i, m_t)
-        if T == 1:
-            m_ref = m_new
-        else:
-            m_ref = gl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = gl.exp2(m_i - m_ref)
-        beta = gl.exp2(m_t - m_ref)
-        l_r = l_r * gl.expand_dims(alpha, 0) + p * gl.expand_dims(beta, 0)
-        m_i = m_new
-        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
-        acc_lo = acc_lo * gl.expand_dims(alpha, 0) + o_lo * gl.expand_dims(beta, 0)
-        acc_hi = acc_hi * gl.expand_dims(alpha, 0) + o_hi * gl.expand_dims(beta, 0)
+        acc_lo = warpgroup_mma(vt_lo.permute((1, 0)), p_s.permute((1, 0)), acc_lo, is_async=True)
+        acc_hi = warpgroup_mma(vt_hi.permute((1, 0)), p_s.permute((1, 0)), acc_hi, is_async=True)
+        l_r = l_r * alpha + pw
+        acc_lo, acc_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc_lo, acc_hi))
 
     async_copy.wait_group(0)
     l_i = gl.sum(l_r, axis=0)
@@ -356,6 +367,11 @@ def num_columns(tokens_per_seq: int, group: int) -> int:
     return max(8, triton.next_power_of_2(tokens_per_seq * group))
 
 
+def programs_per_sm(tokens_per_seq: int, group: int) -> int:
+    """Programs resident per SM (sm_90, head_dim 256): 3 at 8 columns (168 registers), 2 at 16-32."""
+    return 3 if num_columns(tokens_per_seq, group) <= 8 else 2
+
+
 def paged_decode(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -369,7 +385,7 @@ def paged_decode(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    stages: int = 2,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """Decode / verify attention, Q already rotated: ``tokens_per_seq`` query tokens per
     block-table row, stored back to back, the last of them at position ``context_lens - 1``
@@ -389,6 +405,8 @@ def paged_decode(
                          f"got {layout.fmt.value}, d={layout.head_dim}, group={group}, tokens_per_seq={t}")
     if total != block_tables.shape[0] * t:
         raise ValueError(f"q must hold {t} tokens per block-table row ({block_tables.shape[0] * t}), got {total}")
+    if stages is None:  # H200, 128k x 8: T = 4 3 stages 683 us, 2 stages 701; T = 1 two (3 programs per SM)
+        stages = 2 if num_columns(t, group) <= 8 else 3
     if num_splits < 1 or stages < 2:
         raise ValueError(f"num_splits must be >= 1 and stages >= 2, got {num_splits}, {stages}")
     if q.stride(-1) != 1 or not global_scales.is_contiguous():

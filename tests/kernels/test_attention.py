@@ -243,4 +243,6 @@ def test_gluon_splits_fill_whole_waves_from_the_batch_shape_only():
     assert be.gluon_splits(1, 1, cpu) == 48
     assert TritonBackend(max_splits=8).gluon_splits(1, 1, cpu) == 16  # 48 > 16: one wave (24), capped
     assert be.gluon_splits(64, 4, cpu) == 1
+    assert be.gluon_splits(1, 4, cpu, per_sm=2) == 8  # verify's 16-32 columns: two programs per SM
+    assert be.gluon_splits(1, 1, cpu, per_sm=2) == 32
     assert not be.uses_gluon(KVLayout.make("nvfp4", 4, 256), 6, 1, cpu)  # not CUDA

@@ -36,6 +36,7 @@ def test_supported_shapes_and_bad_inputs_are_rejected_before_any_launch():
     assert not gd.supported(KVLayout.make("nvfp4", 3, 64), 3)
     assert not gd.supported(KVLayout.make("fp8", 4, 256), 6)
     assert gd.num_columns(1, 6) == 8 and gd.num_columns(4, 6) == 32 and gd.num_columns(1, 1) == 8
+    assert gd.programs_per_sm(1, 6) == 3 and gd.programs_per_sm(2, 6) == 2 and gd.programs_per_sm(4, 6) == 2
     layout = KVLayout.make("fp8", 1, 128)
     cache = layout.allocate(2)
     tables = torch.zeros(1, 2, dtype=torch.int32)
@@ -136,4 +137,6 @@ def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(m
     want = triton_kernel.paged_attention(rotate_q(q, layout), case.cache, layout, case.scales, case.block_tables,
                                          case.context_lens, None, None, 0.0625, uniform_t=1,
                                          out=torch.empty(3, 24, 256, dtype=torch.float32, device="cuda"))
-    assert rel_l2(got, want) <= 1e-4
+    # the two round P to fp16 relative to different references (the page maximum, rounded up
+    # to an integer here): ~1e-4 apart, each within 1e-3 of the fp64 oracle (above)
+    assert rel_l2(got, want) <= 5e-4
