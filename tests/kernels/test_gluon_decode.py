@@ -76,6 +76,12 @@ CASES = [
     (256, 4, 4, [90, 190], 1),  # 1 head per KV head
     (256, 24, 4, [4096 + 37 * i for i in range(16)], 1),
     (256, 24, 4, [32768 + 5, 65, 1], 1),
+    # full size, as tests/kernels/test_gpu_large.py for the Triton kernel: 128k, batch 8 and 64,
+    # verify at long contexts
+    (256, 24, 4, [131072], 1),
+    (256, 24, 4, [131072 - 5, 4097, 70000, 16, 1, 65, 32768, 100000], 1),
+    (256, 24, 4, [4096 + 37 * i for i in range(64)], 1),
+    (256, 24, 4, [131072, 32768 + 3], 4),
 ]
 
 
