@@ -376,7 +376,7 @@ def num_columns(tokens_per_seq: int, group: int) -> int:
 
 def programs_per_sm(tokens_per_seq: int, group: int) -> int:
     """Programs resident per SM (sm_90, head_dim 256, two ring stages): 3 at 8 columns (75 KB of
-    shared memory, 123 registers), 2 at 16-32 (80-90 KB, 158-237 registers)."""
+    shared memory, 123 registers), 2 at 16-32 (78-89 KB, 158-237 registers)."""
     return 3 if num_columns(tokens_per_seq, group) <= 8 else 2
 
 
