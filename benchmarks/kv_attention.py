@@ -102,7 +102,7 @@ def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=
     gluon = impl == "auto" and be.uses_gluon(layout, HQ // HKV, t, q.device)
     if splits is None:
         dev = torch.device("cuda")
-        splits = (be.gluon_splits(batch, HKV, dev, gluon_decode.programs_per_sm(t, HQ // HKV)) if gluon
+        splits = (be.gluon_splits(batch, HKV, dev, gluon_decode.programs_per_sm(t, HQ // HKV, D)) if gluon
                   else be.default_splits(batch, HKV, dev))
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)

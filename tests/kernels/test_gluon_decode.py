@@ -30,13 +30,30 @@ def test_q_order_is_the_a_operand_relabelling(cb):
     assert sorted(gd._k_perm(cb)) == list(range(cb))
 
 
+def test_v_rows_relabelling_round_trips():
+    """The head-dim order of ``Oᵀ``'s rows with V from registers (``_v_a_operand``: reshape
+    [2, 2, 8, 2, 2], permute (3, 0, 1, 4, 2)) is undone by ``_rows_in_d_order`` (reshape
+    [2, 2, 2, 2, 8], permute (1, 2, 4, 0, 3)), and each thread's four rows (lanes fixed:
+    row bits 0-2, warps: bits 4-5) are four consecutive head-dim bytes."""
+    d_of_row = torch.arange(128).reshape(2, 2, 8, 2, 2).permute(3, 0, 1, 4, 2).reshape(128)
+    assert sorted(d_of_row.tolist()) == list(range(128))
+    back = d_of_row.reshape(2, 2, 2, 2, 8).permute(1, 2, 4, 0, 3).reshape(128)
+    assert back.tolist() == list(range(128))
+    for lane_row in range(8):
+        for warp in range(4):
+            rows = [lane_row + 16 * warp + 8 * i + 64 * j for j in (0, 1) for i in (0, 1)]
+            got = sorted(d_of_row[rows].tolist())
+            assert got == list(range(got[0], got[0] + 4)) and got[0] % 4 == 0
+
+
 def test_supported_shapes_and_bad_inputs_are_rejected_before_any_launch():
     assert gd.supported(KVLayout.make("nvfp4", 4, 256), 6, 4)
     assert not gd.supported(KVLayout.make("nvfp4", 4, 256), 6, 6)  # 36 columns > 32
     assert not gd.supported(KVLayout.make("nvfp4", 3, 64), 3)
     assert not gd.supported(KVLayout.make("fp8", 4, 256), 6)
     assert gd.num_columns(1, 6) == 8 and gd.num_columns(4, 6) == 32 and gd.num_columns(1, 1) == 8
-    assert gd.programs_per_sm(1, 6) == 3 and gd.programs_per_sm(2, 6) == 2 and gd.programs_per_sm(4, 6) == 2
+    assert gd.programs_per_sm(1, 6) == 3 and gd.programs_per_sm(2, 6) == 3 and gd.programs_per_sm(4, 6) == 2
+    assert gd.programs_per_sm(2, 6, 128) == 2
     layout = KVLayout.make("fp8", 1, 128)
     cache = layout.allocate(2)
     tables = torch.zeros(1, 2, dtype=torch.int32)
@@ -51,6 +68,12 @@ def test_supported_shapes_and_bad_inputs_are_rejected_before_any_launch():
     with pytest.raises(ValueError, match="out must be"):
         gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
                         out=torch.empty(1, 4, 64))
+    with pytest.raises(ValueError, match="v_regs needs head_dim 256"):
+        gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
+                        v_regs=True)
+    with pytest.raises(ValueError, match="flush >= 0"):
+        gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
+                        flush=-1)
     with pytest.raises(ValueError, match="scratch"):
         gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
                         num_splits=2, scratch=(torch.empty(8), torch.empty(8)))
@@ -92,15 +115,16 @@ def test_gluon_matches_fp64_and_splits_agree(d, hq, h, ctx, t):
     case = build_case(KVLayout.make("nvfp4", h, d), ctx, seed=d + hq + len(ctx) + t, device="cuda")
     q = torch.randn(len(ctx) * t, hq, d, device="cuda").to(torch.bfloat16)
     ref = _oracle(case, q, t)
-    outs = []
-    for splits in (1, 3, 16):
-        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device="cuda")
-        gd.paged_decode(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens, d ** -0.5,
-                        tokens_per_seq=t, num_splits=splits, out=out)
-        assert not torch.isnan(out).any()
-        assert rel_l2(out, ref) <= 1e-3
-        outs.append(out)
-    assert rel_l2(outs[1], outs[0]) <= 1e-5 and rel_l2(outs[2], outs[0]) <= 1e-5
+    for v_regs in (False, True) if d == 256 else (False, ):  # V through shared memory / registers
+        outs = []
+        for splits in (1, 3, 16):
+            out = torch.full(q.shape, float("nan"), dtype=torch.float32, device="cuda")
+            gd.paged_decode(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens,
+                            d ** -0.5, tokens_per_seq=t, num_splits=splits, out=out, v_regs=v_regs)
+            assert not torch.isnan(out).any()
+            assert rel_l2(out, ref) <= 1e-3
+            outs.append(out)
+        assert rel_l2(outs[1], outs[0]) <= 1e-5 and rel_l2(outs[2], outs[0]) <= 1e-5
 
 
 @hopper
