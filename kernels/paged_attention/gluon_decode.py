@@ -514,8 +514,10 @@ def num_columns(tokens_per_seq: int, group: int) -> int:
 
 
 def programs_per_sm(tokens_per_seq: int, group: int, head_dim: int = 256) -> int:
-    """Programs resident per SM (sm_90, two ring stages): 3 at 8 columns, and at 16 with V from
-    registers (head_dim 256); 2 otherwise (registers / shared memory: docs/kernels.md)."""
+    """Programs per SM that split counts are planned for (sm_90, two ring stages): at head_dim
+    256, 3 at 8 or 16 columns and 2 at 32 (registers / shared memory: docs/kernels.md); at
+    head_dim 128 (V through shared memory) 3 at 8 columns, else 2 -- conservative there
+    (72 / 127 / 168 registers and 38-48 KB at 8 / 16 / 32 columns fit more; not timed)."""
     v_regs, _ = kernel_config(tokens_per_seq, group, head_dim)
     return 3 if num_columns(tokens_per_seq, group) <= (16 if v_regs else 8) else 2
 
