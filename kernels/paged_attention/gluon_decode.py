@@ -388,34 +388,19 @@ def nvfp4_decode_kernel(
             gl.thread_barrier()
             vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vp2), [64, NB, 16]), vp3)
             vs_lo, vs_hi = _block_scales(vs_s.index(st), vprow < valid, NB, vp3)
-            v_lo = _v_a_operand(_unpack_half(vc, vs_lo, False), CB, a_l)
-            if FLUSH > 0:
-                acc_lo = acc_lo * alpha
-                o_lo = warpgroup_mma(v_lo, p_s.permute((1, 0)), acc_lo, is_async=True)
-            else:
-                o_lo = warpgroup_mma(v_lo, p_s.permute((1, 0)), zero_o, use_acc=False, is_async=True)
-            v_hi = _v_a_operand(_unpack_half(vc, vs_hi, True), CB, a_l)
-            if FLUSH > 0:
-                acc_hi = acc_hi * alpha
-                o_hi = warpgroup_mma(v_hi, p_s.permute((1, 0)), acc_hi, is_async=True)
-            else:
-                o_hi = warpgroup_mma(v_hi, p_s.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            acc_lo, o_lo = _o_mma(_v_a_operand(_unpack_half(vc, vs_lo, False), CB, a_l), p_s, acc_lo, alpha, zero_o,
+                                  FLUSH)
+            acc_hi, o_hi = _o_mma(_v_a_operand(_unpack_half(vc, vs_hi, True), CB, a_l), p_s, acc_hi, alpha, zero_o,
+                                  FLUSH)
         else:  # V: bytes -> fp16 rows in shared memory
             vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vl2), [64, NB, 16]), vl3, assert_trivial=True)
             vs_lo, vs_hi = _block_scales(vs_s.index(st), vrow < valid, NB, vl3)
             vt_lo.store(gl.reshape(_unpack_half(vc, vs_lo, False), [64, CB]))
             vt_hi.store(gl.reshape(_unpack_half(vc, vs_hi, True), [64, CB]))
-            if FLUSH > 0:
-                acc_lo = acc_lo * alpha
-                acc_hi = acc_hi * alpha
             fence_async_shared()
             gl.thread_barrier()
-            if FLUSH > 0:
-                o_lo = warpgroup_mma(vt_lo.permute((1, 0)), p_s.permute((1, 0)), acc_lo, is_async=True)
-                o_hi = warpgroup_mma(vt_hi.permute((1, 0)), p_s.permute((1, 0)), acc_hi, is_async=True)
-            else:
-                o_lo = warpgroup_mma(vt_lo.permute((1, 0)), p_s.permute((1, 0)), zero_o, use_acc=False, is_async=True)
-                o_hi = warpgroup_mma(vt_hi.permute((1, 0)), p_s.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+            acc_lo, o_lo = _o_mma(vt_lo.permute((1, 0)), p_s, acc_lo, alpha, zero_o, FLUSH)
+            acc_hi, o_hi = _o_mma(vt_hi.permute((1, 0)), p_s, acc_hi, alpha, zero_o, FLUSH)
         l_r = l_r * alpha + pw
         o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
         if FLUSH > 0:
@@ -463,6 +448,19 @@ def nvfp4_decode_kernel(
         lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
         gl.store(lse_ptr + (b.to(gl.int64) * T + gg_l // G) * hq * NUM_SPLITS + (kvh * G + gg_l % G) * NUM_SPLITS
                  + split, lse, mask=gg_l < T * G)
+
+
+@gluon.jit
+def _o_mma(a, p_s, acc, alpha, zero_o, FLUSH: gl.constexpr):
+    """Issue one half of this page's ``Oᵀ = Vᵀ·Pᵀ`` (``a``: Vᵀ, registers or shared memory):
+    into the accumulator rescaled by ``alpha`` (FLUSH > 0) or as a fresh product. Returns
+    (the accumulator, the MMA's pending result)."""
+    if FLUSH > 0:
+        acc = acc * alpha
+        o = warpgroup_mma(a, p_s.permute((1, 0)), acc, is_async=True)
+    else:
+        o = warpgroup_mma(a, p_s.permute((1, 0)), zero_o, use_acc=False, is_async=True)
+    return acc, o
 
 
 @gluon.jit
