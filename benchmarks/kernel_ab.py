@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.kv_attention import D, HKV, HQ, bench, bench_graph, decode_case, graph_time  # noqa: E402
+from benchmarks.kv_attention import (D, HKV, HQ, append_case, bench, bench_graph, decode_case,  # noqa: E402
+                                     graph_time, prefill_case)
 from kernels.backend import TritonBackend  # noqa: E402
-from kernels.kv_formats import KVLayout  # noqa: E402
 
 MODULES = {
     "gluon_decode": "kernels.paged_attention.gluon_decode",
@@ -82,13 +82,9 @@ def gluon_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
 
 def triton_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
     chunk, prefix = 4096, 65536
-    layout, cache, tables, lens, _ = decode_case("nvfp4", 1, prefix + chunk)
-    q = torch.randn(chunk, HQ, D, device="cuda").to(torch.bfloat16)
-    q_len = torch.tensor([chunk], dtype=torch.int32, device="cuda")
-    q_start = torch.zeros(1, dtype=torch.int32, device="cuda")
+    layout, cache, tables, lens, q, q_start, q_len, flops = prefill_case("nvfp4", prefix, chunk)
     scales = layout.default_scales("cuda")
     o = torch.empty_like(q)
-    flops = 4 * D * HQ * (chunk * prefix + chunk * (chunk + 1) // 2)
     fns = {}
     for name, m in mods.items():
         work = m.work_items([chunk], HQ // HKV, 64, q.device)
@@ -114,15 +110,7 @@ def triton_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
 
 
 def append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
-    layout = KVLayout.make("nvfp4", HKV, D)
-    cache = layout.allocate(64 * 4, "cuda")
-    k = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
-    v = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
-    slots = torch.arange(64, device="cuda") * 256 + 17
-    scales = layout.default_scales("cuda")
-    offset = torch.randn(HKV, D, device="cuda") * 0.1
-    counts = torch.zeros(2, HKV, 3, dtype=torch.int64, device="cuda")
-    fb = torch.triu(torch.randn(HKV, D // 16, 16, 16, device="cuda") * 0.1, 1).contiguous()
+    layout, cache, k, v, slots, scales, offset, counts, fb = append_case("nvfp4", True, True)
     for label, feedback in (("nearest", None), ("feedback", fb)):
         fns = {}
         for name, m in mods.items():

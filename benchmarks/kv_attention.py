@@ -202,16 +202,22 @@ def verify_table() -> list[dict]:
     return rows
 
 
-def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) -> list[dict]:
-    rows = []
+def prefill_case(fmt: str, prefix: int, chunk: int):
+    """One sequence's ``chunk`` new tokens over a ``prefix``-token cache: (layout, cache,
+    tables, context lens, q, q_start, q_len, causal FLOPs)."""
     layout, cache, tables, ctx_lens, _ = decode_case(fmt, 1, prefix + chunk)
     q = torch.randn(chunk, HQ, D, device="cuda").to(torch.bfloat16)
     q_len = torch.tensor([chunk], dtype=torch.int32, device="cuda")
     q_start = torch.zeros(1, dtype=torch.int32, device="cuda")
+    flops = 4 * D * HQ * (chunk * prefix + chunk * (chunk + 1) // 2)
+    return layout, cache, tables, ctx_lens, q, q_start, q_len, flops
+
+
+def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) -> list[dict]:
+    rows = []
+    layout, cache, tables, ctx_lens, q, q_start, q_len, flops = prefill_case(fmt, prefix, chunk)
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)
-    pairs = chunk * prefix + chunk * (chunk + 1) // 2
-    flops = 4 * D * HQ * pairs
     asm = BEST.get(fmt, {}).get("asm", None)
     nv_k = BEST.get(fmt, {}).get("nv_load_k", None)
     nv_v = BEST.get(fmt, {}).get("nv_load_v", None)
@@ -232,6 +238,23 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
     return rows
 
 
+def append_case(fmt: str, counted: bool, fed: bool):
+    """One layer's append of a 64-sequence decode step: (layout, cache, k, v, slots, global
+    scales, K offset (fp8/nvfp4), block-scale counts (``counted``, as the engine), K feedback
+    matrices (``fed``))."""
+    layout = KVLayout.make(fmt, HKV, D)
+    cache = layout.allocate(64 * 4, "cuda")
+    k = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
+    v = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(64, device="cuda") * 256 + 17
+    scales = layout.default_scales("cuda")
+    offset = torch.randn(HKV, D, device="cuda") * 0.1 if fmt in ("fp8", "nvfp4") else None
+    counts = torch.zeros(2, HKV, 3, dtype=torch.int64, device="cuda") if counted else None
+    # --kv-k-rounding feedback: calibrated-like matrices (the cost does not depend on the values)
+    fb = torch.triu(torch.randn(HKV, D // 16, 16, 16, device="cuda") * 0.1, 1).contiguous() if fed else None
+    return layout, cache, k, v, slots, scales, offset, counts, fb
+
+
 def append_table() -> list[dict]:
     """One layer's append of a 64-sequence decode step (K centered and block scales counted,
     as the engine does for fp8/nvfp4), per tokens-per-program and warps; the first of each
@@ -242,16 +265,7 @@ def append_table() -> list[dict]:
     cases += [("bf16", None, None, False, False), ("fp8", None, None, True, False), ("fp8", None, None, False, False),
               ("fp8", 4, None, False, False), ("fp8", None, None, True, True), ("int8", None, None, False, False)]
     for fmt, bt, warps, counted, fed in cases:
-        layout = KVLayout.make(fmt, HKV, D)
-        cache = layout.allocate(64 * 4, "cuda")
-        k = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
-        v = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
-        slots = torch.arange(64, device="cuda") * 256 + 17
-        scales = layout.default_scales("cuda")
-        offset = torch.randn(HKV, D, device="cuda") * 0.1 if fmt in ("fp8", "nvfp4") else None
-        counts = torch.zeros(2, HKV, 3, dtype=torch.int64, device="cuda") if counted else None  # as the engine
-        # --kv-k-rounding feedback: calibrated-like matrices (the cost does not depend on the values)
-        fb = torch.triu(torch.randn(HKV, D // 16, 16, 16, device="cuda") * 0.1, 1).contiguous() if fed else None
+        layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, counted, fed)
 
         def call():
             append_tk.append(cache, layout, k, v, slots, scales, offset, counts, fb, validate=False, block_t=bt,
