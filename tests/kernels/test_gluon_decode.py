@@ -146,6 +146,57 @@ def test_verify_equals_sequential_decodes():
         assert rel_l2(out.view(len(ctx), t, 24, 256)[:, i], step) <= 1e-5
 
 
+def _fill_past_context(case, value: int) -> torch.Tensor:
+    """A copy of the cache with every byte of the rows past each sequence's context (codes and
+    block scales, K and V) set to ``value``."""
+    lay = case.layout
+    cache = case.cache.clone()
+    for b, n in enumerate(case.context_lens.tolist()):
+        page = int(case.block_tables[b, (n - 1) // 64])
+        r0 = n - 64 * ((n - 1) // 64)
+        if r0 == 64:
+            continue
+        blocks = cache[page]  # [2, h, bytes]
+        blocks[..., r0 * lay.code_bytes:lay.scale_offset] = value
+        blocks[..., lay.scale_offset + r0 * lay.scale_bytes:] = value
+    return cache
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_bytes_past_the_context_do_not_change_the_output(t):
+    """Rows past the context are never read into a result, whatever they hold: 0xFF makes
+    their E4M3 block scales NaN (the kernels mask V's scales on the last page, and K's rows
+    only reach their own, masked, scores)."""
+    from kernels.paged_attention import triton_kernel
+
+    ctx = [70, 65, 1 + t, 130, 64 + t - 1, 4]
+    case = build_case(KVLayout.make("nvfp4", 4, 256), ctx, seed=5 + t, device="cuda")
+    q = torch.randn(len(ctx) * t, 24, 256, device="cuda").to(torch.bfloat16)
+    nan_cache = _fill_past_context(case, 0xFF)
+
+    def run(cache, **kw):
+        out = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+        gd.paged_decode(q, cache, case.layout, case.scales, case.block_tables, case.context_lens, 0.0625,
+                        tokens_per_seq=t, out=out, **kw)
+        return out
+
+    for kw in ({"v_regs": False}, {"v_regs": True}, {"num_splits": 3}):
+        want = run(case.cache, **kw)
+        assert not torch.isnan(want).any()
+        assert torch.equal(run(nan_cache, **kw), want), kw
+
+    def run_triton(cache):
+        out = torch.empty(q.shape, dtype=torch.float32, device="cuda")
+        return triton_kernel.paged_attention(q, cache, case.layout, case.scales, case.block_tables,
+                                             case.context_lens, None, None, 0.0625, uniform_t=t, out=out)
+
+    want = run_triton(case.cache)
+    assert not torch.isnan(want).any()
+    assert torch.equal(run_triton(nan_cache), want)
+
+
 @hopper
 @pytest.mark.gpu
 def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(monkeypatch):
