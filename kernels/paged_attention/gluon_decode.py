@@ -254,20 +254,13 @@ def nvfp4_decode_kernel(
 ):
     CB: gl.constexpr = D // 2
     SB: gl.constexpr = D // 16
-    NB: gl.constexpr = CB // 16
     b = gl.program_id(0)
     kvh = gl.program_id(1)
     split = gl.program_id(2)
     hq = H * G
 
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
-    kl3: gl.constexpr = _k_codes_layout(CB)
-    vl3: gl.constexpr = _v_codes_layout(CB)
-    kl2: gl.constexpr = _k_codes_layout_2d(CB)
-    vl2: gl.constexpr = _copy_layout(CB, 8)
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
-    row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
 
     # raw page ring: codes swizzled by 16-byte chunks (the K reads run down rows)
     kc_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=128 // CB, max_phase=CB // 16, order=[1, 0])
