@@ -41,7 +41,7 @@ from engine_service.memory import FloatLayerKV, KVPool
 from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_offset
 from kernels.hadamard.reference import fwht
 from kernels.kv_formats import feedback
-from kernels.kv_formats.layout import KVLayout
+from kernels.kv_formats.layout import PAGE_LAYOUT_VERSION, KVLayout
 
 CALIBRATION_TEXT = '''The harbour was quiet that morning. Fishing boats rocked against the pier while gulls \
 argued over scraps, and the old lighthouse keeper wrote in his log: wind from the north-east, \
@@ -186,10 +186,11 @@ class KVCalibration:
     k_feedback: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
     def digest(self) -> str:
-        """sha256 (hex, 16 chars) of the format, every global scale, K offset and K feedback
-        matrix: what the cached bytes mean. Pages kept outside this process (the KV daemon) may
+        """sha256 (hex, 16 chars) of the format, the page layout's version, every global scale,
+        K offset and K feedback matrix: what the cached bytes mean. Pages kept outside this process (the KV daemon) may
         only be reused by an engine whose calibration has the same digest."""
         h = hashlib.sha256(self.kv_format.encode())
+        h.update(f";page_layout={PAGE_LAYOUT_VERSION}".encode())
         if self.k_feedback is not None:  # nvfp4 rounds position 0 to nearest (kv_quant.position0_nearest)
             h.update(b"k_feedback;position0=nearest" if self.kv_format.startswith("nvfp4") else b"k_feedback;all")
         for t in (*self.scales, *(self.k_offsets or ()), *(self.k_feedback or ())):

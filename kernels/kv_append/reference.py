@@ -13,6 +13,9 @@ block-scale health of what was written: zero, subnormal and saturated block scal
 ``kernels.calibration.count_rows`` defines them (the total is rows x blocks per row, known
 to the caller); bf16 / int8 add nothing.
 
+``read_scales`` reads the block-scale bytes of given tokens (nvfp4's V region is
+block-major: ``kv_formats.layout``).
+
 ``gather(cache, layout, block_table, length, global_scales)`` reads back the first
 ``length`` tokens of one sequence dequantized to fp32 ``(k, v)`` ``[length, H, d]`` (K in
 the stored space: centered and rotated as written).
@@ -34,11 +37,24 @@ def slots_from_positions(block_tables: torch.Tensor, seq_index: torch.Tensor, po
 
 
 def _regions(cache: torch.Tensor, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [pages, 2, H, page_size, code_bytes], scale regions [pages, 2, H, scale bytes])."""
     p, _, h, _ = cache.shape
-    ps = layout.page_size
-    codes = cache[..., : layout.scale_offset].view(p, 2, h, ps, layout.code_bytes)
-    scales = cache[..., layout.scale_offset :].view(p, 2, h, ps, layout.scale_bytes)
-    return codes, scales
+    codes = cache[..., : layout.scale_offset].view(p, 2, h, layout.page_size, layout.code_bytes)
+    return codes, cache[..., layout.scale_offset :]
+
+
+def _scale_index(layout: KVLayout, kv: int, page: torch.Tensor, off: torch.Tensor):
+    """Advanced index into ``_regions``' scale regions of the scale bytes [N, H, scale_bytes]
+    of tokens (page, offset) of K (0) / V (1) (``KVLayout.scale_index``)."""
+    heads = torch.arange(layout.num_kv_heads, device=page.device)
+    byte = layout.scale_index(kv, off)
+    return page[:, None, None], kv, heads[None, :, None], byte[:, None, :]
+
+
+def read_scales(cache: torch.Tensor, layout: KVLayout, kv: int, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """Scale bytes uint8 [N, H, scale_bytes] of tokens (page, offset) of K (0) / V (1), in
+    block order, whatever the region's byte order."""
+    return _regions(cache, layout)[1][_scale_index(layout, kv, page, off)]
 
 
 def check_k_offset(k_offset: torch.Tensor, layout: KVLayout) -> None:
@@ -140,7 +156,7 @@ def append(
                                                        device=scale_counts.device)
         codes_r[page, kv, :, off] = codes
         if layout.scale_bytes:
-            scales_r[page, kv, :, off] = scales
+            scales_r[_scale_index(layout, kv, page, off)] = scales
 
 
 def gather(
@@ -159,7 +175,7 @@ def gather(
     out = []
     for kv in (0, 1):
         codes = codes_r[page, kv, :, off]
-        scales = scales_r[page, kv, :, off]
+        scales = scales_r[_scale_index(layout, kv, page, off)]
         g = global_scales[kv].to(torch.float32).expand(length, h).reshape(-1)
         x = layout.codec.decode(codes.reshape(length * h, -1), scales.reshape(length * h, -1), g)
         out.append(x.view(length, h, d))

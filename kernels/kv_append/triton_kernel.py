@@ -374,7 +374,12 @@ def kv_append_fwd_kernel(
         offs_c = tl.arange(0, D // 2)
         tl.store(code_row[:, None] + offs_c[None, :], packed, mask=valid[:, None])
         offs_s = tl.arange(0, D // 16)
-        tl.store(scale_row[:, None] + offs_s[None, :], s_code.to(tl.uint8), mask=valid[:, None])
+        if kv == 0:
+            sptr = scale_row[:, None] + offs_s[None, :]
+        else:  # V's scale region is block-major (kv_formats.layout.scale_slot)
+            slot_v = 16 * ((off >> 1) & 3) + (off & 1) + 2 * (off >> 3)
+            sptr = (base + SCALE_OFF + slot_v)[:, None] + offs_s[None, :] * PAGE
+        tl.store(sptr, s_code.to(tl.uint8), mask=valid[:, None])
 
 
 def append(

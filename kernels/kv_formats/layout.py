@@ -10,6 +10,14 @@ the format. Inside one (page, K|V, head) block of ``head_page_bytes`` bytes:
 row ``i`` being the token at position ``page_index * page_size + i`` of its sequence.
 Per-format row encodings are documented in ``bf16``/``fp8``/``int8``/``nvfp4``.
 
+One exception to the row order (``PAGE_LAYOUT_VERSION`` 2): nvfp4's V scale region is
+block-major. Block ``b``'s 64 scale bytes lie together, token ``i``'s at byte
+``64 b + scale_slot(i)`` of the region, ``scale_slot(i) = 16 ((i >> 1) & 3) + (i & 1) +
+2 (i >> 3)``: the sixteen tokens whose V values one thread of the Hopper decode holds in the
+tensor-core operand (tokens ``i`` with the same bits 1-2) are sixteen consecutive bytes, one
+16-byte shared-memory load per block instead of sixteen single bytes
+(``paged_attention.gluon_decode``). K's scales (read with K's rows) stay row-major.
+
 Global scales of a layer: fp32 ``[2, num_kv_heads]`` (K row, V row), each a power of two
 (``1.0`` for formats that ignore them). A slot is ``page_id * page_size + offset``;
 slot ``-1`` means "skip this token" (padding).
@@ -27,6 +35,15 @@ import torch
 from kernels.kv_formats import bf16, fp8, int8, nvfp4
 
 PAGE_SIZE = 64
+# bumped whenever the bytes of a page change meaning (part of the calibration digest, which
+# names what cached pages mean): 2 = nvfp4 V block scales block-major (module doc)
+PAGE_LAYOUT_VERSION = 2
+
+
+def scale_slot(i):
+    """Byte of token row ``i`` (int or integer tensor, 0..63) within one block's 64 scale
+    bytes of a block-major scale region (module doc)."""
+    return 16 * ((i >> 1) & 3) + (i & 1) + 2 * (i >> 3)
 HEAD_DIMS = (64, 128, 256)
 
 
@@ -108,6 +125,19 @@ class KVLayout:
     def page_bytes(self) -> int:
         """Bytes of one page of this layer (K and V, all KV heads)."""
         return 2 * self.num_kv_heads * self.head_page_bytes
+
+    def scales_by_block(self, kv: int) -> bool:
+        """Is the scale region of K (0) / V (1) block-major (module doc)? nvfp4's V only."""
+        return self.fmt is KVFormat.NVFP4 and kv == 1
+
+    def scale_index(self, kv: int, rows: torch.Tensor) -> torch.Tensor:
+        """Byte offsets [N, scale_bytes] within the scale region of the scale bytes of token
+        rows ``rows`` [N] (0..page_size-1) of K (0) / V (1)."""
+        blk = torch.arange(self.scale_bytes, device=rows.device)
+        rows = rows.long()
+        if self.scales_by_block(kv):
+            return blk[None, :] * self.page_size + scale_slot(rows)[:, None]
+        return rows[:, None] * self.scale_bytes + blk[None, :]
 
     @property
     def rotate_k(self) -> bool:

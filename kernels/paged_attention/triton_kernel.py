@@ -159,6 +159,24 @@ def _e4m3_impure_asm(c):
 
 
 @triton.jit
+def _v_scale_rows(vsbase, kmask, NB: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr, MASKED: tl.constexpr):
+    """nvfp4 V block scales [BN, NB] (uint8, the low or high half's blocks) of a tile's rows in
+    token order, from the pages' block-major scale regions at ``vsbase`` [BN / 64] (bytes
+    ``64 b + scale_slot(i)``, ``kv_formats.layout``): each region is read whole and contiguous
+    (16-byte loads, which the pipeliner can stage), then its slots are relabelled as tokens.
+    Rows with ``kmask`` False are 0 when ``MASKED`` (their bytes may be anything)."""
+    P: tl.constexpr = BN // 64
+    blk = tl.arange(0, NB) + (NB if HI else 0)
+    slot = tl.arange(0, 64)
+    t = tl.load(vsbase[:, None, None] + blk[None, :, None] * 64 + slot[None, None, :])  # [P, NB, 64]
+    t = tl.permute(tl.reshape(t, [P, NB, 4, 8, 2]), (0, 3, 2, 4, 1))  # slot 16 a + 2 c + e: token 8 c + 2 a + e
+    t = tl.reshape(t, [BN, NB])
+    if MASKED:
+        t = tl.where(kmask[:, None], t, 0)
+    return t
+
+
+@triton.jit
 def _load_pair(p, step, m, MASKED: tl.constexpr):
     """``(p[...], p[... + step])``, zero where ``m`` is False when ``MASKED``."""
     if MASKED:
@@ -172,22 +190,29 @@ def _load_pair(p, step, m, MASKED: tl.constexpr):
 
 @triton.jit
 def _load_nvfp4_half(base, offs_n, kmask, D: tl.constexpr, SCALE_OFF: tl.constexpr, SB: tl.constexpr,
-                     DT: tl.constexpr, MASKED: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr):
+                     DT: tl.constexpr, MASKED: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr,
+                     vsbase=None, BY_BLOCK: tl.constexpr = False):
     """One half ([BN, D/2], low or high nibbles) of an nvfp4 tile as in ``_load_halves``
-    mode 5 (impure asm: the fp16 tile goes through shared memory)."""
+    mode 5 (impure asm: the fp16 tile goes through shared memory); ``BY_BLOCK``: block-major
+    scales (V) at ``vsbase`` (``_v_scale_rows``)."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
     offs_c = tl.arange(0, HALF)
     offs_b = tl.arange(0, NB)
     m = kmask[:, None]
     p = base[:, None] + offs_n[:, None] * HALF + offs_c[None, :]
-    sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :] + (NB if HI else 0)
+    if BY_BLOCK:
+        sc = _v_scale_rows(vsbase, kmask, NB, BN, HI, MASKED)
+    else:
+        sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :] + (NB if HI else 0)
+        if MASKED:
+            sc = tl.load(sp, mask=m, other=0)
+        else:
+            sc = tl.load(sp)
     if MASKED:
         c = tl.load(p, mask=m, other=0)
-        sc = tl.load(sp, mask=m, other=0)
     else:
         c = tl.load(p)
-        sc = tl.load(sp)
     sc = tl.reshape(tl.broadcast_to(sc.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16]), [BN, HALF])
     return _e2m1_scaled_half_asm(c, sc, HI).to(DT)
 
@@ -195,10 +220,12 @@ def _load_nvfp4_half(base, offs_n, kmask, D: tl.constexpr, SCALE_OFF: tl.constex
 @triton.jit
 def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_OFF: tl.constexpr,
                  SB: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr, UNPACK_ASM: tl.constexpr = False,
-                 NV_LOAD: tl.constexpr = 0, BN: tl.constexpr = 64):
+                 NV_LOAD: tl.constexpr = 0, BN: tl.constexpr = 64, vsbase=None, BY_BLOCK: tl.constexpr = False):
     """Dequantized (lo, hi) halves [BN, D/2] of ``BN`` cached tokens, in DT (nvfp4: times
     2**-14): row ``r`` is token ``offs_n[r]`` of the (page, K|V, head) block at byte pointer
-    ``base[r]`` (one or two pages per tile). Rows with kmask False are zero when MASKED."""
+    ``base[r]`` (one or two pages per tile). Rows with kmask False are zero when MASKED.
+    ``BY_BLOCK`` (nvfp4 V): block scales block-major, read from the pages' scale regions at
+    ``vsbase`` [BN / 64] (``_v_scale_rows``)."""
     HALF: tl.constexpr = D // 2
     offs_c = tl.arange(0, HALF)
     m = kmask[:, None]
@@ -241,8 +268,12 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
             else:
                 c = tl.load(p)
         if (NV_LOAD == 3 or NV_LOAD == 5) and UNPACK_ASM:
-            sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
-            s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
+            if BY_BLOCK:
+                s_lo = _v_scale_rows(vsbase, kmask, NB, BN, False, MASKED)
+                s_hi = _v_scale_rows(vsbase, kmask, NB, BN, True, MASKED)
+            else:
+                sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
+                s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
             s_lo = tl.broadcast_to(s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
             s_hi = tl.broadcast_to(s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
             if NV_LOAD == 5:  # codes are [BN, D/2]: so are their scales
@@ -257,14 +288,21 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
             ci = c.to(tl.int32)
             lo = (((ci & 7) << 9) | ((ci & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
             hi = (((ci & 0x70) << 5) | ((ci & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-        if NV_LOAD == 1:
-            sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_c[None, :] // 16
+        if BY_BLOCK:
+            s_lo = _v_scale_rows(vsbase, kmask, NB, BN, False, MASKED)
+            s_hi = _v_scale_rows(vsbase, kmask, NB, BN, True, MASKED)
         else:
-            sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
-        s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
+            if NV_LOAD == 1:
+                sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_c[None, :] // 16
+            else:
+                sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
+            s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
         s_lo = s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         s_hi = s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        if NV_LOAD == 0 or NV_LOAD == 3:
+        if BY_BLOCK and NV_LOAD == 1:  # per-block scales, spread over their 16 elements
+            lo = lo * tl.reshape(tl.broadcast_to(s_lo[:, :, None], [BN, NB, 16]), [BN, HALF])
+            hi = hi * tl.reshape(tl.broadcast_to(s_hi[:, :, None], [BN, NB, 16]), [BN, HALF])
+        elif NV_LOAD == 0 or NV_LOAD == 3:
             lo = tl.reshape(lo * s_lo[:, :, None], [BN, HALF])
             hi = tl.reshape(hi * s_hi[:, :, None], [BN, HALF])
         elif NV_LOAD == 1:
@@ -298,6 +336,13 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
         page = tl.load(bt_row + pg).to(tl.int64)
     kbase = cache_ptr + page * stride_cp + kvh * stride_ch
     vbase = kbase + stride_ckv
+    vsbase = vbase  # placeholder: nvfp4 V's block scales come from per-page bases
+    if FMT == 3:
+        pg_t = p + tl.arange(0, BN // PAGE)
+        if MASKED:
+            pg_t = tl.where(pg_t < p_hi, pg_t, p)
+        page_t = tl.load(bt_row + pg_t).to(tl.int64)
+        vsbase = cache_ptr + page_t * stride_cp + kvh * stride_ch + stride_ckv + SCALE_OFF
     k_pos = pg * PAGE + offs_n
     if MASKED:
         k_ok = (k_pos < kv_end) & in_split
@@ -360,15 +405,16 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
                 acc_hi += pv_hi
         elif FMT == 3 and NV_LOAD_V == 6 and UNPACK_ASM:
             # mode 6: as 5, the two halves one after the other
-            v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, False, BN)
+            v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, False, BN, vsbase, True)
             pv_lo = tl.dot(pr16, v_lo)
-            v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, True, BN)
+            v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, True, BN, vsbase, True)
             pv_hi = tl.dot(pr16, v_hi)
             if not PAGE_MAX:
                 acc_lo += pv_lo
                 acc_hi += pv_hi
         else:
-            v_lo, v_hi = _load_halves(vbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, VDT, MASKED, UNPACK_ASM, NV_LOAD_V, BN)
+            v_lo, v_hi = _load_halves(vbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, VDT, MASKED, UNPACK_ASM, NV_LOAD_V, BN,
+                                      vsbase, FMT == 3)
             if PAGE_MAX:
                 pv_lo = tl.dot(pr16, v_lo)
                 pv_hi = tl.dot(pr16, v_hi)

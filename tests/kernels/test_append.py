@@ -49,8 +49,12 @@ def test_page_boundaries_and_untouched_bytes(fmt, length):
     assert torch.equal(rows[slots // 64, 0, :, slots % 64], ek)
     assert bool((rows.permute(0, 3, 1, 2, 4)[~written] == POISON).all())
     if lay.scale_bytes:
-        srows = cache[..., lay.scale_offset :].view(num_pages, 2, 2, 64, lay.scale_bytes)
-        assert bool((srows.permute(0, 3, 1, 2, 4)[~written] == POISON).all())
+        region = cache[..., lay.scale_offset :]  # [pages, 2, heads, 64 * scale_bytes]
+        for kv in (0, 1):
+            srows = region[:, kv][..., lay.scale_index(kv, torch.arange(64))]  # [pages, heads, 64, sb]
+            assert bool((srows.permute(0, 2, 1, 3)[~written] == POISON).all())
+            _, want = ref.encode_rows(v if kv else k, lay, kv, lay.default_scales())
+            assert torch.equal(ref.read_scales(cache, lay, kv, slots // 64, slots % 64), want)
     assert kk.shape == (length, 2, 64) and bool(torch.isfinite(kk).all() and torch.isfinite(vv).all())
 
 

@@ -285,6 +285,23 @@ def test_layout_sizes():
         KVLayout.make("int4", 4, 64)
 
 
+def test_nvfp4_v_scales_are_block_major_in_slot_order():
+    """V's block scale of token i, block b sits at byte 64 b + scale_slot(i) of the region; the
+    slots of the tokens one decode thread holds (same bits 1-2) are 16 consecutive bytes."""
+    from kernels.kv_formats.layout import scale_slot
+
+    rows = torch.arange(64)
+    assert sorted(scale_slot(rows).tolist()) == list(range(64))
+    for lane in range(4):
+        mine = rows[((rows >> 1) & 3) == lane]
+        assert sorted(scale_slot(mine).tolist()) == list(range(16 * lane, 16 * lane + 16))
+    lay = KVLayout.make("nvfp4", 1, 64)
+    assert lay.scales_by_block(1) and not lay.scales_by_block(0)
+    assert lay.scale_index(1, torch.tensor([9])).tolist() == [[2 + 1 + 0, 64 + 3, 128 + 3, 192 + 3]]
+    assert lay.scale_index(0, torch.tensor([9])).tolist() == [[36, 37, 38, 39]]
+    assert not KVLayout.make("int8", 1, 64).scales_by_block(1)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_hadamard(d):
     x = torch.randn(37, d, dtype=torch.float64)

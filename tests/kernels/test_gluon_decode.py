@@ -158,7 +158,9 @@ def _fill_past_context(case, value: int) -> torch.Tensor:
             continue
         blocks = cache[page]  # [2, h, bytes]
         blocks[..., r0 * lay.code_bytes:lay.scale_offset] = value
-        blocks[..., lay.scale_offset + r0 * lay.scale_bytes:] = value
+        past = torch.arange(r0, 64, device=cache.device)
+        for kv in (0, 1):  # V's scale region is block-major (kv_formats.layout)
+            blocks[kv][:, lay.scale_offset + lay.scale_index(kv, past).flatten()] = value
     return cache
 
 
