@@ -227,19 +227,19 @@ def _issue_page(cache_ptr, bt_ptr, b, pg, stage, kc_s, ks_s, vc_s, vs_s,
 
 
 @gluon.jit
-def _block_scales(sc, valid, NB: gl.constexpr, l3: gl.constexpr, MASK: gl.constexpr):
-    """A page's E4M3 block scales [64, 2 NB] in shared memory -> fp16 (low half's blocks, high
-    half's), [64, NB, 1] in the codes' layout ``l3``; ``MASK``: rows ``>= valid`` (past the
-    context, whatever their bytes) get scale 0."""
-    lo = sc.slice(0, NB, dim=1).load(gl.SliceLayout(2, l3))
-    hi = sc.slice(NB, NB, dim=1).load(gl.SliceLayout(2, l3))
-    if MASK:
-        row = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
-        ok = gl.expand_dims(row < valid, 1)
-        lo = gl.where(ok, lo, 0)
-        hi = gl.where(ok, hi, 0)
+def _scales_fp16(lo, hi):
+    """E4M3 block-scale bytes [64, NB] (low half's blocks, high half's) -> fp16 [64, NB, 1]."""
     return (gl.expand_dims(lo.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2),
             gl.expand_dims(hi.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2))
+
+
+@gluon.jit
+def _block_scales(sc, NB: gl.constexpr, l3: gl.constexpr):
+    """K's block scales [64, 2 NB] (row-major) in shared memory -> fp16 [64, NB, 1] per half in
+    the codes' layout ``l3``. Never masked: a row past the context only reaches its own
+    score, which the score mask replaces."""
+    return _scales_fp16(sc.slice(0, NB, dim=1).load(gl.SliceLayout(2, l3)),
+                        sc.slice(NB, NB, dim=1).load(gl.SliceLayout(2, l3)))
 
 
 @gluon.constexpr_function
@@ -253,19 +253,18 @@ def _v_scales_view(NB):
 
 @gluon.jit
 def _v_block_scales(sc, valid, NB: gl.constexpr, l3: gl.constexpr, MASK: gl.constexpr):
-    """``_block_scales`` of V's block-major scale region [2 NB, 64] (low half's blocks, high
-    half's): [64, NB, 1] fp16 in the codes' layout ``l3``. With ``_v_pair_layout`` each thread's
+    """V's block scales from its block-major scale region [2 NB, 64] (low half's blocks, high
+    half's): [64, NB, 1] fp16 per half in the codes' layout ``l3``. With ``_v_pair_layout`` each thread's
     sixteen keys of a block are sixteen consecutive bytes (one 16-byte load)."""
     view: gl.constexpr = _v_scales_view(NB)
     lo = sc.slice(0, NB, dim=0)._reinterpret(gl.uint8, [64, NB], view).load(gl.SliceLayout(2, l3))
     hi = sc.slice(NB, NB, dim=0)._reinterpret(gl.uint8, [64, NB], view).load(gl.SliceLayout(2, l3))
-    if MASK:
+    if MASK:  # rows >= valid (past the context, whatever their bytes) get scale 0
         row = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
         ok = gl.expand_dims(row < valid, 1)
         lo = gl.where(ok, lo, 0)
         hi = gl.where(ok, hi, 0)
-    return (gl.expand_dims(lo.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2),
-            gl.expand_dims(hi.to(gl.float8e4nv, bitcast=True).to(gl.float16), 2))
+    return _scales_fp16(lo, hi)
 
 
 @gluon.jit
@@ -447,10 +446,9 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     first = (p_begin + i) * 64
     valid = ctx - first  # keys of this page: rows < valid
 
-    # K: bytes -> A operand registers, block scales never masked: a row past the context
-    # only reaches its own score, which the mask below replaces
+    # K: bytes -> A operand registers, block scales never masked (``_block_scales``)
     kc = gl.convert_layout(gl.reshape(kc_s.index(st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
-    ks_lo, ks_hi = _block_scales(ks_s.index(st), valid, NB, kl3, False)
+    ks_lo, ks_hi = _block_scales(ks_s.index(st), NB, kl3)
     k_lo = _to_a_operand(_unpack_half(kc, ks_lo, False), CB, a_l)
     s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), gl.zeros([64, N], gl.float32, layout=acc_l), use_acc=False,
                       is_async=True)
