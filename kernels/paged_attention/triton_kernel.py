@@ -177,6 +177,19 @@ def _v_scale_rows(vsbase, kmask, NB: tl.constexpr, BN: tl.constexpr, HI: tl.cons
 
 
 @triton.jit
+def _nvfp4_scale_pair(base, offs_n, kmask, cols, SCALE_OFF: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr,
+                      BN: tl.constexpr, MASKED: tl.constexpr, vsbase, BY_BLOCK: tl.constexpr):
+    """(low, high) halves' block-scale bytes of a tile's rows: row-major regions at
+    ``SCALE_OFF + offs_n * SB + cols`` (``cols``: block indices, per block [NB] or per element),
+    or with ``BY_BLOCK`` (nvfp4 V) per block [BN, NB] from the block-major regions
+    (``_v_scale_rows``)."""
+    if BY_BLOCK:
+        return _v_scale_rows(vsbase, kmask, NB, BN, False, MASKED), _v_scale_rows(vsbase, kmask, NB, BN, True, MASKED)
+    sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + cols[None, :]
+    return _load_pair(sp, NB, kmask[:, None], MASKED)
+
+
+@triton.jit
 def _load_pair(p, step, m, MASKED: tl.constexpr):
     """``(p[...], p[... + step])``, zero where ``m`` is False when ``MASKED``."""
     if MASKED:
@@ -268,12 +281,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
             else:
                 c = tl.load(p)
         if (NV_LOAD == 3 or NV_LOAD == 5) and UNPACK_ASM:
-            if BY_BLOCK:
-                s_lo = _v_scale_rows(vsbase, kmask, NB, BN, False, MASKED)
-                s_hi = _v_scale_rows(vsbase, kmask, NB, BN, True, MASKED)
-            else:
-                sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
-                s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
+            s_lo, s_hi = _nvfp4_scale_pair(base, offs_n, kmask, offs_b, SCALE_OFF, SB, NB, BN, MASKED, vsbase,
+                                           BY_BLOCK)
             s_lo = tl.broadcast_to(s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
             s_hi = tl.broadcast_to(s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
             if NV_LOAD == 5:  # codes are [BN, D/2]: so are their scales
@@ -288,15 +297,12 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
             ci = c.to(tl.int32)
             lo = (((ci & 7) << 9) | ((ci & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
             hi = (((ci & 0x70) << 5) | ((ci & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-        if BY_BLOCK:
-            s_lo = _v_scale_rows(vsbase, kmask, NB, BN, False, MASKED)
-            s_hi = _v_scale_rows(vsbase, kmask, NB, BN, True, MASKED)
+        if NV_LOAD == 1 and not BY_BLOCK:  # a scale byte per element (block-major ones: per block)
+            s_lo, s_hi = _nvfp4_scale_pair(base, offs_n, kmask, offs_c // 16, SCALE_OFF, SB, NB, BN, MASKED, vsbase,
+                                           BY_BLOCK)
         else:
-            if NV_LOAD == 1:
-                sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_c[None, :] // 16
-            else:
-                sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :]
-            s_lo, s_hi = _load_pair(sp, NB, m, MASKED)
+            s_lo, s_hi = _nvfp4_scale_pair(base, offs_n, kmask, offs_b, SCALE_OFF, SB, NB, BN, MASKED, vsbase,
+                                           BY_BLOCK)
         s_lo = s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         s_hi = s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         if BY_BLOCK and NV_LOAD == 1:  # per-block scales, spread over their 16 elements
