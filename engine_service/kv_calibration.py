@@ -187,8 +187,9 @@ class KVCalibration:
 
     def digest(self) -> str:
         """sha256 (hex, 16 chars) of the format, the page layout's version, every global scale,
-        K offset and K feedback matrix: what the cached bytes mean. Pages kept outside this process (the KV daemon) may
-        only be reused by an engine whose calibration has the same digest."""
+        K offset and K feedback matrix: what the cached bytes mean. Pages kept outside this
+        process (the KV daemon) may only be reused by an engine whose calibration has the same
+        digest."""
         h = hashlib.sha256(self.kv_format.encode())
         h.update(f";page_layout={PAGE_LAYOUT_VERSION}".encode())
         if self.k_feedback is not None:  # nvfp4 rounds position 0 to nearest (kv_quant.position0_nearest)

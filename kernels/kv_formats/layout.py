@@ -35,6 +35,7 @@ import torch
 from kernels.kv_formats import bf16, fp8, int8, nvfp4
 
 PAGE_SIZE = 64
+HEAD_DIMS = (64, 128, 256)
 # bumped whenever the bytes of a page change meaning (part of the calibration digest, which
 # names what cached pages mean): 2 = nvfp4 V block scales block-major (module doc)
 PAGE_LAYOUT_VERSION = 2
@@ -44,7 +45,6 @@ def scale_slot(i):
     """Byte of token row ``i`` (int or integer tensor, 0..63) within one block's 64 scale
     bytes of a block-major scale region (module doc)."""
     return 16 * ((i >> 1) & 3) + (i & 1) + 2 * (i >> 3)
-HEAD_DIMS = (64, 128, 256)
 
 
 class KVFormat(str, enum.Enum):
