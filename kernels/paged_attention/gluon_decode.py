@@ -295,12 +295,13 @@ def nvfp4_decode_kernel(
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
 
-    # raw page ring: codes swizzled by 16-byte chunks (the K reads run down rows)
+    # raw page ring: K and V codes swizzled by 16-byte chunks (both are read down rows: a
+    # warp's V loads span four keys 128 bytes apart, four-way bank conflicts unswizzled)
     kc_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=128 // CB, max_phase=CB // 16, order=[1, 0])
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
     ks_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, SB], plain)
-    vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], plain)
+    vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
     vs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, SB, 64], plain)
     if not V_REGS:
         vt_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, CB], gl.float16)
