@@ -40,7 +40,7 @@ head, split); each loop iteration one 64-token page:
 A nibble ``n`` becomes the fp16 pattern ``((n & 7) << 9) | ((n & 8) << 12)`` (value * 2**-14)
 times its block's E4M3 scale in fp16 (exact); 2**14 and the global scales go into the fp32
 score scale and the output scale. Probabilities are fp16 times 2**15 (``P_LOG2``).
-Split-K writes normalized partial outputs and log2-sum-exps for ``merge_kernel``.
+Split-K writes normalized partial outputs and log2-sum-exps for ``triton_kernel.merge_splits``.
 """
 
 from __future__ import annotations
@@ -626,7 +626,7 @@ def paged_decode(
     everywhere; nvfp4 with head_dim 128/256 and T x group <= 32 only (``supported``).
     ``num_splits`` > 1 splits each sequence's pages; ``scratch`` (float32, at least
     ``B * T * Hq * splits * d`` and ``B * T * Hq * splits`` elements) may be preallocated."""
-    from kernels.paged_attention.triton_kernel import merge_kernel
+    from kernels.paged_attention.triton_kernel import merge_splits
 
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens, None, None)
     total, hq, d = q.shape
@@ -679,6 +679,5 @@ def paged_decode(
         maxnreg=max_registers(num_columns(t, group), v_regs, flush),
     )
     if num_splits > 1:
-        merge_kernel[(total, hq)](out, opart, lse, hq, out.stride(0), out.stride(1),
-                                  D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits))
+        merge_splits(out, opart, lse, num_splits)
     return out
