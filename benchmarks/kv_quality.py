@@ -50,6 +50,9 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``fbsink=1`` with ``round=feedback``: the window's first token (the attention sink: with
   ``--prefix "<|im_start|>"``, a chat template's first token) rounded to nearest, as the
   engine does for position 0;
+- ``vrot=1`` (screening) rotates V by the Hadamard transform before encoding and back after
+  decoding: a cache holding rotated V whose attention output is rotated back once per row
+  (the issue's cache keeps V unrotated);
 - ``vround=wo`` (screening) rounds V with the same error feedback inside 16-blocks, its
   weights from the layer's output projection instead of queries: V's error ``e`` reaches the
   residual stream as ``W_o e`` (per query head, through its attention weights), so ``C =
@@ -112,6 +115,7 @@ class Config:
     feedback: bool = False  # round=feedback: the cache's query-weighted rounding of K
     vround: str = ""  # vround=wo|wosum: V rounded with feedback weighted by W_o (screening)
     fbsink: bool = False  # fbsink=1: round=feedback except the first token (nearest), as the engine
+    vrot: bool = False  # vrot=1: V Hadamard-rotated in the cache, the output rotated back (screening)
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -165,6 +169,8 @@ def parse_config(spec: str) -> Config:
             kw["fbsink"] = choice(key, val, ("0", "1")) == "1"
         elif key == "vround":
             kw["vround"] = choice(key, val, ("wo", "wosum"))
+        elif key == "vrot":
+            kw["vrot"] = choice(key, val, ("0", "1")) == "1"
         elif key == "damp":
             kw["damp"] = float(val)
         elif key == "sink":
@@ -175,6 +181,8 @@ def parse_config(spec: str) -> Config:
             raise ValueError(f"unknown option {key!r} in {spec!r}")
     if kw.get("enc", "default") != "default" and (fmt != "nvfp4" or "kfmt" in kw):
         raise ValueError(f"enc= applies to nvfp4 only (and not with kfmt=): {spec!r}")
+    if kw.get("vrot") and kw.get("vround"):
+        raise ValueError(f"vrot= and vround= do not combine (W_o's weights are in V's own basis): {spec!r}")
     if fmt not in ("fp8", "nvfp4") and kw.get("kfmt") not in ("fp8", "nvfp4"):
         kw["center"] = "off"
     return Config(spec, fmt, had == "H", only or "kv", **kw)
@@ -440,6 +448,8 @@ class KVRoundTrip:
         alpha = st["alpha"].get(layer)
         if alpha is not None:
             kr = kr / alpha
+        if cfg.vrot:  # V held rotated (scales calibrated on what is encoded)
+            vr = fwht(vr)
         lays = (self.k_layout or lay, lay)
         if self.calibrating:
             st["scales"][layer] = torch.stack([
@@ -477,7 +487,7 @@ class KVRoundTrip:
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
             st["err"][kv] += float(((deq - rows).double() ** 2).sum())
             st["energy"][kv] += float((rows.double() ** 2).sum())
-            if kv == 0 and lay.hadamard:
+            if (kv == 0 and lay.hadamard) or (kv == 1 and cfg.vrot):
                 deq = fwht(deq)
             deq = deq.view(b, t, h, d)
             if kv == 0 and alpha is not None:
