@@ -88,6 +88,30 @@ def test_rows_without_visible_keys_are_zero_split_or_not():
         _oracle(case, q, starts, lens)
 
 
+@pytest.mark.parametrize("total,hq", [(2, 3), (43, 24)])
+def test_split_merge_matches_its_definition(total, hq):
+    """``merge_splits`` (a program per 32 head-dim values below 1024 (token, head) rows, a
+    program per row from 1024 on) = sum_s 2**(lse_s - max) o_s / sum_s 2**(lse_s - max), in
+    fp64; a split without keys (lse -inf) weighs nothing, a row with none at all is zeros."""
+    from kernels.paged_attention import triton_kernel
+
+    splits, d = 5, 64
+    gen = torch.Generator().manual_seed(3)
+    opart = torch.randn(total * hq * splits * d, generator=gen)
+    lse = torch.randn(total * hq * splits, generator=gen) * 4
+    lse.view(total * hq, splits)[::2, 1] = float("-inf")
+    lse.view(total * hq, splits)[1] = float("-inf")
+    got = torch.full((total, hq, d), float("nan"), device=DEV)
+    triton_kernel.merge_splits(got, opart.to(DEV), lse.to(DEV), splits)
+    out = got.cpu()
+    lo = lse.double().view(total * hq, splits)
+    w = torch.where(torch.isinf(lo), 0.0, torch.exp2(lo - lo.max(1, keepdim=True).values))
+    den = w.sum(1, keepdim=True)
+    want = (opart.double().view(total * hq, splits, d) * w[:, :, None]).sum(1) / torch.where(den > 0, den, 1.0)
+    assert torch.equal(out.view(total * hq, d)[1], torch.zeros(d))
+    assert torch.allclose(out.view(total * hq, d).double(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_prefill_row_blocks_cover_long_chunks():
     # prefill: many row blocks per sequence, chunk over a cached prefix
     case = build_case(KVLayout.make("nvfp4", 2, 64), [130, 40], seed=11, device=DEV)
