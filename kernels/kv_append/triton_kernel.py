@@ -30,6 +30,7 @@ rounding (``_lookahead``) — the products and differences kept separate (the la
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -45,6 +46,7 @@ from kernels.kv_formats import nvfp4
 from kernels.kv_formats.nvfp4 import INV_6
 
 FMT_ID = {KVFormat.BF16: 0, KVFormat.FP8: 1, KVFormat.INT8: 2, KVFormat.NVFP4: 3}
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # the kernel spells int8's fp32(1/127) and nvfp4's fp32(1/6) as literals (jit code cannot
 # read module globals)
 assert INV_127 == 0.007874015718698502
@@ -432,6 +434,10 @@ def append(
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
     bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or k_feedback is not None or (count is not None and d > 128)
                      else 4)
+    if block_t is None and INTERPRET:  # the interpreter pays per program: fewer, larger ones (same bytes;
+        bt = 16                        # nvfp4 70 tokens x 3 heads at d = 64: 32.8 s at 2 tokens, 4.6 s at 16)
+        while count is not None and bt > 1 and bt * counted_per_row(layout) >= 1024:
+            bt //= 2
     if count is not None and bt * counted_per_row(layout) >= 1024:
         raise ValueError(f"block_t={bt} puts 1024 or more scale inputs in a program; counting needs fewer")
     # fp8 with K feedback: 8 warps (H200, 64-sequence decode step: 4.40 against 4.57 us at 4 warps)

@@ -100,7 +100,7 @@ def _random_feedback(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_offset: bool = False,
-            k_feedback: bool = False) -> None:
+            k_feedback: bool = False, block_t: int | None = None) -> None:
     from kernels.kv_append import triton_kernel
 
     lay = KVLayout.make(fmt, 3, d, hadamard)
@@ -121,7 +121,8 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_
     c_tri = torch.full_like(c_ref, POISON).to(device)
     n_tri = torch.full((2, 3, 3), 5, dtype=torch.int64, device=device)  # counts add to what is there
     triton_kernel.append(c_tri, lay, k.to(device), v.to(device), slots.to(device), scales.to(device),
-                         None if off is None else off.to(device), n_tri, None if fb is None else fb.to(device))
+                         None if off is None else off.to(device), n_tri, None if fb is None else fb.to(device),
+                         block_t=block_t)
     diff = (c_tri.cpu() != c_ref).nonzero()
     assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:5].tolist()}"
     if fmt in ("fp8", "nvfp4"):  # block-scale health counts: the reference's numbers exactly
@@ -158,6 +159,14 @@ def test_triton_append_with_k_offset_byte_identical(fmt, d, hadamard):
 def test_triton_append_with_k_feedback_byte_identical(fmt, d, hadamard):
     _parity(fmt, d, hadamard, 24, seed=7 * d + len(fmt), device="cuda" if torch.cuda.is_available() else "cpu",
             k_offset=True, k_feedback=True)
+
+
+@pytest.mark.parametrize("fmt,block_t,feedback", [("nvfp4", 2, True), ("fp8", 4, False)])
+def test_triton_append_byte_identical_at_the_gpu_tokens_per_program(fmt, block_t, feedback):
+    """The tokens per program the GPU runs by default (the interpreter's own default is 16,
+    cheaper there); 9 tokens, so the last program is partial."""
+    _parity(fmt, 64, True, 9, seed=11 + block_t, device="cuda" if torch.cuda.is_available() else "cpu",
+            k_offset=True, k_feedback=feedback, block_t=block_t)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
