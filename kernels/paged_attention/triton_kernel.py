@@ -202,28 +202,17 @@ def _load_pair(p, step, m, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _load_nvfp4_half(base, offs_n, kmask, D: tl.constexpr, SCALE_OFF: tl.constexpr, SB: tl.constexpr,
-                     DT: tl.constexpr, MASKED: tl.constexpr, HI: tl.constexpr, BN: tl.constexpr,
-                     vsbase=None, BY_BLOCK: tl.constexpr = False):
-    """One half ([BN, D/2], low or high nibbles) of an nvfp4 tile as in ``_load_halves``
-    mode 5 (impure asm: the fp16 tile goes through shared memory); ``BY_BLOCK``: block-major
-    scales (V) at ``vsbase`` (``_v_scale_rows``)."""
+def _load_nvfp4_half(base, offs_n, kmask, vsbase, D: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr,
+                     HI: tl.constexpr, BN: tl.constexpr):
+    """One half ([BN, D/2], low or high nibbles) of an nvfp4 V tile as in ``_load_halves``
+    mode 5 (impure asm: the fp16 tile goes through shared memory), its block-major scales
+    read at ``vsbase`` (``_v_scale_rows``)."""
     HALF: tl.constexpr = D // 2
     NB: tl.constexpr = D // 32
-    offs_c = tl.arange(0, HALF)
-    offs_b = tl.arange(0, NB)
-    m = kmask[:, None]
-    p = base[:, None] + offs_n[:, None] * HALF + offs_c[None, :]
-    if BY_BLOCK:
-        sc = _v_scale_rows(vsbase, kmask, NB, BN, HI, MASKED)
-    else:
-        sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + offs_b[None, :] + (NB if HI else 0)
-        if MASKED:
-            sc = tl.load(sp, mask=m, other=0)
-        else:
-            sc = tl.load(sp)
+    p = base[:, None] + offs_n[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    sc = _v_scale_rows(vsbase, kmask, NB, BN, HI, MASKED)
     if MASKED:
-        c = tl.load(p, mask=m, other=0)
+        c = tl.load(p, mask=kmask[:, None], other=0)
     else:
         c = tl.load(p)
     sc = tl.reshape(tl.broadcast_to(sc.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16]), [BN, HALF])
@@ -411,9 +400,9 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
                 acc_hi += pv_hi
         elif FMT == 3 and NV_LOAD_V == 6 and UNPACK_ASM:
             # mode 6: as 5, the two halves one after the other
-            v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, False, BN, vsbase, True)
+            v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, vsbase, D, VDT, MASKED, False, BN)
             pv_lo = tl.dot(pr16, v_lo)
-            v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, D, SCALE_OFF, SB, VDT, MASKED, True, BN, vsbase, True)
+            v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, vsbase, D, VDT, MASKED, True, BN)
             pv_hi = tl.dot(pr16, v_hi)
             if not PAGE_MAX:
                 acc_lo += pv_lo
