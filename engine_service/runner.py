@@ -312,11 +312,12 @@ class TorchModelRunner:
             if self.state is not None:
                 for s in ctx.seqs:
                     self._slot_pos[s.state_slot] = s.start + s.num_tokens
-            rows = [
-                s.offset + s.num_tokens - 1
-                for s, q in zip(ctx.seqs, batch.seqs, strict=True)
-                if q.need_logits
-            ]
+            rows = []
+            for s, q in zip(ctx.seqs, batch.seqs, strict=True):
+                if q.all_logits:
+                    rows.extend(range(s.offset, s.offset + s.num_tokens))
+                elif q.need_logits:
+                    rows.append(s.offset + s.num_tokens - 1)
             if not rows:
                 return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self._device)
             index = torch.tensor(rows, dtype=torch.long, device=self._device)

@@ -41,6 +41,7 @@ class SeqSlice:
     start: int  # tokens already computed (the first position of this slice)
     num_tokens: int  # new tokens in this step, >= 1
     need_logits: bool = True  # return logits for the slice's last token
+    all_logits: bool = False  # return logits for every token of the slice, in order (scoring: perplexity)
 
 
 @dataclass
@@ -94,7 +95,8 @@ class ModelRunner(Protocol):
         """Create the KV page pool and the state pool (called once, before forward)."""
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step; return fp32 logits [num slices with need_logits, vocab]."""
+        """Run one step; return fp32 logits [rows, vocab]: per slice in order, one row per token
+        where ``all_logits``, else one for the last token where ``need_logits``."""
 
     def reset_state(self, slot: int) -> None:
         """Zero a state slot before a new sequence starts in it."""

@@ -79,6 +79,27 @@ def test_need_logits_false_rows_are_left_out(models: dict) -> None:
     assert out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_all_logits_rows_are_every_position(name: str, models: dict) -> None:
+    """``all_logits``: one row per token of the slice (in order, before the next slice's rows),
+    each the model's logits at that position (HF's, to the parity bound), over two chunks."""
+    path, hf = models[name]
+    r = _runner(path)
+    ids = prompt(21, seed=4)
+    r.reset_state(0)
+    r.reset_state(1)
+    first = r.forward(ForwardBatch(torch.tensor(ids[:13] + ids[:5]),
+                                   [SeqSlice(0, [4, 9], 0, 13, all_logits=True), SeqSlice(1, [2], 0, 5)]))
+    assert first.shape == (14, r.vocab_size)
+    second = r.forward(ForwardBatch(torch.tensor(ids[13:]), [SeqSlice(0, [4, 9, 1], 13, 8, all_logits=True)]))
+    assert second.shape == (8, r.vocab_size)
+    full = hf_logits(hf, ids)
+    got = torch.cat([first[:13], second])
+    for i in range(len(ids)):
+        assert rel_err(got[i], full[i]) <= 1e-4, i
+    assert rel_err(first[13], hf_logits(hf, ids[:5])[-1]) <= 1e-4
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_snapshot_restore_continues_identically(name: str, models: dict) -> None:
     r = _runner(models[name][0])
