@@ -372,7 +372,8 @@ def kv_append_fwd_kernel(
             nib = nvfp4_nibbles(a, xb, best, c6)
         halves = tl.permute(tl.reshape(nib, [BLOCK_T, 2, D // 2]), (0, 2, 1))
         lo, hi = tl.split(halves)
-        packed = (lo | (hi << 4)).to(tl.uint8)
+        # page layout 3 (kv_formats.nvfp4): low sign at bit 7, low index at 1-3, high index at 4-6, high sign at 0
+        packed = (((lo & 8) << 4) | ((lo & 7) << 1) | ((hi & 7) << 4) | (hi >> 3)).to(tl.uint8)
         offs_c = tl.arange(0, D // 2)
         tl.store(code_row[:, None] + offs_c[None, :], packed, mask=valid[:, None])
         offs_s = tl.arange(0, D // 16)

@@ -10,7 +10,7 @@ the format. Inside one (page, K|V, head) block of ``head_page_bytes`` bytes:
 row ``i`` being the token at position ``page_index * page_size + i`` of its sequence.
 Per-format row encodings are documented in ``bf16``/``fp8``/``int8``/``nvfp4``.
 
-One exception to the row order (``PAGE_LAYOUT_VERSION`` 2): nvfp4's V scale region is
+One exception to the row order (since ``PAGE_LAYOUT_VERSION`` 2): nvfp4's V scale region is
 block-major. Block ``b``'s 64 scale bytes lie together, token ``i``'s at byte
 ``64 b + scale_slot(i)`` of the region, ``scale_slot(i) = 16 ((i >> 1) & 3) + (i & 1) +
 2 (i >> 3)``: the sixteen tokens whose V values one thread of the Hopper decode holds in the
@@ -37,8 +37,9 @@ from kernels.kv_formats import bf16, fp8, int8, nvfp4
 PAGE_SIZE = 64
 HEAD_DIMS = (64, 128, 256)
 # bumped whenever the bytes of a page change meaning (part of the calibration digest, which
-# names what cached pages mean): 2 = nvfp4 V block scales block-major (module doc)
-PAGE_LAYOUT_VERSION = 2
+# names what cached pages mean): 2 = nvfp4 V block scales block-major (module doc); 3 = nvfp4
+# code bytes with the low element's sign at bit 7 and index at bits 1-3 (``nvfp4`` module doc)
+PAGE_LAYOUT_VERSION = 3
 
 
 def scale_slot(i):

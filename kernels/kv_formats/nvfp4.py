@@ -3,10 +3,16 @@
 Token row of one head (head_dim ``d``): ``d/2`` code bytes then ``d/16`` scale bytes
 (144 bytes for d = 256).
 
-- Nibble packing ("half split"): byte ``j`` (``0 <= j < d/2``) holds element ``j`` in its
-  low nibble and element ``j + d/2`` in its high nibble, so a kernel unpacks a row into its
-  two contiguous halves with one mask and one shift and never interleaves.
-- Nibble = E2M1: bit 3 sign, bits 0-2 index into ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``.
+- Code = E2M1: a sign and a 3-bit index into ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``.
+- Packing ("half split"): byte ``j`` (``0 <= j < d/2``) holds element ``j`` (the "low"
+  element) and element ``j + d/2`` (the "high" one), so a kernel unpacks a row into its two
+  contiguous halves and never interleaves. Bits of byte ``j`` (``PAGE_LAYOUT_VERSION`` 3):
+  7 = low sign, 3-1 = low index, 6-4 = high index, 0 = high sign. Placed so, the low element
+  is already an fp16 high byte (sign at bit 7, index at bits 1-3: the fp16 value is the E2M1
+  value times 2**-14) after one mask of the code word (``& 0x8E8E8E8E``), and the high one
+  after two shifts, a mask and a merge (``(w >> 3) & 0x0E0E0E0E | (w << 7) & 0x80808080``):
+  five operations per eight values where sign-in-nibble packing (version 2 and before: low
+  nibble ``sign << 3 | index``, high nibble above it) needs seven.
 - Scale byte ``b`` (``0 <= b < d/16``) is the E4M3 code of block ``b`` = elements
   ``[16b, 16b + 16)``.
 
@@ -60,7 +66,7 @@ whose sum does not depend on the reduction order. No overflow: ``A_i <= m * 2**(
 whose scale saturates E4M3 at 448); ``A_i`` keeps 12-13 bits of each value (the error is
 measured with resolution ``m / 4096``, about 1/300 of the finest E2M1 step).
 
-Dequantized value: ``E2M1[nibble] * s * g``. Every E2M1 x E4M3 product is exact in bf16 and
+Dequantized value: ``±E2M1[index] * s * g``. Every E2M1 x E4M3 product is exact in bf16 and
 fp16, so attention kernels dequantize in registers and apply ``g`` after the dot product.
 """
 
@@ -122,7 +128,7 @@ def encode_with_scales(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor) -
     sb = e4m3.decode(s_code)[:, :, None]
     a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // BLOCK, BLOCK)
     idx = e2m1_index(a, sb).view(n, d)
-    return _pack(idx, x < 0), s_code
+    return pack_codes(idx, x < 0), s_code
 
 
 def first_candidate(c6: torch.Tensor, m: torch.Tensor, clip: bool) -> torch.Tensor:
@@ -181,11 +187,23 @@ def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, d
     return torch.where(c6 > 0, best, 0).to(torch.uint8)
 
 
-def _pack(idx: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
-    """E2M1 indices [N, d] and signs -> half-split packed codes uint8 [N, d/2]."""
+def pack_codes(idx: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """E2M1 indices [N, d] (0..7) and signs -> half-split packed codes uint8 [N, d/2] (module
+    doc: low sign at bit 7, low index at 1-3, high index at 4-6, high sign at 0; zero is never
+    negative)."""
     d = idx.shape[1]
-    nib = idx | ((negative & (idx > 0)).to(torch.int32) << 3)
-    return (nib[:, : d // 2] | (nib[:, d // 2 :] << 4)).to(torch.uint8)
+    idx = idx.to(torch.int32)
+    neg = (negative & (idx > 0)).to(torch.int32)
+    lo, hi = idx[:, : d // 2], idx[:, d // 2 :]
+    return ((neg[:, : d // 2] << 7) | (lo << 1) | (hi << 4) | neg[:, d // 2 :]).to(torch.uint8)
+
+
+def unpack_codes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes uint8 [N, d/2] -> (E2M1 indices int32 [N, d], negative bool [N, d])."""
+    c = codes.to(torch.int32)
+    idx = torch.cat(((c >> 1) & 7, (c >> 4) & 7), dim=-1)
+    neg = torch.cat(((c >> 7) & 1, c & 1), dim=-1).bool()
+    return idx, neg
 
 
 def encode_with_feedback(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor,
@@ -207,7 +225,7 @@ def encode_with_feedback(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor,
         return idx, torch.where(col < 0, -mag, mag)
 
     idx = round_blocks(x, fb, quantize)
-    return _pack(idx, negative.view(n, d)), s_code
+    return pack_codes(idx, negative.view(n, d)), s_code
 
 
 def encode(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True,
@@ -228,10 +246,9 @@ def encode(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True,
 def decode(codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """(codes [N, d/2], scales [N, d/16]) -> fp32 rows [N, d]."""
     n = codes.shape[0]
-    c = codes.to(torch.int32)
-    nib = torch.cat((c & 0xF, c >> 4), dim=-1)
+    idx, neg = unpack_codes(codes)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = lut[nib & 7]
-    val = torch.where(nib >= 8, -mag, mag)
+    mag = lut[idx]
+    val = torch.where(neg, -mag, mag)
     s = e4m3.decode(scales).repeat_interleave(BLOCK, dim=-1)
     return val * s * g.to(torch.float32).view(n, 1)

@@ -37,8 +37,9 @@ head, split); each loop iteration one 64-token page:
   running reference (an integer too) before the fp16 rounding, and the accumulator by another
   before ``Vᵀ·Pᵀ`` adds into it in the MMA (no second accumulator: 16-32 columns fit).
 
-A nibble ``n`` becomes the fp16 pattern ``((n & 7) << 9) | ((n & 8) << 12)`` (value * 2**-14)
-times its block's E4M3 scale in fp16 (exact); 2**14 and the global scales go into the fp32
+An E2M1 element becomes the fp16 pattern ``sign << 15 | index << 9`` (value * 2**-14; one mask
+of the code word for the low elements, four operations for the high ones: page layout 3,
+``kv_formats.nvfp4``) times its block's E4M3 scale in fp16 (exact); 2**14 and the global scales go into the fp32
 score scale and the output scale. Probabilities are fp16 times 2**15 (``P_LOG2``).
 Split-K writes normalized partial outputs and log2-sum-exps for ``triton_kernel.merge_splits``.
 """
@@ -177,10 +178,12 @@ def _k_perm(cb: int) -> list[int]:
     return out
 
 
-# fp16 high bytes of the four code bytes' low nibbles (sign to bit 7, magnitude to bits 1-3)
-_LO = "{ .reg .b32 a, b, x, z, t; shl.b32 a, $2, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 4; lop3.b32 x, b, 0x80808080, a, 0xEA;"
-# ... and of their high nibbles
-_HI = "{ .reg .b32 a, b, x, z, t; shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; lop3.b32 x, $2, 0x80808080, a, 0xEA;"
+# fp16 high bytes (sign at bit 7, index at bits 1-3) of the four code bytes' low elements: in
+# place in page layout 3 (kv_formats.nvfp4), one mask
+_LO = "{ .reg .b32 a, b, x, z, t; and.b32 x, $2, 0x8E8E8E8E;"
+# ... and of their high elements: index >> 3, sign << 7
+_HI = ("{ .reg .b32 a, b, x, z, t; shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 7; "
+       "lop3.b32 x, b, 0x80808080, a, 0xEA;")
 # byte permutes place them into fp16 lanes, each pair times its scales
 _PLACE = "mov.b32 z, 0; prmt.b32 t, x, z, 0x1404; mul.rn.f16x2 $0, t, $3; prmt.b32 t, x, z, 0x3424; mul.rn.f16x2 $1, t, $4; }"
 _ASM_LO = gl.constexpr(_LO + _PLACE)
@@ -190,7 +193,7 @@ _ASM_HI = gl.constexpr(_HI + _PLACE)
 @gluon.jit
 def _unpack_half(c, sc, HI: gl.constexpr):
     """code bytes -> fp16 values * 2**-14 of their low (``HI`` False: head-dim ``j``) or high
-    nibbles (``j + d/2``), times their fp16 block scales ``sc`` (same shape, broadcast)."""
+    elements (``j + d/2``), times their fp16 block scales ``sc`` (same shape, broadcast)."""
     return gl.inline_asm_elementwise(asm=_ASM_HI if HI else _ASM_LO, constraints="=r,=r,r,r,r", args=[c, sc],
                                      dtype=gl.float16, is_pure=True, pack=4)
 

@@ -38,8 +38,8 @@ Dequantization in registers, tensor cores for both products:
   fp16 probabilities are scaled by 2**15 (int8: 2**12, as they carry V's scale, which must
   stay below 16; ``P_LOG2``) so that small probabilities do not become fp16 subnormals.
 - K tiles are fp16 instead for fp8 and nvfp4 (Q is cast to fp16: post-norm queries are
-  far inside its range): E4M3 converts to fp16 in hardware, and an nvfp4 nibble ``n``
-  becomes the fp16 bit pattern ``((n & 7) << 9) | ((n & 8) << 12)`` (= value * 2**-14),
+  far inside its range): E4M3 converts to fp16 in hardware, and an nvfp4 element
+  becomes the fp16 bit pattern ``sign << 15 | index << 9`` (= value * 2**-14),
   times its block's E4M3 scale in fp16 (exact); the 2**14 goes into the global scale.
 - nvfp4 (``nv_load_k``/``nv_load_v``, see ``_load_halves``): K is unpacked straight into
   the tensor-core operand layout from the packed bytes (mode 2); V, whose operand runs
@@ -49,7 +49,7 @@ Dequantization in registers, tensor cores for both products:
   the compiler's alternative is one shared-memory load per byte.
 Under ``TRITON_INTERPRET=1`` tiles are fp32 instead (the interpreter mishandles 16-bit
 floats in dot products). Rows and columns are "halves" of the head dim (``[0, d/2)`` and
-``[d/2, d)``), matching nvfp4's half-split nibble packing, so nothing is ever interleaved.
+``[d/2, d)``), matching nvfp4's half-split packing, so nothing is ever interleaved.
 """
 
 from __future__ import annotations
@@ -76,21 +76,20 @@ DEFAULT_NV_LOAD_V_32 = 6  # 32-row blocks (verify of 3-5 tokens: two-page tiles)
 
 @triton.jit
 def _e2m1_pairs_asm(c):
-    """uint8 code bytes -> (low-nibble, high-nibble) values as fp16 bit patterns (value *
-    2**-14), four bytes per PTX block. Both nibble sets of the four bytes are first turned
-    into fp16 high bytes (sign to bit 7, magnitude to bits 1-3) with word-wide shifts and
-    masks, then byte permutes place them into the fp16 lanes: 11 instructions per 8 values."""
+    """uint8 code bytes -> (low, high) elements as fp16 bit patterns (value * 2**-14), four
+    bytes per PTX block. Both element sets of the four bytes are first turned into fp16 high
+    bytes (sign at bit 7, index at bits 1-3): the low ones by one mask (page layout 3,
+    ``kv_formats.nvfp4``), the high ones by two shifts, a mask and a merge; byte permutes then
+    place them into the fp16 lanes: 9 instructions per 8 values."""
     return tl.inline_asm_elementwise(
         asm="""
         {
         .reg .b32 a, b, x, y;
-        shl.b32 a, $4, 1;
-        and.b32 a, a, 0x0E0E0E0E;
-        shl.b32 b, $4, 4;
-        lop3.b32 x, b, 0x80808080, a, 0xEA;
+        and.b32 x, $4, 0x8E8E8E8E;
         shr.b32 a, $4, 3;
         and.b32 a, a, 0x0E0E0E0E;
-        lop3.b32 y, $4, 0x80808080, a, 0xEA;
+        shl.b32 b, $4, 7;
+        lop3.b32 y, b, 0x80808080, a, 0xEA;
         mov.b32 b, 0;
         prmt.b32 $0, x, b, 0x1404;
         prmt.b32 $1, x, b, 0x3424;
@@ -108,7 +107,7 @@ def _e2m1_pairs_asm(c):
 
 def _scaled_half_ptx(unpack: str) -> tl.constexpr:
     """The PTX of ``_e2m1_scaled_half_asm``: ``unpack`` leaves the half's fp16 high bytes
-    (sign to bit 7, magnitude to bits 1-3) in ``x``; byte permutes then place them into the
+    (sign at bit 7, index at bits 1-3) in ``x``; byte permutes then place them into the
     fp16 lanes, each pair times its scales."""
     return tl.constexpr(
         "{ .reg .b32 a, b, x, z; " + unpack + " mov.b32 z, 0; "
@@ -117,15 +116,16 @@ def _scaled_half_ptx(unpack: str) -> tl.constexpr:
     )
 
 
-# low nibbles: magnitude << 1, sign << 4; high nibbles: magnitude >> 3, sign in place
-_LO_HALF_PTX = _scaled_half_ptx(
-    "shl.b32 a, $2, 1; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 4; lop3.b32 x, b, 0x80808080, a, 0xEA;")
-_HI_HALF_PTX = _scaled_half_ptx("shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; lop3.b32 x, $2, 0x80808080, a, 0xEA;")
+# page layout 3 (kv_formats.nvfp4): the low elements' bits are in place (one mask); the high
+# ones' index >> 3 and sign << 7
+_LO_HALF_PTX = _scaled_half_ptx("and.b32 x, $2, 0x8E8E8E8E;")
+_HI_HALF_PTX = _scaled_half_ptx(
+    "shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 7; lop3.b32 x, b, 0x80808080, a, 0xEA;")
 
 
 @triton.jit
 def _e2m1_scaled_half_asm(c, sc, HI: tl.constexpr):
-    """One nibble set (the low nibbles, or the high ones when ``HI``) of uint8 code bytes as
+    """One element set (the low elements, or the high ones when ``HI``) of uint8 code bytes as
     fp16, times the fp16 block scales ``sc`` (``mul.f16x2``, exact): the unpacking of
     ``_e2m1_pairs_asm`` for one half. Declared impure on purpose: the compiler then cannot
     re-create the dequantization in the tensor-core operand layout (which for V, whose
@@ -204,7 +204,7 @@ def _load_pair(p, step, m, MASKED: tl.constexpr):
 @triton.jit
 def _load_nvfp4_half(base, offs_n, kmask, vsbase, D: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr,
                      HI: tl.constexpr, BN: tl.constexpr):
-    """One half ([BN, D/2], low or high nibbles) of an nvfp4 V tile as in ``_load_halves``
+    """One half ([BN, D/2], low or high elements) of an nvfp4 V tile as in ``_load_halves``
     mode 5 (impure asm: the fp16 tile goes through shared memory), its block-major scales
     read at ``vsbase`` (``_v_scale_rows``)."""
     HALF: tl.constexpr = D // 2
@@ -244,9 +244,10 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
         lo, hi = _load_pair(p, HALF, m, MASKED)
         return lo.to(DT), hi.to(DT)
     else:
-        # nibble n -> fp16 bit pattern ((n & 7) << 9) | ((n & 8) << 12) = value * 2**-14 (exact
-        # for every E2M1 x E4M3 product), times its block's E4M3 scale in fp16; the 2**14
-        # goes into the global scale. NV_LOAD picks how the per-16 scale reaches each element:
+        # element -> fp16 bit pattern sign << 15 | index << 9 = value * 2**-14 (exact for every
+        # E2M1 x E4M3 product), times its block's E4M3 scale in fp16; the 2**14 goes into the
+        # global scale. Code byte bits (page layout 3): low sign 7, low index 1-3, high index
+        # 4-6, high sign 0. NV_LOAD picks how the per-16 scale reaches each element:
         # 0: codes as [BN, D/32, 16] so the scale broadcasts over the innermost axis;
         # 1: 2-D codes, every element loads its scale byte (L1 hits);
         # 2: 2-D codes, compact scale tile broadcast then reshaped;
@@ -284,8 +285,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
             lo, hi = _e2m1_pairs_asm(c)
         else:
             ci = c.to(tl.int32)
-            lo = (((ci & 7) << 9) | ((ci & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-            hi = (((ci & 0x70) << 5) | ((ci & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            lo = ((ci & 0x8E) << 8).to(tl.int16).to(tl.float16, bitcast=True)
+            hi = (((ci & 0x70) << 5) | ((ci & 1) << 15)).to(tl.int16).to(tl.float16, bitcast=True)
         if NV_LOAD == 1 and not BY_BLOCK:  # a scale byte per element (block-major ones: per block)
             s_lo, s_hi = _nvfp4_scale_pair(base, offs_n, kmask, offs_c // 16, SCALE_OFF, SB, NB, BN, MASKED, vsbase,
                                            BY_BLOCK)
@@ -664,7 +665,7 @@ def paged_attention(
         out = torch.empty_like(q)
     if not global_scales.is_contiguous():  # (dtype and shape: check_inputs)
         raise ValueError("global scales must be contiguous float32 [2, num_kv_heads]")
-    # the kernel reads g itself; nvfp4 nibbles are fp16 patterns worth value * 2**-14
+    # the kernel reads g itself; nvfp4 elements are fp16 patterns worth value * 2**-14
     gs_mul = {KVFormat.BF16: 0.0, KVFormat.INT8: 0.0, KVFormat.NVFP4: 16384.0}.get(layout.fmt, 1.0)
     split_out = num_splits > 1
     if split_out:

@@ -67,8 +67,25 @@ def _e2m1_oracle(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack(codes: torch.Tensor) -> torch.Tensor:
+    """Nibbles ``sign << 3 | index`` [N, d] of packed codes, from the documented bits of byte
+    ``j``: 7 = element j's sign, 1-3 its index, 4-6 element j + d/2's index, 0 its sign."""
     c = codes.to(torch.int64)
-    return torch.cat((c & 15, c >> 4), dim=-1)
+    lo = (((c >> 7) & 1) << 3) | ((c >> 1) & 7)
+    hi = ((c & 1) << 3) | ((c >> 4) & 7)
+    return torch.cat((lo, hi), dim=-1)
+
+
+def test_nvfp4_code_byte_bits():
+    """Byte j: low element's sign at bit 7 and index at bits 1-3, high element's index at
+    bits 4-6 and sign at bit 0 (page layout 3); zero has no sign."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 16] = -6.0, 0.5  # byte 0: 0x80 | 7 << 1 | 1 << 4 = 0x9E
+    x[0, 1], x[0, 17] = 1.5, -3.0  # byte 1: 3 << 1 | 5 << 4 | 1 = 0x57
+    x[0, 2], x[0, 18] = -0.0, -0.5  # byte 2: 1 << 4 | 1 = 0x11
+    codes, _ = nvfp4.encode_with_scales(x, torch.ones(1), torch.tensor([[56, 56]], dtype=torch.uint8))
+    assert codes[0, :4].tolist() == [0x9E, 0x57, 0x11, 0]
+    assert nvfp4.decode(codes, torch.tensor([[56, 56]], dtype=torch.uint8), torch.ones(1))[0, [0, 16, 1, 17, 18]].tolist() \
+        == [-6.0, 0.5, 1.5, -3.0, -0.5]
 
 
 def _e4m3_code(v: torch.Tensor) -> torch.Tensor:
