@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from kernels.kv_formats.layout import KVFormat, KVLayout
+from kernels.paged_attention import nvfp4_ptx
 from kernels.paged_attention.reference import check_inputs
 
 LOG2E = 1.4426950408889634
@@ -178,16 +179,9 @@ def _k_perm(cb: int) -> list[int]:
     return out
 
 
-# fp16 high bytes (sign at bit 7, index at bits 1-3) of the four code bytes' low elements: in
-# place in page layout 3 (kv_formats.nvfp4), one mask
-_LO = "{ .reg .b32 a, b, x, z, t; and.b32 x, $2, 0x8E8E8E8E;"
-# ... and of their high elements: index >> 3, sign << 7
-_HI = ("{ .reg .b32 a, b, x, z, t; shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 7; "
-       "lop3.b32 x, b, 0x80808080, a, 0xEA;")
-# byte permutes place them into fp16 lanes, each pair times its scales
-_PLACE = "mov.b32 z, 0; prmt.b32 t, x, z, 0x1404; mul.rn.f16x2 $0, t, $3; prmt.b32 t, x, z, 0x3424; mul.rn.f16x2 $1, t, $4; }"
-_ASM_LO = gl.constexpr(_LO + _PLACE)
-_ASM_HI = gl.constexpr(_HI + _PLACE)
+# a code word's low / high elements as fp16 pairs times their scales (nvfp4_ptx)
+_ASM_LO = gl.constexpr(nvfp4_ptx.scaled_half(True))
+_ASM_HI = gl.constexpr(nvfp4_ptx.scaled_half(False))
 
 
 @gluon.jit

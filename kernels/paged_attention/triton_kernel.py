@@ -62,6 +62,7 @@ import triton.language as tl
 
 from kernels.kv_append.triton_kernel import FMT_ID
 from kernels.kv_formats.layout import KVFormat, KVLayout
+from kernels.paged_attention import nvfp4_ptx
 from kernels.paged_attention.reference import check_inputs
 
 LOG2E = 1.4426950408889634
@@ -74,53 +75,17 @@ DEFAULT_NV_LOAD_V = 5
 DEFAULT_NV_LOAD_V_32 = 6  # 32-row blocks (verify of 3-5 tokens: two-page tiles)
 
 
+_PAIRS_PTX = tl.constexpr(nvfp4_ptx.pairs())
+_LO_HALF_PTX = tl.constexpr(nvfp4_ptx.scaled_half(True))
+_HI_HALF_PTX = tl.constexpr(nvfp4_ptx.scaled_half(False))
+
+
 @triton.jit
 def _e2m1_pairs_asm(c):
     """uint8 code bytes -> (low, high) elements as fp16 bit patterns (value * 2**-14), four
-    bytes per PTX block. Both element sets of the four bytes are first turned into fp16 high
-    bytes (sign at bit 7, index at bits 1-3): the low ones by one mask (page layout 3,
-    ``kv_formats.nvfp4``), the high ones by two shifts, a mask and a merge; byte permutes then
-    place them into the fp16 lanes: 9 instructions per 8 values."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a, b, x, y;
-        and.b32 x, $4, 0x8E8E8E8E;
-        shr.b32 a, $4, 3;
-        and.b32 a, a, 0x0E0E0E0E;
-        shl.b32 b, $4, 7;
-        lop3.b32 y, b, 0x80808080, a, 0xEA;
-        mov.b32 b, 0;
-        prmt.b32 $0, x, b, 0x1404;
-        prmt.b32 $1, x, b, 0x3424;
-        prmt.b32 $2, y, b, 0x1404;
-        prmt.b32 $3, y, b, 0x3424;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r",
-        args=[c],
-        dtype=(tl.float16, tl.float16),
-        is_pure=True,
-        pack=4,
-    )
-
-
-def _scaled_half_ptx(unpack: str) -> tl.constexpr:
-    """The PTX of ``_e2m1_scaled_half_asm``: ``unpack`` leaves the half's fp16 high bytes
-    (sign at bit 7, index at bits 1-3) in ``x``; byte permutes then place them into the
-    fp16 lanes, each pair times its scales."""
-    return tl.constexpr(
-        "{ .reg .b32 a, b, x, z; " + unpack + " mov.b32 z, 0; "
-        "prmt.b32 a, x, z, 0x1404; mul.rn.f16x2 $0, a, $3; "
-        "prmt.b32 a, x, z, 0x3424; mul.rn.f16x2 $1, a, $4; }"
-    )
-
-
-# page layout 3 (kv_formats.nvfp4): the low elements' bits are in place (one mask); the high
-# ones' index >> 3 and sign << 7
-_LO_HALF_PTX = _scaled_half_ptx("and.b32 x, $2, 0x8E8E8E8E;")
-_HI_HALF_PTX = _scaled_half_ptx(
-    "shr.b32 a, $2, 3; and.b32 a, a, 0x0E0E0E0E; shl.b32 b, $2, 7; lop3.b32 x, b, 0x80808080, a, 0xEA;")
+    bytes per PTX block (``nvfp4_ptx.pairs``: 9 instructions per 8 values)."""
+    return tl.inline_asm_elementwise(asm=_PAIRS_PTX, constraints="=r,=r,=r,=r,r", args=[c],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit

@@ -329,3 +329,57 @@ def test_hadamard(d):
     q, k = torch.randn(5, d), torch.randn(5, d)
     dots = (fwht(q) * fwht(k)).sum(-1)
     assert torch.allclose(dots, (q * k).sum(-1), rtol=1e-4, atol=1e-4)
+
+
+def _run_ptx(src: str, regs: dict[str, int]) -> dict[str, int]:
+    """Evaluate the straight-line 32-bit PTX the nvfp4 unpack uses (and / shr / shl / lop3 /
+    mov / prmt with immediates) on Python integers."""
+    def val(tok: str) -> int:
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    for stmt in filter(None, (s.strip() for s in src.replace("{", ";").replace("}", ";").split(";"))):
+        if stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        args = [a.strip() for a in rest.split(",")]
+        dst = args[0]
+        if op == "and.b32":
+            r = val(args[1]) & val(args[2])
+        elif op == "shr.b32":
+            r = val(args[1]) >> int(args[2])
+        elif op == "shl.b32":
+            r = val(args[1]) << int(args[2])
+        elif op == "mov.b32":
+            r = val(args[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = val(args[1]), val(args[2]), val(args[3]), int(args[4], 16)
+            r = sum(((lut >> (((a >> i) & 1) << 2 | ((b >> i) & 1) << 1 | ((c >> i) & 1))) & 1) << i for i in range(32))
+        elif op == "prmt.b32":
+            x, y, sel = val(args[1]), val(args[2]), int(args[3], 16)
+            pool = (y << 32) | x
+            r = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        else:
+            raise AssertionError(f"unexpected PTX op {op!r}")
+        regs[dst] = r & 0xFFFFFFFF
+    return regs
+
+
+def test_nvfp4_ptx_unpack_matches_the_codec():
+    """The GPU kernels' PTX (``paged_attention.nvfp4_ptx``), evaluated bit by bit on every code
+    byte value: each fp16 lane is the codec's value times 2**-14 (low elements, then high)."""
+    from kernels.paged_attention import nvfp4_ptx
+
+    codes = torch.arange(256, dtype=torch.uint8).view(16, 16)  # rows of d = 32: every byte value once
+    want = nvfp4.decode(codes, torch.full((16, 2), 56, dtype=torch.uint8), torch.ones(16)) * 2.0**-14
+    src = nvfp4_ptx.pairs()
+    for w in range(64):  # code word w: bytes 4k .. 4k + 3 of row r
+        r, k = divmod(w, 4)
+        word = int.from_bytes(bytes(codes[r, 4 * k : 4 * k + 4].tolist()), "little")
+        regs = _run_ptx(src.replace("$4", "c").replace("$0", "o0").replace("$1", "o1").replace("$2", "o2")
+                        .replace("$3", "o3"), {"c": word})
+        lanes = [regs[o] >> (16 * k) & 0xFFFF for o in ("o0", "o1", "o2", "o3") for k in (0, 1)]
+        got = torch.tensor(lanes, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        assert torch.equal(got, torch.cat((want[r, 4 * k : 4 * k + 4], want[r, 16 + 4 * k : 20 + 4 * k]))), w
+        for low in (True, False):  # the scaled halves' extraction leaves the same high bytes
+            r = _run_ptx(nvfp4_ptx.high_bytes("x", "c", low), {"c": word})
+            assert r["x"] == regs["x" if low else "y"]
