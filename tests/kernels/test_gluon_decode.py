@@ -30,6 +30,25 @@ def test_q_order_is_the_a_operand_relabelling(cb):
     assert sorted(gd._k_perm(cb)) == list(range(cb))
 
 
+@pytest.mark.parametrize("nb", [4, 8])
+def test_v_scales_view_reads_the_block_major_slots(nb):
+    """``_v_scales_view``: byte offset ``o`` of a half's scale region maps to [key, block] as
+    the XOR of its set bits' bases; every (key, block) is read from byte ``64 block +
+    scale_slot(key)``, where the append and the reference write it."""
+    from kernels.kv_formats.layout import scale_slot
+
+    bases = gd._v_scales_view(nb).offset_bases
+    seen = {}
+    for o in range(64 * nb):
+        key = blk = 0
+        for bit, (kb, bb) in enumerate(bases):
+            if o >> bit & 1:
+                key, blk = key ^ kb, blk ^ bb
+        seen[(key, blk)] = o
+    assert len(seen) == 64 * nb
+    assert all(seen[(i, b)] == 64 * b + scale_slot(i) for i in range(64) for b in range(nb))
+
+
 def test_v_rows_relabelling_round_trips():
     """The head-dim order of ``Oᵀ``'s rows with V from registers (``_v_a_operand``: reshape
     [2, 2, 8, 2, 2], permute (3, 0, 1, 4, 2)) is undone by ``_rows_in_d_order`` (reshape
