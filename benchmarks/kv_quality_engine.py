@@ -60,11 +60,12 @@ def parse_spec(text: str) -> Spec:
 
 
 def corpus_ids(tokenizer_json: bytes) -> list[int]:
-    from pydoc_data.topics import topics
+    """``kv_quality.corpus_text`` (the same corpus) in the engine's tokens."""
     from tokenizers import Tokenizer
 
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return Tokenizer.from_str(tokenizer_json.decode("utf-8")).encode(text, add_special_tokens=False).ids
+    from benchmarks.kv_quality import corpus_text
+
+    return Tokenizer.from_str(tokenizer_json.decode("utf-8")).encode(corpus_text(), add_special_tokens=False).ids
 
 
 def window_logprobs(runner, ids: list[int], chunk: int) -> torch.Tensor:
