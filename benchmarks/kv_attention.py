@@ -257,25 +257,31 @@ def append_case(fmt: str, counted: bool, fed: bool):
 
 def append_table() -> list[dict]:
     """One layer's append of a 64-sequence decode step (K centered and block scales counted,
-    as the engine does for fp8/nvfp4), per tokens-per-program and warps; the first of each
-    format is the default."""
+    as the engine does for fp8/nvfp4), per kernel, tokens-per-program and warps; the first of
+    each format is the default (nvfp4 on Hopper: the Gluon kernel, except with K feedback)."""
     rows = []
-    cases = [("nvfp4", None, None, True, False), ("nvfp4", None, None, False, False), ("nvfp4", 1, 4, True, False),
-             ("nvfp4", None, None, True, True), ("nvfp4", 1, 2, True, True)]
-    cases += [("bf16", None, None, False, False), ("fp8", None, None, True, False), ("fp8", None, None, False, False),
-              ("fp8", 4, None, False, False), ("fp8", None, None, True, True), ("int8", None, None, False, False)]
-    for fmt, bt, warps, counted, fed in cases:
+    cases = [("nvfp4", "auto", None, None, True, False), ("nvfp4", "auto", None, None, False, False),
+             ("nvfp4", "auto", None, 2, True, False), ("nvfp4", "auto", None, 4, True, False),
+             ("nvfp4", "triton", None, None, True, False), ("nvfp4", "triton", None, None, False, False),
+             ("nvfp4", "auto", None, None, True, True), ("nvfp4", "gluon", None, None, True, True),
+             ("nvfp4", "gluon", None, 1, True, True)]
+    cases += [("bf16", "auto", None, None, False, False), ("fp8", "auto", None, None, True, False),
+              ("fp8", "auto", None, None, False, False), ("fp8", "auto", 4, None, False, False),
+              ("fp8", "auto", None, None, True, True), ("int8", "auto", None, None, False, False)]
+    for fmt, impl, bt, warps, counted, fed in cases:
         layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, counted, fed)
 
         def call():
             append_tk.append(cache, layout, k, v, slots, scales, offset, counts, fb, validate=False, block_t=bt,
-                             num_warps=warps)
+                             num_warps=warps, impl=impl)
 
         sec = graph_time(call, 100)
         eager = bench(call)
-        rows.append(dict(fmt=fmt, block_t=bt or "default", warps=warps or "default", counted=counted, k_feedback=fed,
-                         graph_us=sec * 1e6, eager_us=eager * 1e6))
-        print(f"append {fmt:6s} 64 tokens x 4 heads block_t={bt or 'default'} warps={warps or 'default'} "
+        kernel = ("gluon" if (impl == "gluon" or (impl == "auto" and not fed)) and bt is None
+                  and append_tk._gluon_append(layout, k.device) else "triton")
+        rows.append(dict(fmt=fmt, kernel=kernel, block_t=bt or "default", warps=warps or "default", counted=counted,
+                         k_feedback=fed, graph_us=sec * 1e6, eager_us=eager * 1e6))
+        print(f"append {fmt:6s} 64 tokens x 4 heads {kernel:6s} block_t={bt or 'default'} warps={warps or 'default'} "
               f"counted={counted} k_feedback={fed}: "
               f"{sec*1e6:6.2f} us/layer in a graph, {eager*1e6:6.2f} us eager", flush=True)
     return rows

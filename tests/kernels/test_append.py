@@ -100,7 +100,7 @@ def _random_feedback(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_offset: bool = False,
-            k_feedback: bool = False, block_t: int | None = None) -> None:
+            k_feedback: bool = False, block_t: int | None = None, impl: str = "auto") -> None:
     from kernels.kv_append import triton_kernel
 
     lay = KVLayout.make(fmt, 3, d, hadamard)
@@ -122,7 +122,7 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_
     n_tri = torch.full((2, 3, 3), 5, dtype=torch.int64, device=device)  # counts add to what is there
     triton_kernel.append(c_tri, lay, k.to(device), v.to(device), slots.to(device), scales.to(device),
                          None if off is None else off.to(device), n_tri, None if fb is None else fb.to(device),
-                         block_t=block_t)
+                         block_t=block_t, impl=impl)
     diff = (c_tri.cpu() != c_ref).nonzero()
     assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:5].tolist()}"
     if fmt in ("fp8", "nvfp4"):  # block-scale health counts: the reference's numbers exactly
@@ -274,3 +274,35 @@ def test_triton_append_byte_identical_full_size(fmt, d):
 def test_triton_append_with_k_feedback_byte_identical_full_size(fmt, d):
     n = (1 << 20) * 16 // (3 * d) + 1
     _parity(fmt, d, True, n, seed=200 + d, device="cuda", k_offset=True, k_feedback=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "gluon"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("fed", [False, True])
+def test_nvfp4_append_kernels_byte_identical_full_size(impl, d, fed):
+    # both nvfp4 kernels on the GPU (``auto`` picks Gluon on Hopper): >= 1e6 blocks, K offset,
+    # with and without K feedback; without the rotation at d = 128
+    n = (1 << 20) * 16 // (3 * d) + 1
+    _parity("nvfp4", d, d != 128, n, seed=300 + d + fed, device="cuda", k_offset=True, k_feedback=fed, impl=impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 65])
+def test_gluon_nvfp4_append_any_token_count(n):
+    # partial programs (rows past N) at every head dim
+    for d in (64, 128, 256):
+        _parity("nvfp4", d, True, n, seed=400 + n + d, device="cuda", impl="gluon")
+
+
+def test_append_impl_is_checked():
+    from kernels.kv_append import triton_kernel
+
+    lay = KVLayout.make("fp8", 1, 64)
+    k = torch.zeros(1, 1, 64)
+    with pytest.raises(ValueError, match="impl must be"):
+        triton_kernel.append(lay.allocate(1), lay, k, k, torch.zeros(1, dtype=torch.long), lay.default_scales(),
+                             impl="cuda")
+    with pytest.raises(ValueError, match="Gluon append needs nvfp4"):
+        triton_kernel.append(lay.allocate(1), lay, k, k, torch.zeros(1, dtype=torch.long), lay.default_scales(),
+                             impl="gluon")
