@@ -277,8 +277,7 @@ def append_table() -> list[dict]:
 
         sec = graph_time(call, 100)
         eager = bench(call)
-        kernel = ("gluon" if (impl == "gluon" or (impl == "auto" and not fed)) and bt is None
-                  and append_tk._gluon_append(layout, k.device) else "triton")
+        kernel = append_tk.append_kernel(layout, k.device, feedback=fed, impl=impl, block_t=bt)
         rows.append(dict(fmt=fmt, kernel=kernel, block_t=bt or "default", warps=warps or "default", counted=counted,
                          k_feedback=fed, graph_us=sec * 1e6, eager_us=eager * 1e6))
         print(f"append {fmt:6s} 64 tokens x 4 heads {kernel:6s} block_t={bt or 'default'} warps={warps or 'default'} "

@@ -33,9 +33,10 @@ threshold selects, the grid value's selects, the error's multiply-adds), and 22%
 were instruction-cache misses of the unrolled code — yet the search as a loop measured slower
 (3.13 -> 3.37 us: the unrolled candidates overlap).
 
-The arithmetic is the reference's step for step (``triton_kernel`` documents each: exact
-E4M3 rounding from the bits, the threshold tree, the fixed-point error, ties keeping the
-earlier candidate; the feedback launch disables FMA contraction). Hopper only, like the
+The arithmetic is the reference's step for step, through the Triton kernel's own element-wise
+helpers (``triton_kernel.e4m3_encode``, ``e4m3_value``, ``nvfp4_tree``, ``e2m1_halves``: exact
+E4M3 rounding from the bits, the threshold tree, the grid values), the fixed-point error, ties
+keeping the earlier candidate; the feedback launch disables FMA contraction. Hopper only, like the
 attention kernel in ``paged_attention.gluon_decode`` (the only GPU it has been run on).
 """
 
@@ -50,6 +51,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from kernels.kv_append.triton_kernel import e2m1_halves, e4m3_encode, e4m3_value, nvfp4_tree
 from kernels.kv_formats import nvfp4
 from kernels.kv_formats.layout import KVFormat, KVLayout
 
@@ -126,54 +128,17 @@ def _load_octets(ptr, rows, mask, stride, R: gl.constexpr, O: gl.constexpr, l2: 
 
 
 @gluon.jit
-def _e4m3_encode(v):
-    """fp32 v >= 0 -> (int32 E4M3 code, fp32 rounded value); ``kv_formats.e4m3``."""
-    v = gl.minimum(v, 448.0)
-    e = gl.maximum((v.to(gl.int32, bitcast=True) >> 23) - 127, -6)
-    y = v * ((130 - e) << 23).to(gl.float32, bitcast=True)
-    r = (y + 12582912.0) - 12582912.0
-    code = ((e + 7) << 3) + r.to(gl.int32) - 8
-    val = r * ((e + 124) << 23).to(gl.float32, bitcast=True)
-    return code, val
-
-
-@gluon.jit
-def _e4m3_value(code):
-    """int32 E4M3 code (1..126) -> fp32 value, exactly."""
-    ef = code >> 3
-    r = gl.where(ef > 0, (code & 7) + 8, code & 7).to(gl.float32)
-    return r * ((gl.maximum(ef, 1) + 117) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _tree(a, s):
-    """E2M1 index bits (b2, b1, b0) of ``a`` under scale value ``s`` (``triton_kernel.nvfp4_tree``:
-    the thresholds passed, found by a binary search; ties as the reference rounds them)."""
-    b2 = a >= 1.75 * s
-    b1 = a >= gl.where(b2, 3.5 * s, 0.75 * s)
-    b0 = a > gl.where(b2, gl.where(b1, 5.0 * s, 2.5 * s), gl.where(b1, 1.25 * s, 0.25 * s))
-    return b2, b1, b0
-
-
-@gluon.jit
-def _halves(b2, b1, b0):
-    """2 * E2M1 value ``(0, 1, 2, 3, 4, 6, 8, 12)[4 b2 + 2 b1 + b0]``."""
-    return gl.where(b2, gl.where(b1, gl.where(b0, 12, 8), gl.where(b0, 6, 4)),
-                    gl.where(b1, gl.where(b0, 3, 2), gl.where(b0, 1, 0)))
-
-
-@gluon.jit
 def _error(a, big_a, c, half_unit):
     """int32 squared error of the block under scale code ``c`` (``kv_formats.nvfp4`` step 4):
     this thread's eight values, then the neighbour lane's sum."""
-    s = _e4m3_value(c)
+    s = e4m3_value(c)
     step = (s * half_unit).to(gl.int32)
-    b2, b1, b0 = _tree(a[0], s)
-    dd = big_a[0] - _halves(b2, b1, b0) * step
+    b2, b1, b0 = nvfp4_tree(a[0], s)
+    dd = big_a[0] - e2m1_halves(b2, b1, b0) * step
     err = dd * dd
     for e in gl.static_range(1, 8):
-        b2, b1, b0 = _tree(a[e], s)
-        dd = big_a[e] - _halves(b2, b1, b0) * step
+        b2, b1, b0 = nvfp4_tree(a[e], s)
+        dd = big_a[e] - e2m1_halves(b2, b1, b0) * step
         err += dd * dd
     return err + _bfly_i(err, 1)
 
@@ -189,7 +154,7 @@ def _try(c, best, best_err, a, big_a, half_unit):
 def _nibble(col, a, s):
     """E2M1 nibble (sign at bit 3) of value ``col`` (``a = |col| / g``) under scale value ``s``
     (0: the block encodes to zero)."""
-    b2, b1, b0 = _tree(a, s)
+    b2, b1, b0 = nvfp4_tree(a, s)
     idx = gl.where(s > 0, 4 * b2.to(gl.int32) + 2 * b1.to(gl.int32) + b0.to(gl.int32), 0)
     return idx | (((col < 0) & (idx > 0)).to(gl.int32) << 3)
 
@@ -333,7 +298,7 @@ def nvfp4_append_kernel(
         amax = gl.maximum(amax, gl.abs(x[e]))
     amax = gl.maximum(amax, _bfly_f(amax, 1))
     sv = amax * enc
-    c6, s6 = _e4m3_encode(sv)
+    c6, s6 = e4m3_encode(sv)
     a = ()
     for e in gl.static_range(8):
         a = a + (gl.abs(x[e]) * inv_g,)
@@ -341,7 +306,7 @@ def nvfp4_append_kernel(
     for e in gl.static_range(1, 8):
         m = gl.maximum(m, a[e])
     m = gl.maximum(m, _bfly_f(m, 1))
-    c4, _ = _e4m3_encode(m * 0.25)
+    c4, _ = e4m3_encode(m * 0.25)
     top = gl.minimum(c4 + SEARCH_UP, 126)
     ex = gl.maximum((m.to(gl.int32, bitcast=True) >> 23) - 127, ERR_EXP_FLOOR)
     unit = ((127 + ERR_BITS - ex) << 23).to(gl.float32, bitcast=True)
@@ -361,7 +326,7 @@ def nvfp4_append_kernel(
     for k in gl.static_range(1, UP_SPAN + 1):
         best, best_err = _try(gl.minimum(c0 + k, top), best, best_err, a, big_a, half_unit)
     s_code = gl.where(c6 > 0, best, 0)
-    s_best = gl.where(c6 > 0, _e4m3_value(best), 0.0)
+    s_best = gl.where(c6 > 0, e4m3_value(best), 0.0)
     if COUNT:  # zero / subnormal / saturated block scales (kernels.calibration), one lane per block
         ok = gl.expand_dims(valid, 1) & (half == 0)
         flags = (sv == 0.0).to(gl.int32) + ((sv > 0.0) & (sv < 0.015625)).to(gl.int32) * 1024

@@ -96,14 +96,19 @@ def nvfp4_index(a, s):
 
 
 @triton.jit
+def e2m1_halves(b2, b1, b0):
+    """Doubled E2M1 value ``(0, 1, 2, 3, 4, 6, 8, 12)[4 b2 + 2 b1 + b0]`` of the search bits
+    (nested selects: fewer instructions than arithmetic on the bits)."""
+    return tl.where(b2, tl.where(b1, tl.where(b0, 12, 8), tl.where(b0, 6, 4)), tl.where(b1, tl.where(b0, 3, 2), tl.where(b0, 1, 0)))
+
+
+@triton.jit
 def nvfp4_block_error(a, big_a, s, half_unit):
     """int32 squared error per block of blocks ``a`` [T, B, 16] under scale values ``s``
-    [T, B]: the fixed-point error of ``kv_formats.nvfp4.block_error``. The doubled E2M1 value
-    ``h = (0, 1, 2, 3, 4, 6, 8, 12)[idx]`` is selected by the search bits (fewer instructions
-    than arithmetic on them). (A zero ``s`` only occurs in blocks whose codes are forced to
+    [T, B]: the fixed-point error of ``kv_formats.nvfp4.block_error`` (``e2m1_halves``). (A zero ``s`` only occurs in blocks whose codes are forced to
     zero, and its error stays below 2**30: ``step`` is 0.)"""
     b2, b1, b0 = nvfp4_tree(a, s[:, :, None])
-    h = tl.where(b2, tl.where(b1, tl.where(b0, 12, 8), tl.where(b0, 6, 4)), tl.where(b1, tl.where(b0, 3, 2), tl.where(b0, 1, 0)))
+    h = e2m1_halves(b2, b1, b0)
     step = (s * half_unit).to(tl.int32)
     dd = big_a - h * step[:, :, None]
     return tl.sum(dd * dd, axis=2)
@@ -385,15 +390,33 @@ def kv_append_fwd_kernel(
         tl.store(sptr, s_code.to(tl.uint8), mask=valid[:, None])
 
 
-def _gluon_append(layout: KVLayout, device: torch.device):
-    """The ``gluon_nvfp4`` module where it serves this layout on this device, else None."""
+def _gluon_serves(layout: KVLayout, device: torch.device) -> bool:
+    """Whether ``gluon_nvfp4`` serves this layout on this device."""
     if layout.fmt is not KVFormat.NVFP4 or INTERPRET or device.type != "cuda":
-        return None
+        return False
     try:
         from kernels.kv_append import gluon_nvfp4
     except ImportError:  # a Triton without Gluon
-        return None
-    return gluon_nvfp4 if gluon_nvfp4.supported(layout) and gluon_nvfp4.available(device) else None
+        return False
+    return gluon_nvfp4.supported(layout) and gluon_nvfp4.available(device)
+
+
+def append_kernel(layout: KVLayout, device: torch.device, *, feedback: bool, impl: str = "auto",
+                  block_t: int | None = None) -> str:
+    """The kernel ``append`` runs, "gluon" or "triton". "auto": the Gluon kernel for nvfp4 with
+    nearest rounding where it applies (H200, 64-sequence step: 3.13 against 3.66 us per layer);
+    with K feedback both measure the same (5.38 / 5.34 us), so the Triton one stays. ValueError
+    for an unknown ``impl`` and for "gluon" where the Gluon kernel does not apply."""
+    if impl not in ("auto", "triton", "gluon"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'gluon', got {impl!r}")
+    if impl == "triton" or (impl == "auto" and feedback):
+        return "triton"
+    if block_t is None and _gluon_serves(layout, device):
+        return "gluon"
+    if impl == "gluon":
+        raise ValueError(f"the Gluon append needs nvfp4 with head_dim in (64, 128, 256) on a Hopper GPU and no "
+                         f"block_t; got {layout.fmt.value}, d={layout.head_dim} on {device}, block_t={block_t}")
+    return "triton"
 
 
 def append(
@@ -417,8 +440,7 @@ def append(
     without K feedback through the Gluon kernel (``gluon_nvfp4``) where it applies (Hopper,
     head_dim 64-256) and everything else here; "triton" always here; "gluon" insists on the
     Gluon kernel (ValueError where it does not apply). Both write the same bytes."""
-    if impl not in ("auto", "triton", "gluon"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'gluon', got {impl!r}")
+    kernel = append_kernel(layout, k.device, feedback=k_feedback is not None, impl=impl, block_t=block_t)
     n = k.shape[0]
     if validate:
         layout.check_cache(cache)
@@ -448,17 +470,12 @@ def append(
     count = scale_counts if layout.fmt in (KVFormat.FP8, KVFormat.NVFP4) else None
     if count is not None and (count.dtype != torch.int64 or not count.is_contiguous()):
         raise ValueError("scale_counts must be contiguous int64 [2, num_kv_heads, 3]")
-    # auto: the Gluon kernel for nearest rounding (H200, 64-sequence step: 3.13 against 3.66 us per
-    # layer); with K feedback both measure the same (5.38 / 5.34 us), so this one stays the default
-    if (impl == "gluon" or (impl == "auto" and k_feedback is None)) and block_t is None:
-        gluon = _gluon_append(layout, k.device)
-        if gluon is not None:
-            gluon.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
-                         num_warps=num_warps or (2 if k_feedback is not None else 1))
-            return
-    if impl == "gluon":
-        raise ValueError(f"the Gluon append needs nvfp4 with head_dim in (64, 128, 256) on a Hopper GPU and no "
-                         f"block_t; got {layout.fmt.value}, d={d} on {k.device}, block_t={block_t}")
+    if kernel == "gluon":
+        from kernels.kv_append import gluon_nvfp4
+
+        gluon_nvfp4.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
+                           num_warps=num_warps or (2 if k_feedback is not None else 1))
+        return
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
     bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or k_feedback is not None or (count is not None and d > 128)

@@ -306,3 +306,9 @@ def test_append_impl_is_checked():
     with pytest.raises(ValueError, match="Gluon append needs nvfp4"):
         triton_kernel.append(lay.allocate(1), lay, k, k, torch.zeros(1, dtype=torch.long), lay.default_scales(),
                              impl="gluon")
+    nv = KVLayout.make("nvfp4", 1, 64)
+    cpu = torch.device("cpu")
+    assert triton_kernel.append_kernel(nv, cpu, feedback=False) == "triton"  # Gluon only on Hopper
+    assert triton_kernel.append_kernel(nv, cpu, feedback=False, impl="triton") == "triton"
+    with pytest.raises(ValueError, match="on a Hopper GPU"):
+        triton_kernel.append_kernel(nv, cpu, feedback=True, impl="gluon")
