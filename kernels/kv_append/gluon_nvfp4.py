@@ -51,7 +51,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from kernels.kv_append.triton_kernel import e2m1_halves, e4m3_encode, e4m3_value, nvfp4_tree
+from kernels.kv_append.triton_kernel import _count_scales, e2m1_halves, e4m3_encode, e4m3_value, nvfp4_tree
 from kernels.kv_formats import nvfp4
 from kernels.kv_formats.layout import KVFormat, KVLayout
 
@@ -328,21 +328,7 @@ def nvfp4_append_kernel(
     s_code = gl.where(c6 > 0, best, 0)
     s_best = gl.where(c6 > 0, e4m3_value(best), 0.0)
     if COUNT:  # zero / subnormal / saturated block scales (kernels.calibration), one lane per block
-        ok = gl.expand_dims(valid, 1) & (half == 0)
-        flags = (sv == 0.0).to(gl.int32) + ((sv > 0.0) & (sv < 0.015625)).to(gl.int32) * 1024
-        flags += (sv > 448.0).to(gl.int32) * 1048576
-        packed = gl.sum(gl.sum(gl.where(ok, flags, 0), axis=1), axis=0)
-        cnt = cnt_ptr + (kv * NUM_HEADS + hd) * 3
-        if packed != 0:
-            n_zero = packed & 1023
-            n_sub = (packed >> 10) & 1023
-            n_sat = packed >> 20
-            if n_zero != 0:
-                gl.atomic_add(cnt + 0, n_zero.to(gl.int64), sem="relaxed")
-            if n_sub != 0:
-                gl.atomic_add(cnt + 1, n_sub.to(gl.int64), sem="relaxed")
-            if n_sat != 0:
-                gl.atomic_add(cnt + 2, n_sat.to(gl.int64), sem="relaxed")
+        _count_scales(cnt_ptr + (kv * NUM_HEADS + hd) * 3, sv, gl.expand_dims(valid, 1) & (half == 0))
     # element codes
     if FEEDBACK:
         if kv == 0:

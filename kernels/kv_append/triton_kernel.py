@@ -252,7 +252,8 @@ def _count_scales(cnt_ptr, sv, ok):
     """Add the zero / subnormal / saturated counts of the scale inputs ``sv`` (where ``ok``)
     to ``cnt_ptr[0:3]`` (int64; ``kernels.calibration`` definitions): one int32 reduction of
     the three flags packed in 10-bit fields (``append`` keeps a program under 1024 inputs),
-    then an atomic only for a kind that occurred."""
+    then an atomic only for a kind that occurred (relaxed: nothing is ordered after the counts; the
+    default acquire-release order puts a GPU-wide fence and an L1 invalidation behind each)."""
     flags = (sv == 0.0).to(tl.int32) + ((sv > 0.0) & (sv < 0.015625)).to(tl.int32) * 1024
     flags += (sv > 448.0).to(tl.int32) * 1048576
     packed = tl.sum(tl.where(ok, flags, 0))
@@ -261,11 +262,11 @@ def _count_scales(cnt_ptr, sv, ok):
         n_sub = (packed >> 10) & 1023
         n_sat = packed >> 20
         if n_zero != 0:
-            tl.atomic_add(cnt_ptr + 0, n_zero.to(tl.int64))
+            tl.atomic_add(cnt_ptr + 0, n_zero.to(tl.int64), sem="relaxed")
         if n_sub != 0:
-            tl.atomic_add(cnt_ptr + 1, n_sub.to(tl.int64))
+            tl.atomic_add(cnt_ptr + 1, n_sub.to(tl.int64), sem="relaxed")
         if n_sat != 0:
-            tl.atomic_add(cnt_ptr + 2, n_sat.to(tl.int64))
+            tl.atomic_add(cnt_ptr + 2, n_sat.to(tl.int64), sem="relaxed")
 
 
 @triton.jit
