@@ -10,7 +10,11 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
    4 * d * Hq * sum over queries of visible keys);
 4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay);
 5. the engine's decode call (``TritonBackend.decode_attention``: Q rotation, attention,
-   split merge) captured in a CUDA graph, against the attention kernel alone.
+   split merge) captured in a CUDA graph, against the attention kernel alone;
+6. programmatic dependent launch (``kernels.pdl``: by default for the append, Q rotation and
+   merge kernels on Hopper) against none (``DEEPWELL_PDL=0``) and all kernels in the same
+   process, for appends, decode calls and a whole layer (``--only pdl``). Every other table
+   runs with the default; ``DEEPWELL_PDL=0 python benchmarks/kv_attention.py`` runs without.
 nvfp4 rows time the kernel the engine runs: on Hopper, decode and verify (T = 1-5 here) run
 the Gluon one (``gluon_decode``), timed beside the Triton kernel.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
@@ -306,13 +310,96 @@ def step_table() -> list[dict]:
     return rows
 
 
+def _decode_call(fmt: str, batch: int, ctx: int, t: int):
+    """The engine's decode call of one shape (``time_decode``'s ``run``, default kernel and splits)."""
+    layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
+    be = TritonBackend()
+    gluon = be.uses_gluon(layout, HQ // HKV, t, q.device)
+    dev = torch.device("cuda")
+    splits = (be.gluon_splits(batch, HKV, dev, gluon_decode.programs_per_sm(t, HQ // HKV, D)) if gluon
+              else be.default_splits(batch, HKV, dev))
+    scales = layout.default_scales("cuda")
+    out = torch.empty_like(q)
+    scratch = (torch.empty(batch * t * HQ * splits * D, device="cuda"), torch.empty(batch * t * HQ * splits, device="cuda"))
+    if gluon:
+        return lambda: gluon_decode.paged_decode(q, cache, layout, scales, tables, ctx_lens, D**-0.5, tokens_per_seq=t,
+                                                 num_splits=splits, out=out, scratch=scratch)
+    return lambda: attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, None, None, D**-0.5,
+                                           num_splits=splits, out=out, scratch=scratch, uniform_t=t)
+
+
+def _layer_call(batch: int, ctx: int, fed: bool):
+    """One attention layer of a decode step as the engine runs it: the backend's append of one
+    token per sequence (K centered, block scales counted, K feedback if ``fed``), then its decode
+    call (Q rotation, attention, split merge)."""
+    layout, cache, tables, ctx_lens, q = decode_case("nvfp4", batch, ctx, 1)
+    layer = KVCacheLayer(layout, cache, layout.default_scales("cuda"), k_offset=torch.randn(HKV, D, device="cuda") * 0.1,
+                         scale_counts=torch.zeros(2, HKV, 3, dtype=torch.int64, device="cuda"),
+                         k_feedback=(torch.triu(torch.randn(HKV, D // 16, 16, 16, device="cuda") * 0.1, 1).contiguous()
+                                     if fed else None))
+    k = torch.randn(batch, HKV, D, device="cuda").to(torch.bfloat16)
+    v = torch.randn(batch, HKV, D, device="cuda").to(torch.bfloat16)
+    slots = tables[:, (ctx - 1) // 64].long() * 64 + (ctx - 1) % 64
+    be = TritonBackend()
+    out = torch.empty_like(q)
+
+    def call():
+        be.append(layer, k, v, slots, validate=False)
+        be.decode_attention(q, layer, tables, ctx_lens, sm_scale=D**-0.5, out=out, validate=False)
+    return call
+
+
+def pdl_table(rounds: int = 3, selections: tuple[str, ...] = ("0", "all", "append,rotate,merge")) -> list[dict]:
+    """Programmatic dependent launch (``kernels.pdl``) by kernel family (``DEEPWELL_PDL``: 0 =
+    none, all, or a list; "append,rotate,merge" is the default), same process, interleaved rounds (minimum of each): the append and decode
+    calls of the tables above and one whole attention layer of a decode step (append + the
+    backend's decode call), each timed over CUDA-graph replays of back-to-back calls; ratios
+    against no PDL."""
+    rows = []
+    cases = []
+    for counted, fed in ((True, False), (True, True)):
+        def make(counted=counted, fed=fed):
+            layout, cache, k, v, slots, scales, offset, counts, fb = append_case("nvfp4", counted, fed)
+            return lambda: append_tk.append(cache, layout, k, v, slots, scales, offset, counts, fb, validate=False)
+        cases.append((f"append nvfp4 64 tokens counted={counted} k_feedback={fed}", make, 100))
+    for fmt, batch, ctx, t in (("nvfp4", 1, 2048, 1), ("nvfp4", 1, 16384, 1), ("nvfp4", 1, 16384, 4),
+                               ("nvfp4", 1, 131072, 1), ("bf16", 1, 131072, 1), ("nvfp4", 8, 16384, 1),
+                               ("nvfp4", 8, 16384, 4), ("nvfp4", 8, 131072, 1), ("bf16", 8, 131072, 1)):
+        cases.append((f"decode {fmt} {ctx // 1024}k x {batch} T={t}",
+                      lambda fmt=fmt, batch=batch, ctx=ctx, t=t: _decode_call(fmt, batch, ctx, t), 20))
+    for batch, ctx, fed in ((64, 4096, False), (64, 4096, True), (8, 131072, True), (1, 131072, True)):
+        cases.append((f"layer nvfp4 {ctx // 1024}k x {batch} k_feedback={fed}",
+                      lambda batch=batch, ctx=ctx, fed=fed: _layer_call(batch, ctx, fed), 10))
+    prev = os.environ.get("DEEPWELL_PDL")
+    try:
+        for name, make, reps in cases:
+            call = make()
+            best = {sel: float("inf") for sel in selections}
+            for _ in range(rounds):
+                for sel in selections:
+                    os.environ["DEEPWELL_PDL"] = sel
+                    best[sel] = min(best[sel], graph_time(call, reps))
+            base = best["0"] if "0" in best else best[selections[0]]
+            rows.append(dict(case=name, us={sel: best[sel] * 1e6 for sel in selections}))
+            print(f"pdl {name}: " + ", ".join(f"[{sel}] {best[sel] * 1e6:.2f} us ({best[sel] / base:.3f})"
+                                            for sel in selections), flush=True)
+            del call
+            torch.cuda.empty_cache()
+    finally:
+        if prev is None:
+            os.environ.pop("DEEPWELL_PDL", None)
+        else:
+            os.environ["DEEPWELL_PDL"] = prev
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--sweep", action="store_true", help="sweep decode warps/stages at 128k first")
     ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (append, sweep_FMT, decode, verify, "
-                                                 "prefill, step)")
+                                                 "prefill, step, pdl)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -324,7 +411,7 @@ def main() -> int:
         for fmt in ("nvfp4", "bf16", "fp8", "int8"):
             sections.append((f"sweep_{fmt}", lambda fmt=fmt: sweep(fmt, 8, 131072)))
     sections += [("decode", lambda: decode_table(args.quick)), ("verify", verify_table), ("prefill", prefill_table),
-                 ("step", step_table)]
+                 ("step", step_table), ("pdl", pdl_table)]
     if args.only:
         keep = set(args.only.split(","))
         sections = [(n, f) for n, f in sections if n in keep]

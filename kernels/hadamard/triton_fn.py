@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.hadamard.reference import SUPPORTED_DIMS, scale
 
 
@@ -35,7 +36,8 @@ def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, SCALE: t
 
 @triton.jit
 def _rotate_kernel(x_ptr, y_ptr, n_rows, D: tl.constexpr, LOG2D: tl.constexpr, SCALE: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+                   BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < n_rows)[:, None]
     offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
@@ -58,5 +60,6 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     n = x.numel() // d
     if n:
         block_r = max(1, min(16, 4096 // d))
-        _rotate_kernel[(triton.cdiv(n, block_r),)](x, y, n, D=d, LOG2D=int(math.log2(d)), SCALE=scale(d), BLOCK_R=block_r)
+        _rotate_kernel[(triton.cdiv(n, block_r),)](x, y, n, D=d, LOG2D=int(math.log2(d)), SCALE=scale(d), BLOCK_R=block_r,
+                                                     **pdl.launch_kwargs(x.device, "rotate"))
     return y

@@ -51,6 +51,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from kernels import pdl
 from kernels.kv_append.triton_kernel import _count_scales, e2m1_halves, e4m3_encode, e4m3_value, nvfp4_tree
 from kernels.kv_formats import nvfp4
 from kernels.kv_formats.layout import KVFormat, KVLayout
@@ -231,8 +232,9 @@ def nvfp4_append_kernel(
     D: gl.constexpr, HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr,
     COUNT: gl.constexpr, FEEDBACK: gl.constexpr, SCALE_OFF: gl.constexpr,
     SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr, UP_SPAN: gl.constexpr, ERR_BITS: gl.constexpr,
-    ERR_EXP_FLOOR: gl.constexpr,
+    ERR_EXP_FLOOR: gl.constexpr, PDL: gl.constexpr,
 ):
+    pdl.enter(PDL)
     O: gl.constexpr = D // 8
     W: gl.constexpr = gl.num_warps()
     R: gl.constexpr = W * (32 // O)
@@ -402,4 +404,5 @@ def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tens
         COUNT=scale_counts is not None, FEEDBACK=k_feedback is not None, SCALE_OFF=layout.scale_offset,
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
         ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps, enable_fp_fusion=k_feedback is None,
+        **pdl.launch_kwargs(k.device, "append"),
     )

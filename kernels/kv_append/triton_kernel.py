@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.hadamard.triton_fn import fwht_rows
 from kernels.calibration import counted_per_row
@@ -280,8 +281,9 @@ def kv_append_fwd_kernel(
     PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
     SEARCH_DOWN: tl.constexpr, SEARCH_UP: tl.constexpr, UP_SPAN: tl.constexpr, ERR_BITS: tl.constexpr,
-    ERR_EXP_FLOOR: tl.constexpr,
+    ERR_EXP_FLOOR: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
     kv = tl.program_id(2)
@@ -503,5 +505,5 @@ def append(
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
         ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps or warps,
         # the feedback recursion rounds every product and difference on its own, as the reference
-        enable_fp_fusion=k_feedback is None,
+        enable_fp_fusion=k_feedback is None, **pdl.launch_kwargs(k.device, "append"),
     )

@@ -56,6 +56,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from kernels import pdl
 from kernels.kv_formats.layout import KVFormat, KVLayout
 from kernels.paged_attention import nvfp4_ptx
 from kernels.paged_attention.reference import check_inputs
@@ -280,8 +281,9 @@ def nvfp4_decode_kernel(
     stride_cp, stride_ckv, stride_ch, stride_bt, H,
     D: gl.constexpr, G: gl.constexpr, SCALE_OFF: gl.constexpr,
     NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr,
-    T: gl.constexpr, N: gl.constexpr, V_REGS: gl.constexpr, FLUSH: gl.constexpr,
+    T: gl.constexpr, N: gl.constexpr, V_REGS: gl.constexpr, FLUSH: gl.constexpr, PDL: gl.constexpr,
 ):
+    pdl.enter(PDL)
     CB: gl.constexpr = D // 2
     SB: gl.constexpr = D // 16
     b = gl.program_id(0)
@@ -673,7 +675,7 @@ def paged_decode(
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0), h,
         D=d, G=group, SCALE_OFF=layout.scale_offset, NUM_SPLITS=num_splits, STAGES=stages,
         P_SHIFT=2.0 ** P_LOG2, T=t, N=num_columns(t, group), V_REGS=v_regs, FLUSH=flush, num_warps=4,
-        maxnreg=max_registers(num_columns(t, group), v_regs, flush),
+        maxnreg=max_registers(num_columns(t, group), v_regs, flush), **pdl.launch_kwargs(q.device, "attention"),
     )
     if num_splits > 1:
         merge_splits(out, opart, lse, num_splits)

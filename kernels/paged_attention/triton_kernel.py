@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.kv_append.triton_kernel import FMT_ID
 from kernels.kv_formats.layout import KVFormat, KVLayout
 from kernels.paged_attention import nvfp4_ptx
@@ -407,8 +408,9 @@ def paged_attention_fwd_kernel(
     KDT: tl.constexpr, VDT: tl.constexpr, UNPACK_ASM: tl.constexpr, NV_LOAD_K: tl.constexpr,
     NV_LOAD_V: tl.constexpr, P_LOG2: tl.constexpr, BN: tl.constexpr, PAGE_MAX: tl.constexpr, LAZY: tl.constexpr,
     GS_MUL: tl.constexpr,
-    UNIFORM_T: tl.constexpr, WPS: tl.constexpr,
+    UNIFORM_T: tl.constexpr, WPS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     HALF: tl.constexpr = D // 2
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -500,9 +502,11 @@ def paged_attention_fwd_kernel(
 
 @triton.jit
 def merge_kernel(out_ptr, opart_ptr, lse_ptr, HQ, stride_ot, stride_oh,
-                 D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+                 D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PDL: tl.constexpr):
     """out[t, h, d-block] = sum_s 2**(lse_s - max) o_s / sum_s 2**(lse_s - max); one program per
     (token, head, ``BLOCK_D`` head-dim values)."""
+    pdl.enter(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     part = t.to(tl.int64) * HQ + h
@@ -530,6 +534,7 @@ def merge_splits(out: torch.Tensor, opart: torch.Tensor, lse: torch.Tensor, num_
     merge_kernel[(total, hq, d // block_d)](
         out, opart, lse, hq, out.stride(0), out.stride(1),
         D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        **pdl.launch_kwargs(out.device, "merge"),
     )
 
 
@@ -680,6 +685,7 @@ def paged_attention(
         UNIFORM_T=uniform_t, WPS=wps,
         P_LOG2={KVFormat.BF16: 0.0, KVFormat.INT8: 12.0}.get(layout.fmt, 15.0),
         num_warps=nw, num_stages=ns, **({"maxnreg": max_registers} if max_registers else {}),
+        **pdl.launch_kwargs(q.device, "attention"),
     )
     if split_out:
         merge_splits(out, opart, lse, num_splits)

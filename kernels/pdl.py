@@ -1,0 +1,88 @@
+"""Programmatic dependent launch (PDL) for the kernels of an attention layer.
+
+One attention layer of a decode step is a chain of short kernels: the KV append, Q's Hadamard
+rotation, the attention and, with split-K, the merge. Launched the ordinary way, each starts
+only once the one before has drained and its own launch has been processed — a gap of about a
+microsecond per edge, which is a sizable part of a 3 us append or a 50 us batch-1 decode.
+Launched with PDL (Hopper and later: ``launch_pdl=True``), a kernel's programs may be scheduled
+while the previous kernel in the stream still runs. The contract every such kernel keeps:
+
+- ``enter(PDL)`` is its first statement: ``griddepcontrol.wait`` (blocks until the previous
+  kernel has completed and its writes are visible — whatever that kernel is: one launched
+  without PDL simply counts as signalling at its end), then ``griddepcontrol.launch_dependents``
+  (the next kernel's programs may now be scheduled; they wait in turn). No global memory is
+  touched before the wait, so reads and writes keep stream order exactly as without PDL;
+- a CUDA graph captured from such launches keeps the programmatic edges (CUDA 12.3+).
+
+So at most two kernels overlap, and only the second one's launch and prologue overlap the first
+one's tail. Which kernel families are launched so: ``DEFAULT`` (append, Q rotation, merge; the
+attention kernels measured no gain), or ``DEEPWELL_PDL`` = ``0`` (none: ablation, a driver that
+misbehaves), ``all``, or a comma-separated list. The Triton interpreter and CPUs never use it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENV = "DEEPWELL_PDL"
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First statement of a kernel launched with ``launch_kwargs``: wait for the previous
+    kernel, then let the next one be scheduled (module doc). A no-op when ``PDL`` is false."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+KERNELS = ("append", "rotate", "attention", "merge")  # the kernel families ``DEEPWELL_PDL`` may name
+# measured on the H200 (docs/kernels.md, "Programmatic dependent launch"): the small kernels gain,
+# the attention kernels do not (their early-resident dependents cost up to 3% at 4k x 64)
+DEFAULT = ("append", "rotate", "merge")
+
+
+def selected() -> frozenset[str]:
+    """Kernel families launched with PDL: ``DEEPWELL_PDL`` unset = ``DEFAULT``, ``0`` = none,
+    ``all`` = every one of ``KERNELS``, else a comma-separated subset (ValueError for an unknown
+    name)."""
+    value = os.environ.get(ENV, "").strip()
+    if value == "":
+        return frozenset(DEFAULT)
+    if value == "0":
+        return frozenset()
+    if value == "all":
+        return frozenset(KERNELS)
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    unknown = sorted(names - set(KERNELS))
+    if unknown:
+        raise ValueError(f"{ENV}={value!r}: unknown kernel families {unknown}; use 0, all or a comma-separated "
+                         f"subset of {', '.join(KERNELS)}")
+    return names
+
+
+def enabled(device: torch.device, kernel: str) -> bool:
+    """PDL for a launch of ``kernel`` (one of ``KERNELS``) on ``device``: a CUDA device of compute
+    capability 9.0 or later, not the interpreter, and selected by ``DEEPWELL_PDL``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel family {kernel!r}; one of {KERNELS}")
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" or kernel not in selected():
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:  # once per device: every launch asks
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def launch_kwargs(device: torch.device, kernel: str) -> dict:
+    """Keyword arguments of a Triton / Gluon launch of ``kernel``: its ``PDL`` constexpr and,
+    where enabled, ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(device, kernel) else {"PDL": False}
