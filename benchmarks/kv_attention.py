@@ -262,7 +262,7 @@ def append_case(fmt: str, counted: bool, fed: bool):
 def append_table() -> list[dict]:
     """One layer's append of a 64-sequence decode step (K centered and block scales counted,
     as the engine does for fp8/nvfp4), per kernel, tokens-per-program and warps; the first of
-    each format is the default (nvfp4 on Hopper: the Gluon kernel, except with K feedback)."""
+    each format is the default (nvfp4 on Hopper: the Gluon kernel, with or without K feedback)."""
     rows = []
     cases = [("nvfp4", "auto", None, None, True, False), ("nvfp4", "auto", None, None, False, False),
              ("nvfp4", "auto", None, 2, True, False), ("nvfp4", "auto", None, 4, True, False),
@@ -281,7 +281,7 @@ def append_table() -> list[dict]:
 
         sec = graph_time(call, 100)
         eager = bench(call)
-        kernel = append_tk.append_kernel(layout, k.device, feedback=fed, impl=impl, block_t=bt)
+        kernel = append_tk.append_kernel(layout, k.device, impl=impl, block_t=bt)
         rows.append(dict(fmt=fmt, kernel=kernel, block_t=bt or "default", warps=warps or "default", counted=counted,
                          k_feedback=fed, graph_us=sec * 1e6, eager_us=eager * 1e6))
         print(f"append {fmt:6s} 64 tokens x 4 heads {kernel:6s} block_t={bt or 'default'} warps={warps or 'default'} "

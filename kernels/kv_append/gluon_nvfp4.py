@@ -24,9 +24,11 @@ and it is the point:
   the start did not help).
 
 Measured on the H200 (``benchmarks/kv_attention.py --only append``: one layer of a 64-sequence
-decode step, 27B layout, CUDA-graph replay, same run): nearest rounding 3.13 us against the
-Triton kernel's 3.66 (0.86x; block scales counted, as the engine does); with K feedback 5.38
-against 5.34, so ``triton_kernel.append`` picks this kernel for nearest rounding only. Where
+decode step, 27B layout, CUDA-graph replay, same run; block scales counted, as the engine does):
+nearest rounding 3.13 us against the Triton kernel's 3.66 (0.86x); with K feedback 5.38 against
+5.34. Launched with PDL (``kernels.pdl``, the default since ``0894170``): 2.84 against 3.21
+and, with K feedback at two warps, 4.78 against 5.05 (three runs on one machine start), so
+``triton_kernel.append`` picks this kernel for nvfp4 either way. Where
 the time goes (Nsight Compute): one warp per scheduler, ~2,100 instructions per K warp of which
 the ten-candidate search is ~1,300 (about 14 per value and candidate: three comparisons, three
 threshold selects, the grid value's selects, the error's multiply-adds), and 22% of the stalls

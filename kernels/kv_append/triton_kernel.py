@@ -404,15 +404,14 @@ def _gluon_serves(layout: KVLayout, device: torch.device) -> bool:
     return gluon_nvfp4.supported(layout) and gluon_nvfp4.available(device)
 
 
-def append_kernel(layout: KVLayout, device: torch.device, *, feedback: bool, impl: str = "auto",
-                  block_t: int | None = None) -> str:
-    """The kernel ``append`` runs, "gluon" or "triton". "auto": the Gluon kernel for nvfp4 with
-    nearest rounding where it applies (H200, 64-sequence step: 3.13 against 3.66 us per layer);
-    with K feedback both measure the same (5.38 / 5.34 us), so the Triton one stays. ValueError
-    for an unknown ``impl`` and for "gluon" where the Gluon kernel does not apply."""
+def append_kernel(layout: KVLayout, device: torch.device, *, impl: str = "auto", block_t: int | None = None) -> str:
+    """The kernel ``append`` runs, "gluon" or "triton". "auto": the Gluon kernel for nvfp4 where
+    it applies (H200, 64-sequence step, launched with PDL: 2.84 against 3.21 us per layer with
+    nearest rounding, 4.78 against 5.05 with K feedback; docs/kernels.md). ValueError for an
+    unknown ``impl`` and for "gluon" where the Gluon kernel does not apply."""
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'gluon', got {impl!r}")
-    if impl == "triton" or (impl == "auto" and feedback):
+    if impl == "triton":
         return "triton"
     if block_t is None and _gluon_serves(layout, device):
         return "gluon"
@@ -440,10 +439,10 @@ def append(
 ) -> None:
     """Same contract as ``reference.append``; ``validate=False`` skips host-side checks
     (for CUDA-graph capture: they read scales back to the host). ``impl``: "auto" runs nvfp4
-    without K feedback through the Gluon kernel (``gluon_nvfp4``) where it applies (Hopper,
-    head_dim 64-256) and everything else here; "triton" always here; "gluon" insists on the
+    through the Gluon kernel (``gluon_nvfp4``) where it applies (Hopper, head_dim 64-256) and
+    everything else here; "triton" always here; "gluon" insists on the
     Gluon kernel (ValueError where it does not apply). Both write the same bytes."""
-    kernel = append_kernel(layout, k.device, feedback=k_feedback is not None, impl=impl, block_t=block_t)
+    kernel = append_kernel(layout, k.device, impl=impl, block_t=block_t)
     n = k.shape[0]
     if validate:
         layout.check_cache(cache)

@@ -308,7 +308,7 @@ def test_append_impl_is_checked():
                              impl="gluon")
     nv = KVLayout.make("nvfp4", 1, 64)
     cpu = torch.device("cpu")
-    assert triton_kernel.append_kernel(nv, cpu, feedback=False) == "triton"  # Gluon only on Hopper
-    assert triton_kernel.append_kernel(nv, cpu, feedback=False, impl="triton") == "triton"
+    assert triton_kernel.append_kernel(nv, cpu) == "triton"  # Gluon only on Hopper
+    assert triton_kernel.append_kernel(nv, cpu, impl="triton") == "triton"
     with pytest.raises(ValueError, match="on a Hopper GPU"):
-        triton_kernel.append_kernel(nv, cpu, feedback=True, impl="gluon")
+        triton_kernel.append_kernel(nv, cpu, impl="gluon")
