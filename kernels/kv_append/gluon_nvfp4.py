@@ -15,6 +15,13 @@ and it is the point:
 - a block's maximum and each scale candidate's squared error are a thread's sum of eight plus
   one shuffle from the neighbour lane, and the per-block work of a candidate (its value, the
   seven thresholds, the step) is shared by eight values instead of two to four;
+- the scale search compares two values at once (``_error``): the candidate's thresholds
+  ``t * s`` are exact fp16 numbers, so ``a >= T`` and ``a > T`` are decided exactly on ``a``
+  rounded to fp16 toward zero and toward +inf (``_half_pairs``, once per value); one
+  ``set.*.u32.f16x2`` gives both values' half masks, ``lop3`` selects thresholds and grid
+  products on both halves, and only the squared differences are taken apart — about 10
+  instructions per value and candidate plus ~3 of per-candidate constants, against ~15 with the
+  fp32 tree (``nvfp4_tree``, still used for the final codes);
 - the query-weighted rounding of K (``kv_formats.feedback``) runs its sixteen sequential
   column steps inside each thread of the pair on the whole block (both lanes repeat it, so no
   value crosses lanes inside the recursion), instead of taking each column out of a row spread
@@ -28,17 +35,21 @@ decode step, 27B layout, CUDA-graph replay, same run; block scales counted, as t
 nearest rounding 3.13 us against the Triton kernel's 3.66 (0.86x); with K feedback 5.38 against
 5.34. Launched with PDL (``kernels.pdl``, the default since ``0894170``): 2.84 against 3.21
 and, with K feedback at two warps, 4.78 against 5.05 (three runs on one machine start), so
-``triton_kernel.append`` picks this kernel for nvfp4 either way. Where
-the time goes (Nsight Compute): one warp per scheduler, ~2,100 instructions per K warp of which
-the ten-candidate search is ~1,300 (about 14 per value and candidate: three comparisons, three
-threshold selects, the grid value's selects, the error's multiply-adds), and 22% of the stalls
-were instruction-cache misses of the unrolled code — yet the search as a loop measured slower
-(3.13 -> 3.37 us: the unrolled candidates overlap).
+``triton_kernel.append`` picks this kernel for nvfp4 either way. The fp16-pair search (A/B in
+one process against the fp32 tree, minimum of five rounds, same bytes): nearest rounding 2.85
+-> 2.64 us (one warp; two: 2.81 -> 2.72), K feedback 4.76 -> 4.50 (two warps), 4.61 -> 4.31
+(four warps: the default for K feedback since, as four rows share one copy of the head's
+feedback matrices). Before it (Nsight Compute, fp32 tree): one warp per scheduler, ~2,100
+instructions per K warp of which the ten-candidate search was ~1,300 (about 14 per value and
+candidate: three comparisons, three threshold selects, the grid value's selects, the error's
+multiply-adds), and 22% of the stalls were instruction-cache misses of the unrolled code — yet
+the search as a loop measured slower (3.13 -> 3.37 us: the unrolled candidates overlap). The
+kernel's static sm_90 code: 2,072 -> 1,896 instructions (nearest), 3,096 -> 2,912 (feedback).
 
 The arithmetic is the reference's step for step, through the Triton kernel's own element-wise
-helpers (``triton_kernel.e4m3_encode``, ``e4m3_value``, ``nvfp4_tree``, ``e2m1_halves``: exact
-E4M3 rounding from the bits, the threshold tree, the grid values), the fixed-point error, ties
-keeping the earlier candidate; the feedback launch disables FMA contraction. Hopper only, like the
+helpers (``triton_kernel.e4m3_encode``, ``e4m3_value``, ``nvfp4_tree``: exact E4M3 rounding
+from the bits, the threshold tree) or exact equivalents (the fp16 pairs), the fixed-point error,
+ties keeping the earlier candidate; the feedback launch disables FMA contraction. Hopper only, like the
 attention kernel in ``paged_attention.gluon_decode`` (the only GPU it has been run on).
 """
 
@@ -54,7 +65,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from kernels import pdl
-from kernels.kv_append.triton_kernel import _count_scales, e2m1_halves, e4m3_encode, e4m3_value, nvfp4_tree
+from kernels.kv_append.triton_kernel import _count_scales, e4m3_encode, e4m3_value, nvfp4_tree
 from kernels.kv_formats import nvfp4
 from kernels.kv_formats.layout import KVFormat, KVLayout
 
@@ -130,25 +141,101 @@ def _load_octets(ptr, rows, mask, stride, R: gl.constexpr, O: gl.constexpr, l2: 
     return _unbind8(gl.reshape(x, [R, O, 8]), l2)
 
 
+# fp16 bits of the E2M1 thresholds 1.75, 3.5, 0.75 (inclusive: a tie rounds up) and 5, 2.5, 1.25,
+# 0.25 (exclusive) of ``kv_formats.nvfp4`` step 3, in ``nvfp4_tree``'s order
+_THRESHOLD_BITS = (0x3F00, 0x4300, 0x3A00, 0x4500, 0x4100, 0x3D00, 0x3400)
+
+
+@gluon.constexpr_function
+def _thresholds_asm():
+    muls = " ".join(f"mov.b32 c, {b << 16 | b:#010x}; mul.rn.f16x2 ${i}, s2, c;" for i, b in enumerate(_THRESHOLD_BITS))
+    return "{ .reg .f16 h; .reg .b32 s2, c; cvt.rn.f16.f32 h, $7; mov.b32 s2, {h, h}; " + muls + " }"
+
+
 @gluon.jit
-def _error(a, big_a, c, half_unit):
+def _thresholds(s):
+    """The seven thresholds ``t * s`` as fp16 pairs (both halves; every product is exact: ``s``
+    is an E4M3 value in [2**-9, 448], ``t`` has at most three significant bits)."""
+    return gl.inline_asm_elementwise(_thresholds_asm(), "=r,=r,=r,=r,=r,=r,=r,f", [s],
+                                     dtype=(gl.int32,) * 7, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _half_pairs(a):
+    """This thread's eight ``a`` as four fp16 pairs (values 2p and 2p + 1 in the low and high
+    halves), rounded toward zero and toward +inf. For ``a >= 0`` and any fp16 value ``T``:
+    ``a >= T`` iff ``RZ(a) >= T`` and ``a > T`` iff ``RU(a) > T`` (rounding is monotone and
+    keeps ``T``), so the comparisons of step 3 against the exact fp16 thresholds are exact on
+    the pairs (NaN compares false either way)."""
+    rz = ()
+    ru = ()
+    for p in gl.static_range(4):
+        lo, hi = gl.inline_asm_elementwise(
+            "{ .reg .f16 l, h; cvt.rz.f16.f32 l, $2; cvt.rz.f16.f32 h, $3; mov.b32 $0, {l, h}; "
+            "cvt.rp.f16.f32 l, $2; cvt.rp.f16.f32 h, $3; mov.b32 $1, {l, h}; }",
+            "=r,=r,f,f", [a[2 * p], a[2 * p + 1]], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        rz = rz + (lo,)
+        ru = ru + (hi,)
+    return rz, ru
+
+
+# one pair of values under one candidate: the threshold tree of ``nvfp4_tree`` on both halves at
+# once (``set.*.u32.f16x2``: 0xffff / 0 per half; ``lop3`` 0xCA: ``a ? b : c`` bitwise), the
+# grid value times the step selected the same way as 16-bit halves (``Qk = k * step`` in both
+# halves; a selected one is below 2**14, see ``_error``), then the two squared differences.
+_PAIR_ASM = gl.constexpr(
+    "{ .reg .b32 m2, m1, m0, t, x, y, u, v, w, q, Q, ql, qh, d0, d1, e; "
+    "set.ge.u32.f16x2 m2, $1, $6; "
+    "lop3.b32 t, m2, $7, $8, 0xCA; "
+    "set.ge.u32.f16x2 m1, $1, t; "
+    "lop3.b32 x, m1, $9, $10, 0xCA; "
+    "lop3.b32 y, m1, $11, $12, 0xCA; "
+    "lop3.b32 t, m2, x, y, 0xCA; "
+    "set.gt.u32.f16x2 m0, $2, t; "
+    "lop3.b32 u, m0, $19, $18, 0xCA; "
+    "lop3.b32 v, m0, $17, $16, 0xCA; "
+    "lop3.b32 w, m1, u, v, 0xCA; "
+    "lop3.b32 x, m0, $15, $14, 0xCA; "
+    "and.b32 y, m0, $13; "
+    "lop3.b32 q, m1, x, y, 0xCA; "
+    "lop3.b32 Q, m2, w, q, 0xCA; "
+    "and.b32 ql, Q, 0xffff; "
+    "shr.u32 qh, Q, 16; "
+    "sub.s32 d0, $3, ql; "
+    "sub.s32 d1, $4, qh; "
+    "mad.lo.s32 e, d0, d0, $5; "
+    "mad.lo.s32 $0, d1, d1, e; }"
+)
+
+
+_PAIR_CONSTRAINTS = gl.constexpr("=r," + ",".join(["r"] * 19))
+
+
+@gluon.jit
+def _error(rz, ru, big_a, c, half_unit):
     """int32 squared error of the block under scale code ``c`` (``kv_formats.nvfp4`` step 4):
-    this thread's eight values, then the neighbour lane's sum."""
+    this thread's eight values as four fp16 pairs (``_half_pairs``), then the neighbour lane's
+    sum. The same numbers as ``nvfp4_tree`` + ``triton_kernel.e2m1_halves`` value by value. The packed
+    products: a value whose grid index ``k > 0`` is selected has ``a > 0.25 s``, so ``step =
+    trunc(s * unit / 2) < 2 * a * unit < 2**14`` and its ``Q = h[k] * step`` is within
+    ``1.2 * a * unit < 2**14`` too (``A = trunc(a * unit) < 2**13``): it fits a 16-bit half;
+    products that do not fit are never selected."""
     s = e4m3_value(c)
     step = (s * half_unit).to(gl.int32)
-    b2, b1, b0 = nvfp4_tree(a[0], s)
-    dd = big_a[0] - e2m1_halves(b2, b1, b0) * step
-    err = dd * dd
-    for e in gl.static_range(1, 8):
-        b2, b1, b0 = nvfp4_tree(a[e], s)
-        dd = big_a[e] - e2m1_halves(b2, b1, b0) * step
-        err += dd * dd
+    t175, t35, t075, t5, t25, t125, t025 = _thresholds(s)
+    err = gl.zeros_like(step)
+    for p in gl.static_range(4):
+        err = gl.inline_asm_elementwise(
+            _PAIR_ASM, _PAIR_CONSTRAINTS,
+            [rz[p], ru[p], big_a[2 * p], big_a[2 * p + 1], err, t175, t35, t075, t5, t25, t125, t025,
+             step * 65537, step * 131074, step * 196611, step * 262148, step * 393222, step * 524296, step * 786444],
+            dtype=gl.int32, is_pure=True, pack=1)
     return err + _bfly_i(err, 1)
 
 
 @gluon.jit
-def _try(c, best, best_err, a, big_a, half_unit):
-    err = _error(a, big_a, c, half_unit)
+def _try(c, best, best_err, rz, ru, big_a, half_unit):
+    err = _error(rz, ru, big_a, c, half_unit)
     better = err < best_err
     return gl.where(better, c, best), gl.where(better, err, best_err)
 
@@ -321,14 +408,15 @@ def nvfp4_append_kernel(
     clip = kv == 0
     c0 = gl.where(clip | (6.0 * s6 >= m), c6, gl.minimum(c6 + 1, 126))
     top = gl.maximum(top, c0)
+    rz, ru = _half_pairs(a)
     best = c0
-    best_err = _error(a, big_a, c0, half_unit)
+    best_err = _error(rz, ru, big_a, c0, half_unit)
     # the other candidates in the reference's order (unrolled: a loop measured 3.13 -> 3.37 us per step)
     if clip:
         for k in gl.static_range(1, SEARCH_DOWN + 1):
-            best, best_err = _try(gl.maximum(c0 - k, 1), best, best_err, a, big_a, half_unit)
+            best, best_err = _try(gl.maximum(c0 - k, 1), best, best_err, rz, ru, big_a, half_unit)
     for k in gl.static_range(1, UP_SPAN + 1):
-        best, best_err = _try(gl.minimum(c0 + k, top), best, best_err, a, big_a, half_unit)
+        best, best_err = _try(gl.minimum(c0 + k, top), best, best_err, rz, ru, big_a, half_unit)
     s_code = gl.where(c6 > 0, best, 0)
     s_best = gl.where(c6 > 0, e4m3_value(best), 0.0)
     if COUNT:  # zero / subnormal / saturated block scales (kernels.calibration), one lane per block

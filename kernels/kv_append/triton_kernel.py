@@ -406,8 +406,8 @@ def _gluon_serves(layout: KVLayout, device: torch.device) -> bool:
 
 def append_kernel(layout: KVLayout, device: torch.device, *, impl: str = "auto", block_t: int | None = None) -> str:
     """The kernel ``append`` runs, "gluon" or "triton". "auto": the Gluon kernel for nvfp4 where
-    it applies (H200, 64-sequence step, launched with PDL: 2.84 against 3.21 us per layer with
-    nearest rounding, 4.78 against 5.05 with K feedback; docs/kernels.md). ValueError for an
+    it applies (H200, 64-sequence step, launched with PDL: 2.64 against the Triton kernel's ~3.2
+    us per layer with nearest rounding, 4.31 against ~5.05 with K feedback; docs/kernels.md). ValueError for an
     unknown ``impl`` and for "gluon" where the Gluon kernel does not apply."""
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'gluon', got {impl!r}")
@@ -476,7 +476,9 @@ def append(
         from kernels.kv_append import gluon_nvfp4
 
         gluon_nvfp4.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
-                           num_warps=num_warps or (2 if k_feedback is not None else 1))
+                           # K feedback: four rows share one copy of the feedback matrices (H200: 4.31
+                           # against 4.50 us at two warps); nearest rounding: one row per program
+                           num_warps=num_warps or (4 if k_feedback is not None else 1))
         return
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
