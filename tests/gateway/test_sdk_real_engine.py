@@ -46,7 +46,9 @@ def real_engine(tmp_path_factory):
     log = open(tmp / "engine.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "engine_service", "--model", str(model), "--listen",
                              "127.0.0.1:0", "--port-file", str(port_file), "--metrics-port", "-1",
-                             "--max-context", str(MAX_CONTEXT)], stdout=log, stderr=subprocess.STDOUT,
+                             "--max-context", str(MAX_CONTEXT),
+                             # 182 pages (5.7 full contexts): zeroing the default 2 GiB pool took ~23 s
+                             "--cpu-kv-gib", "0.5"], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "DEEPWELL_LOG_JSON": "1"}, preexec_fn=_die_with_parent)
     deadline = time.monotonic() + 180
     while not (port_file.exists() and port_file.read_text().strip()):
