@@ -97,10 +97,11 @@ def bench_graph(fn, reps: int = 20) -> float:
     return eager if eager > 1e-3 else graph_time(fn, reps)
 
 
-def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load_k=None, nv_load_v=None,
-                ppt=None, maxreg=None, bm=None, impl="auto"):
-    """``impl``: "auto" is the engine's choice (``TritonBackend.uses_gluon``: the Gluon kernel for
-    nvfp4 decode on Hopper, else the Triton kernel); "triton" forces the Triton kernel."""
+def decode_call(fmt: str, batch: int, ctx: int, t: int = 1, splits: int | None = None, impl: str = "auto", **kw):
+    """(the engine's decode call of one shape as a closure, its split count, the bytes it reads:
+    KV of the contexts + Q + output). ``impl``: "auto" is the engine's choice
+    (``TritonBackend.uses_gluon``: the Gluon kernel for nvfp4 decode on Hopper, else the Triton
+    kernel); "triton" forces the Triton kernel, which takes ``kw`` (its tuning arguments)."""
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
     be = TritonBackend()
     gluon = impl == "auto" and be.uses_gluon(layout, HQ // HKV, t, q.device)
@@ -118,14 +119,19 @@ def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=
                                       num_splits=splits, out=out, scratch=scratch)
             return
         attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, None, None, D**-0.5,
-                                num_splits=splits, out=out, scratch=scratch, uniform_t=t,
-                                num_warps=warps, num_stages=stages, unpack_asm=asm, nv_load_k=nv_load_k,
-                                nv_load_v=nv_load_v, pages_per_tile=ppt, max_registers=maxreg,
-                                block_m=bm)
+                                num_splits=splits, out=out, scratch=scratch, uniform_t=t, **kw)
 
+    return run, splits, batch * ctx * HKV * 2 * layout.token_bytes + 2 * q.numel() * 2
+
+
+def time_decode(fmt, batch, ctx, t=1, splits=None, warps=None, stages=None, asm=None, nv_load_k=None, nv_load_v=None,
+                ppt=None, maxreg=None, bm=None, impl="auto"):
+    """(seconds per call, bytes per second, splits) of ``decode_call``."""
+    run, splits, nbytes = decode_call(fmt, batch, ctx, t, splits, impl, num_warps=warps, num_stages=stages,
+                                      unpack_asm=asm, nv_load_k=nv_load_k, nv_load_v=nv_load_v, pages_per_tile=ppt,
+                                      max_registers=maxreg, block_m=bm)
     sec = bench_graph(run)
-    nbytes = batch * ctx * HKV * 2 * layout.token_bytes + 2 * q.numel() * 2
-    del cache
+    del run  # frees the cache
     return sec, nbytes / sec, splits
 
 
@@ -310,24 +316,6 @@ def step_table() -> list[dict]:
     return rows
 
 
-def _decode_call(fmt: str, batch: int, ctx: int, t: int):
-    """The engine's decode call of one shape (``time_decode``'s ``run``, default kernel and splits)."""
-    layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
-    be = TritonBackend()
-    gluon = be.uses_gluon(layout, HQ // HKV, t, q.device)
-    dev = torch.device("cuda")
-    splits = (be.gluon_splits(batch, HKV, dev, gluon_decode.programs_per_sm(t, HQ // HKV, D)) if gluon
-              else be.default_splits(batch, HKV, dev))
-    scales = layout.default_scales("cuda")
-    out = torch.empty_like(q)
-    scratch = (torch.empty(batch * t * HQ * splits * D, device="cuda"), torch.empty(batch * t * HQ * splits, device="cuda"))
-    if gluon:
-        return lambda: gluon_decode.paged_decode(q, cache, layout, scales, tables, ctx_lens, D**-0.5, tokens_per_seq=t,
-                                                 num_splits=splits, out=out, scratch=scratch)
-    return lambda: attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, None, None, D**-0.5,
-                                           num_splits=splits, out=out, scratch=scratch, uniform_t=t)
-
-
 def _layer_call(batch: int, ctx: int, fed: bool):
     """One attention layer of a decode step as the engine runs it: the backend's append of one
     token per sequence (K centered, block scales counted, K feedback if ``fed``), then its decode
@@ -366,7 +354,7 @@ def pdl_table(rounds: int = 3, selections: tuple[str, ...] = ("0", "all", "appen
                                ("nvfp4", 1, 131072, 1), ("bf16", 1, 131072, 1), ("nvfp4", 8, 16384, 1),
                                ("nvfp4", 8, 16384, 4), ("nvfp4", 8, 131072, 1), ("bf16", 8, 131072, 1)):
         cases.append((f"decode {fmt} {ctx // 1024}k x {batch} T={t}",
-                      lambda fmt=fmt, batch=batch, ctx=ctx, t=t: _decode_call(fmt, batch, ctx, t), 20))
+                      lambda fmt=fmt, batch=batch, ctx=ctx, t=t: decode_call(fmt, batch, ctx, t)[0], 20))
     for batch, ctx, fed in ((64, 4096, False), (64, 4096, True), (8, 131072, True), (1, 131072, True)):
         cases.append((f"layer nvfp4 {ctx // 1024}k x {batch} k_feedback={fed}",
                       lambda batch=batch, ctx=ctx, fed=fed: _layer_call(batch, ctx, fed), 10))
