@@ -310,9 +310,8 @@ def test_k_rounding_feedback_is_calibrated_and_reproducible(smol, fp32_reference
     copy_calibration(r, again)
     assert torch.equal(teacher_forced(again, ids, ref_tokens)[0], first)
     assert not torch.equal(teacher_forced(near, ids, ref_tokens)[0], first)  # other K codes
-    for kv in ("fp8", "nvfp4"):
-        auto = quant_runner(base, kv)
-        assert auto.kv_calibration is not None and auto.kv_calibration.k_feedback is not None
+    for kv in ("fp8", "nvfp4"):  # auto = feedback (what calibration then does with it: ``r`` above)
+        assert TorchModelRunner(base.model, CPU, torch.float32, kv, 64).kv_k_rounding_feedback
     fp8_near = TorchModelRunner(base.model, CPU, torch.float32, "fp8", 64, kv_k_rounding="nearest")
     assert not fp8_near.kv_k_rounding_feedback
 
