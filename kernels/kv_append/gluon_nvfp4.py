@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 
 import torch
 import triton
@@ -141,15 +142,24 @@ def _load_octets(ptr, rows, mask, stride, R: gl.constexpr, O: gl.constexpr, l2: 
     return _unbind8(gl.reshape(x, [R, O, 8]), l2)
 
 
-# fp16 bits of the E2M1 thresholds 1.75, 3.5, 0.75 (inclusive: a tie rounds up) and 5, 2.5, 1.25,
-# 0.25 (exclusive) of ``kv_formats.nvfp4`` step 3, in ``nvfp4_tree``'s order
-_THRESHOLD_BITS = (0x3F00, 0x4300, 0x3A00, 0x4500, 0x4100, 0x3D00, 0x3400)
+# the E2M1 thresholds of ``kv_formats.nvfp4`` step 3 in ``nvfp4_tree``'s order: 1.75, 3.5, 0.75
+# (inclusive: a tie rounds up), then 5, 2.5, 1.25, 0.25 (exclusive)
+_TREE_ORDER = (1.75, 3.5, 0.75, 5.0, 2.5, 1.25, 0.25)
+assert sorted(_TREE_ORDER) == [t for t, _ in nvfp4.THRESHOLDS]
+_THRESHOLD_BITS = tuple(struct.unpack("<H", struct.pack("<e", t))[0] for t in _TREE_ORDER)  # fp16, exact
+# the grid's doubled values (``nvfp4.block_error``'s ``h`` for indices 1-7) in both 16-bit halves
+_PACKED_HALVES = tuple(int(2 * v) * 0x10001 for v in nvfp4.E2M1_VALUES[1:])
 
 
 @gluon.constexpr_function
 def _thresholds_asm():
-    muls = " ".join(f"mov.b32 c, {b << 16 | b:#010x}; mul.rn.f16x2 ${i}, s2, c;" for i, b in enumerate(_THRESHOLD_BITS))
+    muls = " ".join(f"mov.b32 c, {b * 0x10001:#010x}; mul.rn.f16x2 ${i}, s2, c;" for i, b in enumerate(_THRESHOLD_BITS))
     return "{ .reg .f16 h; .reg .b32 s2, c; cvt.rn.f16.f32 h, $7; mov.b32 s2, {h, h}; " + muls + " }"
+
+
+@gluon.constexpr_function
+def _packed(k):
+    return _PACKED_HALVES[k - 1]
 
 
 @gluon.jit
@@ -228,7 +238,8 @@ def _error(rz, ru, big_a, c, half_unit):
         err = gl.inline_asm_elementwise(
             _PAIR_ASM, _PAIR_CONSTRAINTS,
             [rz[p], ru[p], big_a[2 * p], big_a[2 * p + 1], err, t175, t35, t075, t5, t25, t125, t025,
-             step * 65537, step * 131074, step * 196611, step * 262148, step * 393222, step * 524296, step * 786444],
+             step * _packed(1), step * _packed(2), step * _packed(3), step * _packed(4), step * _packed(5),
+             step * _packed(6), step * _packed(7)],
             dtype=gl.int32, is_pure=True, pack=1)
     return err + _bfly_i(err, 1)
 
