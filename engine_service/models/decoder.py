@@ -55,10 +55,10 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     def __init__(self, args: ModelArgs, backend: ReferenceBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden, device="meta")
-        self.embed_tokens.weight = nn.Parameter(
-            torch.empty(args.vocab_size, args.hidden), requires_grad=False
-        )
+        # given its (empty) weight, nn.Embedding skips the random init, which on a meta
+        # tensor would import torch._dynamo (~3 s of every engine start on CPU)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden,
+                                         _weight=torch.empty(args.vocab_size, args.hidden), _freeze=True)
         self.layers = nn.ModuleList(
             DecoderLayer(args, i in args.moe_layers, backend, kind)
             for i, kind in enumerate(args.layer_types)
