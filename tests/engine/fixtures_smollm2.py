@@ -56,10 +56,16 @@ def hf_smollm2_model() -> Any:
     import transformers.modeling_utils as hf_modeling
     from transformers import AutoModelForCausalLM
 
+    import gguf
+
     path = smollm2_gguf_path()
     with pytest.MonkeyPatch.context() as mp:
         # transformers refuses GGUF files unless `accelerate` is installed (it is not a
         # deepwell dependency); its CPU GGUF path never calls into it.
         mp.setattr(hf_modeling, "is_accelerate_available", lambda: True)
+        # speed only (same tensors): transformers opens the file twice and rebuilds gguf's
+        # tensor-name map once per tensor (~20 of its ~35 s on the 2-core CI machine)
+        mp.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
