@@ -7,7 +7,9 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
    and its fraction of the H200's 4.8 TB/s, for contexts 2k..1M and batch 1..64;
 2. nvfp4 vs bf16 decode time at 128k; verify T=4 vs T=1 time at >= 16k;
 3. prefill attention TFLOP/s for a 4k chunk over a 64k nvfp4 prefix (causal FLOPs:
-   4 * d * Hq * sum over queries of visible keys);
+   4 * d * Hq * sum over queries of visible keys): the engine's call (nvfp4: through an fp16
+   workspace of the context, ``kv_dequant``) and the kernel over the packed pages; shorter
+   chunks both ways;
 4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay);
 5. the engine's decode call (``TritonBackend.decode_attention``: Q rotation, attention,
    split merge) captured in a CUDA graph, against the attention kernel alone;
@@ -224,27 +226,75 @@ def prefill_case(fmt: str, prefix: int, chunk: int):
 
 
 def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) -> list[dict]:
+    """The prefill of ``chunk`` tokens over a ``prefix``: the engine's call
+    (``TritonBackend.prefill_attention``: Q rotation, then for nvfp4 chunks of >= 512 query rows
+    the context unpacked once into an fp16 workspace and attention over it; Q rotation and the
+    dequantization included), the attention kernel over the packed pages in three
+    configurations (Q already rotated; the first is the backend's for short chunks), and the
+    workspace's two launches apart; then the engine's call against the packed pages for shorter
+    chunks (``--only prefill``: where the workspace starts to pay)."""
+    from kernels.kv_dequant import reference as dq_ref
+    from kernels.kv_dequant import triton_kernel as dq_tk
+
     rows = []
     layout, cache, tables, ctx_lens, q, q_start, q_len, flops = prefill_case(fmt, prefix, chunk)
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)
-    asm = BEST.get(fmt, {}).get("asm", None)
-    nv_k = BEST.get(fmt, {}).get("nv_load_k", None)
-    nv_v = BEST.get(fmt, {}).get("nv_load_v", None)
-    for bm, warps, stages, ppt in ((64, 4, 2, 1), (64, 4, 1, 1), (128, 8, 1, 1)):
+    layer = KVCacheLayer(layout, cache, scales)
+
+    def report(name: str, sec: float, **kw) -> None:
+        rows.append(dict(fmt=fmt, prefix=prefix, chunk=chunk, case=name, ms=sec * 1e3, tflops=flops / sec / 1e12, **kw))
+        print(f"prefill {fmt} {chunk} over {prefix}: {name:58s} {sec*1e3:8.2f} ms {flops/sec/1e12:6.1f} TFLOP/s",
+              flush=True)
+
+    be = TritonBackend()
+    report("engine call (TritonBackend.prefill_attention)",
+           bench(lambda: be.prefill_attention(q, layer, tables, ctx_lens, [chunk], sm_scale=D**-0.5, out=out)))
+    for bm, warps, stages in ((64, 4, 2), (64, 4, 1), (128, 8, 1)):
         work = attn_tk.work_items([chunk], HQ // HKV, bm, q.device)
         try:
             sec = bench(lambda: attn_tk.paged_attention(q, cache, layout, scales, tables, ctx_lens, q_start, q_len, D**-0.5,
                                                         q_lens_host=[chunk], num_splits=1, block_m=bm, out=out, work=work,
-                                                        num_warps=warps, num_stages=stages, unpack_asm=asm,
-                                                        nv_load_k=nv_k, nv_load_v=nv_v, pages_per_tile=ppt,
+                                                        num_warps=warps, num_stages=stages, pages_per_tile=1,
                                                         page_max=False))
         except Exception as exc:
-            print(f"prefill {fmt} bm={bm} warps={warps} stages={stages} ppt={ppt}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            print(f"prefill {fmt} bm={bm} warps={warps} stages={stages}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
+                  flush=True)
             continue
-        rows.append(dict(fmt=fmt, block_m=bm, warps=warps, stages=stages, ppt=ppt, ms=sec * 1e3, tflops=flops / sec / 1e12))
-        print(f"prefill {fmt} {chunk} over {prefix}: bm={bm} warps={warps} stages={stages} pages/tile={ppt} {sec*1e3:8.2f} ms "
-              f"{flops/sec/1e12:6.1f} TFLOP/s", flush=True)
+        report(f"packed pages: bm={bm} warps={warps} stages={stages}", sec, block_m=bm, warps=warps, stages=stages)
+    if fmt == "nvfp4":
+        ws = dq_ref.allocate(layout, tables)
+        wl, wt = dq_ref.workspace_layout(layout), dq_ref.workspace_tables(tables)
+        work = attn_tk.work_items([chunk], HQ // HKV, 128, q.device)
+        deq = lambda: dq_tk.dequantize(cache, layout, tables, ctx_lens, ws)  # noqa: E731
+        att = lambda: attn_tk.paged_attention(q, ws, wl, scales, wt, ctx_lens, q_start, q_len, D**-0.5,  # noqa: E731
+                                              q_lens_host=[chunk], num_splits=1, block_m=128, out=out, work=work,
+                                              num_warps=8, num_stages=2, pages_per_tile=1, page_max=False,
+                                              dequantized=True)
+        sec_d = bench(deq)
+        print(f"prefill {fmt} {chunk} over {prefix}: workspace dequantization {sec_d*1e3:.3f} ms "
+              f"({(prefix + chunk) * HKV * 2 * (layout.token_bytes + 2 * D) / sec_d / 1e12:.2f} TB/s read + written)",
+              flush=True)
+        report("workspace attention alone: bm=128 warps=8 stages=2", bench(att))
+        del ws
+        for short in (512, 128, 32, 8) if chunk == 4096 else ():
+            lay2, cache2, tables2, lens2, q2, _, _, fl2 = prefill_case(fmt, prefix, short)
+            layer2 = KVCacheLayer(lay2, cache2, lay2.default_scales("cuda"))
+            o2 = torch.empty_like(q2)
+            times = {}
+            for name, kw in (("packed, unsplit", dict(prefill_workspace_bytes=0, max_splits=1)),
+                             ("packed", dict(prefill_workspace_bytes=0)),
+                             ("workspace", dict(prefill_dequant_min_rows=1))):
+                b2 = TritonBackend(**kw)
+                times[name] = bench(lambda: b2.prefill_attention(q2, layer2, tables2, lens2, [short], sm_scale=D**-0.5,
+                                                                 out=o2))
+            default = "workspace" if be._dequantizes(lay2, short * HQ // HKV) else "packed"
+            rows.append(dict(fmt=fmt, prefix=prefix, chunk=short, case="engine call variants", default=default,
+                             **{k + "_ms": v * 1e3 for k, v in times.items()}))
+            print(f"prefill {fmt} {short} over {prefix}: engine call (default: {default}) "
+                  + ", ".join(f"{k} {v*1e3:.3f} ms ({fl2/v/1e12:.1f} TFLOP/s)" for k, v in times.items()), flush=True)
+            del cache2, layer2
+            torch.cuda.empty_cache()
     return rows
 
 

@@ -31,6 +31,9 @@ Contract:
   (or ``out``'s, e.g. fp32). V is never rotated, so outputs need no inverse transform.
 - Both backends write identical cache bytes (the Triton append is bit-exact); attention
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
+- ``prefill_attention`` (Triton) splits the keys of short chunks over long prefixes
+  (``prefill_splits``) and reads long nvfp4 chunks' context from an fp16 workspace
+  (``kernels.kv_dequant``; ``PREFILL_DEQUANT_MIN_ROWS``, ``PREFILL_WORKSPACE_BYTES``).
 - ``decode_attention`` launches a grid that depends only on ``B``, ``T`` and
   ``num_splits`` (default from ``B`` and the SM count, never from context lengths), so a
   step is capturable in a CUDA graph; pass ``validate=False`` when capturing.
@@ -46,7 +49,7 @@ from torch import Tensor
 
 from kernels.kv_append import reference as append_ref
 from kernels.kv_append.reference import slots_from_positions
-from kernels.kv_formats.layout import KVLayout, check_global_scales
+from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 from kernels.paged_attention import reference as attn_ref
 from kernels.paged_attention.reference import rotate_q
 
@@ -136,6 +139,17 @@ class ReferenceBackend:
 # decode / verify with up to this many tokens per sequence runs the Gluon nvfp4 kernel on Hopper
 # (where tokens x query heads per KV head <= 32, ``gluon_decode.supported``)
 GLUON_MAX_TOKENS = 16
+# nvfp4 prefill whose longest chunk has at least this many query rows (tokens x query heads of
+# a KV head) unpacks the context once into an fp16 workspace (``kv_dequant``) and attends over
+# that: every row block otherwise unpacks every page again (H200, 27B layout, 64k prefix, both
+# split: a 4k chunk 297 -> 356 TFLOP/s, 512 tokens = 3072 rows 222 -> 253; 128 tokens = 768
+# rows 229 -> 220, so the line lies between; docs/kernels.md)
+PREFILL_DEQUANT_MIN_ROWS = 1024
+# the most bytes such a workspace may take (per call, freed after it: the caching allocator
+# keeps it); a call whose batch needs more runs one sequence at a time, or unpacks in place
+PREFILL_WORKSPACE_BYTES = 1 << 30
+# the most bytes of fp32 split-K partials a prefill launch may take (``prefill_splits``)
+PREFILL_SPLIT_SCRATCH_BYTES = 256 << 20
 
 
 class TritonBackend:
@@ -143,9 +157,16 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, max_splits: int = 64, gluon_max_tokens: int = GLUON_MAX_TOKENS) -> None:
+    def __init__(self, max_splits: int = 64, gluon_max_tokens: int = GLUON_MAX_TOKENS,
+                 prefill_dequant_min_rows: int = PREFILL_DEQUANT_MIN_ROWS,
+                 prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES) -> None:
+        if prefill_dequant_min_rows < 1 or prefill_workspace_bytes < 0:
+            raise ValueError(f"prefill_dequant_min_rows must be >= 1 and prefill_workspace_bytes >= 0, got "
+                             f"{prefill_dequant_min_rows}, {prefill_workspace_bytes}")
         self.max_splits = max_splits
         self.gluon_max_tokens = gluon_max_tokens
+        self.prefill_dequant_min_rows = prefill_dequant_min_rows
+        self.prefill_workspace_bytes = prefill_workspace_bytes
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, validate: bool = True) -> None:
         from kernels.kv_append import triton_kernel
@@ -211,20 +232,89 @@ class TritonBackend:
 
     def prefill_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
                           q_lens: Sequence[int], *, sm_scale: float, out: Tensor | None = None) -> Tensor:
-        from kernels.paged_attention import triton_kernel
-
         _check_q(q, layer)
         lens = [int(n) for n in q_lens]
         if sum(lens) != q.shape[0]:
             raise ValueError(f"q has {q.shape[0]} tokens but q_lens sum to {sum(lens)}")
-        dev = q.device
-        return triton_kernel.paged_attention(
-            _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
-            _starts(lens, dev), torch.tensor(lens, dtype=torch.int32, device=dev), sm_scale,
-            q_lens_host=lens, num_splits=1, out=out,
-            # fastest measured on the H200 (docs/kernels.md): 64-row blocks, 4 warps, 2 stages
-            block_m=64, num_warps=4, num_stages=2, pages_per_tile=1, page_max=False,
-        )
+        if out is None:
+            out = torch.empty_like(q)
+        qr = _rotate_q(q, layer.layout)
+        group = q.shape[1] // layer.layout.num_kv_heads
+        if not self._dequantizes(layer.layout, max(lens, default=0) * group):
+            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False)
+        from kernels.kv_dequant.reference import workspace_layout
+
+        page = workspace_layout(layer.layout).page_bytes
+        b, w = block_tables.shape
+        if b * w * page <= self.prefill_workspace_bytes:
+            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True)
+        # one sequence at a time (each within the budget: the table's width is its bound)
+        start = 0
+        for i, n in enumerate(lens):
+            rows = slice(start, start + n)
+            start += n
+            if n == 0:
+                continue
+            self._prefill(qr[rows], layer, block_tables[i : i + 1], context_lens[i : i + 1], [n], sm_scale, out[rows],
+                          w * page <= self.prefill_workspace_bytes and n * group >= self.prefill_dequant_min_rows)
+        return out
+
+    def _dequantizes(self, layout: KVLayout, rows: int) -> bool:
+        """Whether a prefill with ``rows`` query rows (longest chunk) may go through a workspace."""
+        return (layout.fmt is KVFormat.NVFP4 and rows >= self.prefill_dequant_min_rows
+                and self.prefill_workspace_bytes > 0)
+
+    def prefill_splits(self, row_blocks: int, num_kv_heads: int, table_width: int, q_rows: int, head_dim: int,
+                       sms: int, per_sm: int) -> int:
+        """Split-K count for a prefill launch of ``row_blocks`` row blocks per KV head on ``sms``
+        SMs (``_sm_count``), from host-known shapes only: enough programs for two waves of
+        ``per_sm`` per SM when the row blocks alone leave the GPU idle (a short chunk over a long
+        prefix: 32 tokens of the 27B layout are 12 programs for 132 SMs; H200, 64k prefix: 3.2 ->
+        0.46 ms), at least 8 pages per split, and partials of at most ``PREFILL_SPLIT_SCRATCH_BYTES``."""
+        programs = max(1, row_blocks * num_kv_heads)
+        if programs >= per_sm * sms:
+            return 1
+        want = -(-2 * per_sm * sms // programs)
+        scratch = max(1, PREFILL_SPLIT_SCRATCH_BYTES // max(1, q_rows * head_dim * 4))
+        return max(1, min(self.max_splits, want, table_width // 8, scratch))
+
+    def _prefill(self, qr: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor, lens: list[int],
+                 sm_scale: float, out: Tensor, dequantize: bool) -> Tensor:
+        """One prefill launch over the cache's pages, or (``dequantize``) over an fp16 workspace
+        of them: the same fp16 values meet the same products (outputs equal up to fp32
+        summation order, 128-row blocks instead of 64); split-K where the row blocks alone
+        would leave SMs idle (``prefill_splits``)."""
+        from kernels.paged_attention import triton_kernel
+
+        dev = qr.device
+        lay = layer.layout
+        starts, q_len = _starts(lens, dev), torch.tensor(lens, dtype=torch.int32, device=dev)
+        # fastest measured on the H200 (docs/kernels.md): over packed pages 64-row blocks, 4
+        # warps, 2 stages; over the fp16 workspace 128-row blocks, 8 warps, 2 stages
+        bm, warps, per_sm = (128, 8, 1) if dequantize else (64, 4, 2)
+        group = qr.shape[1] // lay.num_kv_heads
+        work = triton_kernel.work_items(lens, group, bm, dev)
+        splits = self.prefill_splits(work[0].numel(), lay.num_kv_heads, block_tables.shape[1],
+                                     qr.shape[0] * qr.shape[1], lay.head_dim, _sm_count(dev), per_sm)
+        kw = dict(q_lens_host=lens, num_splits=splits, out=out, work=work, block_m=bm, num_warps=warps, num_stages=2,
+                  pages_per_tile=1, page_max=False)
+        if not dequantize:
+            return triton_kernel.paged_attention(qr, layer.data, lay, layer.scales, block_tables, context_lens, starts,
+                                                 q_len, sm_scale, **kw)
+        from kernels.kv_dequant import reference as dq_ref
+        from kernels.kv_dequant import triton_kernel as dq
+
+        tables = block_tables.contiguous()
+        ws = dq.dequantize(layer.data, lay, tables, context_lens, dq_ref.allocate(lay, tables))
+        return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay), layer.scales,
+                                             dq_ref.workspace_tables(tables), context_lens, starts, q_len, sm_scale,
+                                             dequantized=True, **kw)
+
+
+def _sm_count(device: torch.device) -> int:
+    """SMs to plan split counts for; 1 off CUDA (the interpreter runs one program at a time, so
+    splitting would only add work)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _rotate_q(q: Tensor, layout: KVLayout) -> Tensor:

@@ -47,6 +47,9 @@ Dequantization in registers, tensor cores for both products:
   layout by impure PTX blocks and reaches the tensor cores as an fp16 tile through
   shared memory (mode 5; mode 6, the halves one after the other, for 32-row blocks) —
   the compiler's alternative is one shared-memory load per byte.
+- an fp16 workspace (``kv_dequant``: nvfp4 pages unpacked once for a long prefill chunk;
+  ``dequantized=True``, internal format id 4) is read like bf16 pages but as fp16 K and V
+  tiles with nvfp4's fp16 probabilities and global scales: no conversion in the loop.
 Under ``TRITON_INTERPRET=1`` tiles are fp32 instead (the interpreter mishandles 16-bit
 floats in dot products). Rows and columns are "halves" of the head dim (``[0, d/2)`` and
 ``[d/2, d)``), matching nvfp4's half-split packing, so nothing is ever interleaved.
@@ -197,8 +200,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
     HALF: tl.constexpr = D // 2
     offs_c = tl.arange(0, HALF)
     m = kmask[:, None]
-    if FMT == 0:
-        p = base.to(tl.pointer_type(tl.bfloat16))[:, None] + offs_n[:, None] * D + offs_c[None, :]
+    if FMT == 0 or FMT == 4:  # 4: an fp16 workspace of dequantized nvfp4 (``kv_dequant``)
+        p = base.to(tl.pointer_type(tl.bfloat16 if FMT == 0 else tl.float16))[:, None] + offs_n[:, None] * D + offs_c[None, :]
         lo, hi = _load_pair(p, HALF, m, MASKED)
         return lo.to(DT), hi.to(DT)
     elif FMT == 1:
@@ -584,8 +587,13 @@ def paged_attention(
     page_max: bool = True,
     uniform_t: int = 0,
     max_registers: int | None = None,
+    dequantized: bool = False,
 ) -> torch.Tensor:
     """Same meaning as ``reference.paged_attention`` (Q already in the K space).
+
+    ``dequantized``: ``cache`` is an fp16 workspace written by ``kv_dequant`` from an nvfp4
+    cache (``layout`` its bf16-geometry layout, ``kv_dequant.workspace_layout``; values are
+    the nvfp4 values / g * 2**-14, exact) and ``global_scales`` are the nvfp4 cache's.
 
     ``q_lens_host`` (the host copy of ``q_len``) avoids a device sync when ``work`` is not given.
     ``uniform_t`` > 0 (decode/verify: every sequence has that many new tokens, stored back to
@@ -600,6 +608,8 @@ def paged_attention(
     """
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
                  None if uniform_t else q_start, None if uniform_t else q_len)
+    if dequantized and layout.fmt is not KVFormat.BF16:
+        raise ValueError(f"a dequantized workspace has the bf16 page geometry, got a {layout.fmt.value} layout")
     total, hq, d = q.shape
     h = layout.num_kv_heads
     group = hq // h
@@ -636,7 +646,7 @@ def paged_attention(
     if not global_scales.is_contiguous():  # (dtype and shape: check_inputs)
         raise ValueError("global scales must be contiguous float32 [2, num_kv_heads]")
     # the kernel reads g itself; nvfp4 elements are fp16 patterns worth value * 2**-14
-    gs_mul = {KVFormat.BF16: 0.0, KVFormat.INT8: 0.0, KVFormat.NVFP4: 16384.0}.get(layout.fmt, 1.0)
+    gs_mul = 16384.0 if dequantized else {KVFormat.BF16: 0.0, KVFormat.INT8: 0.0, KVFormat.NVFP4: 16384.0}.get(layout.fmt, 1.0)
     split_out = num_splits > 1
     if split_out:
         if scratch is None:
@@ -667,11 +677,12 @@ def paged_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0),
         h,
-        FMT=FMT_ID[layout.fmt], D=d, G=group, PAGE=layout.page_size,
+        FMT=4 if dequantized else FMT_ID[layout.fmt], D=d, G=group, PAGE=layout.page_size,
         SCALE_OFF=layout.scale_offset, SB=max(layout.scale_bytes, 2),
         BLOCK_M=bm, NUM_SPLITS=num_splits, SPLIT_OUT=split_out,
-        KDT=tl.float32 if INTERPRET else (tl.float16 if layout.fmt in (KVFormat.FP8, KVFormat.NVFP4) else tl.bfloat16),
-        VDT=tl.float32 if INTERPRET else (tl.bfloat16 if layout.fmt is KVFormat.BF16 else tl.float16),
+        KDT=tl.float32 if INTERPRET else (tl.float16 if dequantized or layout.fmt in (KVFormat.FP8, KVFormat.NVFP4)
+                                          else tl.bfloat16),
+        VDT=tl.float32 if INTERPRET else (tl.bfloat16 if layout.fmt is KVFormat.BF16 and not dequantized else tl.float16),
         UNPACK_ASM=asm,
         NV_LOAD_K=DEFAULT_NV_LOAD_K if nv_load_k is None else nv_load_k,
         NV_LOAD_V=nv_load_v,
@@ -683,7 +694,7 @@ def paged_attention(
         LAZY=page_max and layout.fmt is not KVFormat.NVFP4 and bm <= 32,
         GS_MUL=gs_mul,
         UNIFORM_T=uniform_t, WPS=wps,
-        P_LOG2={KVFormat.BF16: 0.0, KVFormat.INT8: 12.0}.get(layout.fmt, 15.0),
+        P_LOG2=15.0 if dequantized else {KVFormat.BF16: 0.0, KVFormat.INT8: 12.0}.get(layout.fmt, 15.0),
         num_warps=nw, num_stages=ns, **({"maxnreg": max_registers} if max_registers else {}),
         **pdl.launch_kwargs(q.device, "attention"),
     )

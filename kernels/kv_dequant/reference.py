@@ -1,0 +1,89 @@
+"""nvfp4 pages -> an fp16 workspace: the dequantization a long prefill chunk reads instead.
+
+A prefill chunk of many query rows reads every cached page once per 64-row block, so the
+Triton attention kernel would unpack each nvfp4 page that many times; for a long chunk it is
+cheaper to unpack every page once into an fp16 **workspace** and let the attention read plain
+fp16 (``paged_attention.triton_kernel.paged_attention(..., dequantized=True)``).
+
+Workspace (``workspace_layout``): the bf16 page geometry of the same head layout, uint8
+``[B * W, 2, Hkv, 64 * 2d]``, each (page, K|V, head) block 64 rows of ``d`` fp16 values in
+head-dim order. Workspace page ``b * W + i`` holds page ``block_tables[b, i]`` of sequence ``b``
+(``W`` = the table's width), so the workspace's own block table is ``arange(B * W).view(B, W)``;
+pages at or past ``cdiv(context_lens[b], 64)`` are not written (never read either: the
+attention masks keys past the context). A value is the nvfp4 element times its E4M3 block
+scale times ``2**-14``, without the global scale (applied by the attention as for the cache
+itself): exact in fp16 (every E2M1 x E4M3 product is ``k * 2**-24`` with ``k < 2**11`` or a
+normal number with at most 8 significant bits), the same fp16 numbers the attention kernels
+unpack in registers. Rows past the context inside the last page hold whatever their bytes
+decode to (finite for pages written by the append or zero-allocated).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_append.reference import _regions, _scale_index
+from kernels.kv_formats.layout import KVFormat, KVLayout
+
+VALUE_SHIFT = 2.0**-14  # workspace value = nvfp4 value / g * VALUE_SHIFT
+
+
+def workspace_layout(layout: KVLayout) -> KVLayout:
+    """The workspace's page geometry: bf16's for the same heads (64 rows of 2d bytes)."""
+    if layout.fmt is not KVFormat.NVFP4:
+        raise ValueError(f"only nvfp4 caches are dequantized into a workspace, got {layout.fmt.value}")
+    return KVLayout.make("bf16", layout.num_kv_heads, layout.head_dim, hadamard=layout.hadamard)
+
+
+def check(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,
+          workspace: torch.Tensor) -> None:
+    """ValueError unless the shapes and dtypes fit (see the module doc)."""
+    layout.check_cache(cache)
+    ws = workspace_layout(layout)
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [B, W], got {block_tables.dtype} {list(block_tables.shape)}")
+    b, w = block_tables.shape
+    if context_lens.shape != (b,) or context_lens.dtype != torch.int32:
+        raise ValueError(f"context_lens must be int32 [{b}], got {context_lens.dtype} {list(context_lens.shape)}")
+    want = (b * w, 2, ws.num_kv_heads, ws.head_page_bytes)
+    if workspace.dtype != torch.uint8 or tuple(workspace.shape) != want or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be contiguous uint8 {list(want)}, got {workspace.dtype} "
+                         f"{list(workspace.shape)}")
+
+
+def allocate(layout: KVLayout, block_tables: torch.Tensor) -> torch.Tensor:
+    """An uninitialised workspace for ``block_tables`` [B, W]."""
+    ws = workspace_layout(layout)
+    b, w = block_tables.shape
+    return torch.empty(b * w, 2, ws.num_kv_heads, ws.head_page_bytes, dtype=torch.uint8, device=block_tables.device)
+
+
+def workspace_tables(block_tables: torch.Tensor) -> torch.Tensor:
+    """The workspace's block table: page ``b * W + i`` for entry ``(b, i)``."""
+    b, w = block_tables.shape
+    return torch.arange(b * w, dtype=torch.int32, device=block_tables.device).view(b, w)
+
+
+def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,
+               workspace: torch.Tensor) -> torch.Tensor:
+    """Write the pages of every sequence's context into ``workspace`` (module doc); returns it."""
+    check(cache, layout, block_tables, context_lens, workspace)
+    b, w = block_tables.shape
+    h, d, ps = layout.num_kv_heads, layout.head_dim, layout.page_size
+    codes_r, _ = _regions(cache, layout)
+    out = workspace.view(torch.float16).view(b * w, 2, h, ps, d)
+    used = torch.arange(w, device=cache.device)[None, :] < (context_lens.long()[:, None] + ps - 1) // ps
+    dst = torch.nonzero(used.reshape(-1)).squeeze(1)  # workspace pages to write
+    src = block_tables.reshape(-1).long()[dst]
+    if dst.numel() == 0:
+        return workspace
+    rows = torch.arange(ps, device=cache.device)
+    ones = torch.ones(dst.numel() * ps * h, dtype=torch.float32, device=cache.device)
+    for kv in (0, 1):
+        pages = src.repeat_interleave(ps)  # [n * ps]
+        offs = rows.repeat(dst.numel())
+        codes = codes_r[pages, kv, :, offs]  # [n * ps, H, cb]
+        scales = _regions(cache, layout)[1][_scale_index(layout, kv, pages, offs)]  # [n * ps, H, sb]
+        vals = layout.codec.decode(codes.reshape(-1, codes.shape[-1]), scales.reshape(-1, scales.shape[-1]), ones)
+        out[dst, kv] = (vals * VALUE_SHIFT).to(torch.float16).view(dst.numel(), ps, h, d).transpose(1, 2)
+    return workspace

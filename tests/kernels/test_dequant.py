@@ -1,0 +1,136 @@
+"""nvfp4 pages -> fp16 workspace (``kernels.kv_dequant``): Triton bytes == reference bytes,
+the workspace's values == the cache's dequantized values, and prefill over the workspace ==
+prefill over the packed pages to fp32 rounding (the backend's path for long chunks), split or whole
+batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.backend import KVCacheLayer, TritonBackend
+from kernels.kv_append import reference as append_ref
+from kernels.kv_dequant import reference as dq_ref
+from kernels.kv_dequant import triton_kernel as dq_tk
+from kernels.kv_formats import KVLayout
+from kernels.paged_attention import triton_kernel as attn_tk
+from kernels.paged_attention.reference import rotate_q
+from tests.kernels.helpers import build_case, rel_l2
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("d,h", [(64, 3), (256, 1)])
+def test_triton_workspace_bytes_equal_reference_and_dequantized_cache(d, h):
+    # fragmented tables, a sequence shorter than the table (its tail entries are not written),
+    # poisoned bytes past each context (the last page's tail rows decode whatever they hold)
+    case = build_case(KVLayout.make("nvfp4", h, d), [130, 40, 0], seed=d, device=DEV, magnitude=3.0)
+    tables, lens = case.block_tables, case.context_lens
+    a = dq_ref.allocate(case.layout, tables).fill_(0x5A)
+    b = dq_ref.allocate(case.layout, tables).fill_(0x5A)
+    dq_ref.dequantize(case.cache, case.layout, tables, lens, a)
+    dq_tk.dequantize(case.cache, case.layout, tables, lens, b)
+    assert torch.equal(a, b)
+    w = tables.shape[1]
+    vals = a.view(torch.float16).view(tables.shape[0], w, 2, h, 64, d)
+    for seq, n in enumerate(lens.tolist()):
+        k, v = append_ref.gather(case.cache, case.layout, tables[seq], max(n, 1), case.scales)
+        for kv, want in ((0, k[:n]), (1, v[:n])):
+            got = vals[seq, :, kv].permute(0, 2, 1, 3).reshape(w * 64, h, d)[:n].float()
+            assert torch.equal(got * case.scales[kv][None, :, None] / dq_ref.VALUE_SHIFT, want)
+        untouched = vals[seq, (n + 63) // 64 :].reshape(-1).view(torch.uint8)
+        assert bool((untouched == 0x5A).all())  # pages past the context are not written
+
+
+def test_prefill_over_the_workspace_equals_the_packed_pages():
+    layout = KVLayout.make("nvfp4", 2, 64)
+    case = build_case(layout, [150, 70], seed=3, device=DEV)
+    gen = torch.Generator().manual_seed(4)
+    ql = [40, 70]  # the second chunk is its whole context (no prefix)
+    q = torch.randn(sum(ql), 6, 64, generator=gen).to(torch.bfloat16).to(DEV)
+    layer = KVCacheLayer(layout, case.cache, case.scales)
+    direct = TritonBackend(prefill_workspace_bytes=0)
+    page = dq_ref.workspace_layout(layout).page_bytes
+    w = case.block_tables.shape[1]
+
+    def fp32_out():
+        return dict(sm_scale=0.125, out=torch.full(q.shape, float("nan"), device=DEV))
+
+    want = direct.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, **fp32_out())
+    for be in (TritonBackend(prefill_dequant_min_rows=1),  # the whole batch in one workspace
+               TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=w * page)):  # one sequence at a time
+        got = be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, **fp32_out())
+        assert rel_l2(got.cpu(), want.cpu()) <= 1e-6  # same fp16 values; row blocks of 128 vs 64
+    # and both agree with the fp64 evaluation over the dequantized cache
+    from tests.kernels.test_attention import _oracle
+
+    starts = torch.tensor([0, ql[0]], dtype=torch.int32, device=DEV)
+    ref = _oracle(case, rotate_q(q, layout), starts, torch.tensor(ql, dtype=torch.int32, device=DEV))
+    assert rel_l2(want.cpu(), ref) <= 1e-3
+
+
+@pytest.mark.parametrize("min_rows", [1 << 30, 1])  # over the packed pages / over the workspace
+def test_short_chunk_over_a_long_prefix_is_split(min_rows, monkeypatch):
+    # one row block per KV head would leave the GPU idle: the backend splits the prefix (on
+    # CPU it plans for one SM, so pretend to have eight)
+    import kernels.backend
+
+    monkeypatch.setattr(kernels.backend, "_sm_count", lambda device: 8)
+    layout = KVLayout.make("nvfp4", 2, 64)
+    case = build_case(layout, [1100], seed=6, device=DEV)
+    q = torch.randn(8, 6, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
+    be = TritonBackend(prefill_dequant_min_rows=min_rows)
+    assert be.prefill_splits(1, 2, case.block_tables.shape[1], 8 * 6, 64, 8, 1) == 2  # 18 pages: 8+ per split
+    assert be.prefill_splits(1, 2, 1000, 8 * 6, 64, 8, 1) == 8  # two waves of 8 SMs
+    assert be.prefill_splits(64, 2, 1000, 8 * 6, 64, 8, 1) == 1  # enough row blocks
+    layer = KVCacheLayer(layout, case.cache, case.scales)
+    out = torch.full(q.shape, float("nan"), device=DEV)
+    be.prefill_attention(q, layer, case.block_tables, case.context_lens, [8], sm_scale=0.125, out=out)
+    from tests.kernels.test_attention import _oracle
+
+    one = torch.tensor([8], dtype=torch.int32, device=DEV)
+    ref = _oracle(case, rotate_q(q, layout), torch.zeros(1, dtype=torch.int32, device=DEV), one)
+    assert rel_l2(out.cpu(), ref) <= 1e-3
+
+
+def test_bad_input_is_refused():
+    layout = KVLayout.make("nvfp4", 2, 64)
+    case = build_case(layout, [70], seed=1)
+    tables, lens = case.block_tables, case.context_lens
+    ws = dq_ref.allocate(layout, tables)
+    with pytest.raises(ValueError, match="only nvfp4"):
+        dq_ref.workspace_layout(KVLayout.make("fp8", 2, 64))
+    with pytest.raises(ValueError, match="workspace must be"):
+        dq_ref.dequantize(case.cache, layout, tables, lens, ws[:1])
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        dq_ref.dequantize(case.cache, layout, tables.long(), lens, ws)
+    with pytest.raises(ValueError, match="context_lens must be int32"):
+        dq_tk.dequantize(case.cache, layout, tables, lens.long(), ws)
+    with pytest.raises(ValueError, match="bf16 page geometry"):
+        q = torch.zeros(4, 6, 64)
+        attn_tk.paged_attention(q, case.cache, layout, case.scales, tables, lens, torch.zeros(1, dtype=torch.int32),
+                                torch.full((1,), 4, dtype=torch.int32), 0.125, dequantized=True)
+    with pytest.raises(ValueError, match="prefill_workspace_bytes"):
+        TritonBackend(prefill_workspace_bytes=-1)
+
+
+@pytest.mark.gpu
+def test_full_size_workspace_bytes_and_prefill_on_the_gpu():
+    """27B layout: a 4k chunk over a 33k prefix and a 1000-token chunk over nothing, through the
+    backend's workspace path (bytes equal to the reference's; attention within 1e-3 of fp64)."""
+    from tests.kernels.test_gpu_large import _oracle_gpu
+
+    layout = KVLayout.make("nvfp4", 4, 256)
+    case = build_case(layout, [32768 + 4096, 1000], seed=13, device="cuda")
+    tables, lens = case.block_tables, case.context_lens
+    a = dq_ref.dequantize(case.cache, layout, tables, lens, dq_ref.allocate(layout, tables).zero_())
+    b = dq_tk.dequantize(case.cache, layout, tables, lens, dq_ref.allocate(layout, tables).zero_())
+    assert torch.equal(a, b)
+    ql = [4096, 1000]
+    q = torch.randn(sum(ql), 24, 256, device="cuda").to(torch.bfloat16)
+    layer = KVCacheLayer(layout, case.cache, case.scales)
+    out = torch.empty(q.shape, device="cuda")
+    TritonBackend().prefill_attention(q, layer, tables, lens, ql, sm_scale=256**-0.5, out=out)
+    starts = torch.tensor([0, ql[0]], dtype=torch.int32, device="cuda")
+    ref = _oracle_gpu(case, rotate_q(q, layout), starts, torch.tensor(ql, dtype=torch.int32, device="cuda"))
+    assert rel_l2(out, ref) <= 1e-3
