@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine_service.loading.gguf import GGUFError, hf_tensor_name, open_gguf, unpermute_qk
-from tests.engine.fixtures_smollm2 import hf_smollm2_model, smollm2_source
+from tests.engine.fixtures_smollm2 import hf_smollm2_model, release_hf_smollm2_model, smollm2_source
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -273,7 +273,9 @@ def smol():
 @pytest.fixture(scope="module")
 def hf_state_dict():
     model = hf_smollm2_model()
-    return model.state_dict(), model.config
+    yield model.state_dict(), model.config
+    del model
+    release_hf_smollm2_model()
 
 
 def test_smollm2_config(smol, hf_state_dict):

@@ -113,6 +113,48 @@ def save_hybrid(directory: Path, head_dim: int = 64) -> None:
     getattr(mod, model_cls)(getattr(mod, cfg_cls)(**{**kwargs, "head_dim": head_dim})).float().save_pretrained(directory)
 
 
+# -- the real engine process (first: the test process is still small, and a large one slows
+# the engine's start on the CI machine) ----------------------------------------------------
+@pytest.fixture
+def nvfp4_engine(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    with engine_process(tmp_path, [
+        "--model", str(smollm2_gguf_path()), "--num-pages", "8", "--kv-dtype", "nvfp4", "--max-concurrency", "2",
+        "--log-level", "warning", "--cpu-threads", "1",
+    ]) as endpoints:
+        yield endpoints
+
+
+def test_engine_process_serves_with_nvfp4(nvfp4_engine) -> None:
+    from deepwell import grpcx
+    from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
+
+    address, metrics_url = nvfp4_engine
+    tok = Tokenizer.from_str(smollm2_source().files["tokenizer.json"]().decode("utf-8"))
+    ids = tok.encode(PROMPT).ids
+
+    async def go() -> tuple[engine_pb2.ModelInfo, list[int]]:
+        async with grpcx.aio_channel(address) as ch:
+            stub = engine_pb2_grpc.EngineStub(ch)
+            info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+            msgs = [m async for m in stub.Generate(engine_pb2.GenerateRequest(
+                prompt_token_ids=ids, sampling=engine_pb2.SamplingParams(temperature=0.0, max_tokens=4)))]
+        return info, [t for m in msgs if m.HasField("tokens") for t in m.tokens.token_ids]
+
+    try:
+        info, tokens = asyncio.run(go())
+    except grpc.aio.AioRpcError as exc:  # pragma: no cover - shows the server's reason
+        pytest.fail(f"{exc.code()}: {exc.details()}")
+    assert info.kv_dtype == "nvfp4" and info.page_size == 64
+    assert re.fullmatch(r"[0-9a-f]{16}", info.kv_calibration_digest), info.kv_calibration_digest
+    assert 1 <= len(tokens) <= 4 and all(0 <= t < info.vocab_size for t in tokens)
+    body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    assert 'deepwell_engine_kv_scale_blocks{kind="total",kv="k",model=' in body
+    assert 'deepwell_engine_kv_global_scale{kv="v",model=' in body
+    # the served counts: the first step's prompt at least (30 layers x 3 heads x 4 blocks per token)
+    served = re.search(r'deepwell_engine_kv_served_scales_total\{kind="total",kv="k",model="[^"]*"\} (\S+)', body)
+    assert served is not None and float(served.group(1)) >= len(ids) * 30 * 3 * 4, body[-2000:]
+
+
 # -- settings ------------------------------------------------------------------------------
 def parse(argv: list[str]) -> EngineConfig:
     p = argparse.ArgumentParser()
@@ -549,45 +591,3 @@ def test_metrics_export_the_calibration(smol) -> None:
     assert mn.registry.get_sample_value("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "nearest"}) == 1
     assert mn.registry.get_sample_value("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "feedback"}) == 0
     assert "lighthouse" in CALIBRATION_TEXT and "<tool_call>" in CALIBRATION_TEXT and "def " in CALIBRATION_TEXT
-
-
-# -- the real engine process -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def nvfp4_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    run_dir = tmp_path_factory.mktemp("engine_nvfp4")
-    with engine_process(run_dir, [
-        "--model", str(smollm2_gguf_path()), "--num-pages", "8", "--kv-dtype", "nvfp4", "--max-concurrency", "2",
-        "--log-level", "warning", "--cpu-threads", "1",
-    ]) as endpoints:
-        yield endpoints
-
-
-def test_engine_process_serves_with_nvfp4(nvfp4_engine, smol) -> None:
-    from deepwell import grpcx
-    from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
-
-    address, metrics_url = nvfp4_engine
-    _, tok = smol
-    ids = tok.encode(PROMPT).ids
-
-    async def go() -> tuple[engine_pb2.ModelInfo, list[int]]:
-        async with grpcx.aio_channel(address) as ch:
-            stub = engine_pb2_grpc.EngineStub(ch)
-            info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
-            msgs = [m async for m in stub.Generate(engine_pb2.GenerateRequest(
-                prompt_token_ids=ids, sampling=engine_pb2.SamplingParams(temperature=0.0, max_tokens=4)))]
-        return info, [t for m in msgs if m.HasField("tokens") for t in m.tokens.token_ids]
-
-    try:
-        info, tokens = asyncio.run(go())
-    except grpc.aio.AioRpcError as exc:  # pragma: no cover - shows the server's reason
-        pytest.fail(f"{exc.code()}: {exc.details()}")
-    assert info.kv_dtype == "nvfp4" and info.page_size == 64
-    assert re.fullmatch(r"[0-9a-f]{16}", info.kv_calibration_digest), info.kv_calibration_digest
-    assert 1 <= len(tokens) <= 4 and all(0 <= t < info.vocab_size for t in tokens)
-    body = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    assert 'deepwell_engine_kv_scale_blocks{kind="total",kv="k",model=' in body
-    assert 'deepwell_engine_kv_global_scale{kv="v",model=' in body
-    # the served counts: the first step's prompt at least (30 layers x 3 heads x 4 blocks per token)
-    served = re.search(r'deepwell_engine_kv_served_scales_total\{kind="total",kv="k",model="[^"]*"\} (\S+)', body)
-    assert served is not None and float(served.group(1)) >= len(ids) * 30 * 3 * 4, body[-2000:]

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from engine_service.runner import build_runner
 from engine_service.runner_api import ForwardBatch, SeqSlice
-from tests.engine.fixtures_smollm2 import hf_smollm2_model, smollm2_source
+from tests.engine.fixtures_smollm2 import hf_smollm2_model, release_hf_smollm2_model, smollm2_source
 
 PAGE = 64
 PAGES = 4  # 256 positions: enough for every prompt + 32 tokens here
@@ -41,7 +41,8 @@ def ours():
 
 @pytest.fixture(scope="module")
 def hf_model():
-    return hf_smollm2_model()
+    yield hf_smollm2_model()
+    release_hf_smollm2_model()
 
 
 def our_greedy(runner, prompt: list[int], steps: int, stop: int | None = None) -> tuple[list[int], list[torch.Tensor]]:
