@@ -277,6 +277,20 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
               flush=True)
         report("workspace attention alone: bm=128 warps=8 stages=2", bench(att))
         del ws
+        for long_prefix in (262144, 1048576) if chunk == 4096 and prefix == 65536 else ():
+            lay2, cache2, tables2, lens2, q2, _, _, fl2 = prefill_case(fmt, long_prefix, chunk)
+            layer2 = KVCacheLayer(lay2, cache2, lay2.default_scales("cuda"))
+            o2 = torch.empty_like(q2)
+            times = {}
+            for name, b2 in (("packed", TritonBackend(prefill_workspace_bytes=0)), ("workspace", TritonBackend())):
+                times[name] = bench(lambda: b2.prefill_attention(q2, layer2, tables2, lens2, [chunk], sm_scale=D**-0.5,
+                                                                 out=o2))
+            rows.append(dict(fmt=fmt, prefix=long_prefix, chunk=chunk, case="engine call variants",
+                             **{k + "_ms": v * 1e3 for k, v in times.items()}))
+            print(f"prefill {fmt} {chunk} over {long_prefix}: engine call "
+                  + ", ".join(f"{k} {v*1e3:.2f} ms ({fl2/v/1e12:.1f} TFLOP/s)" for k, v in times.items()), flush=True)
+            del cache2, layer2
+            torch.cuda.empty_cache()
         for short in (512, 128, 32, 8) if chunk == 4096 else ():
             lay2, cache2, tables2, lens2, q2, _, _, fl2 = prefill_case(fmt, prefix, short)
             layer2 = KVCacheLayer(lay2, cache2, lay2.default_scales("cuda"))

@@ -146,8 +146,10 @@ GLUON_MAX_TOKENS = 16
 # rows 229 -> 220, so the line lies between; docs/kernels.md)
 PREFILL_DEQUANT_MIN_ROWS = 1024
 # the most bytes such a workspace may take (per call, freed after it: the caching allocator
-# keeps it); a call whose batch needs more runs one sequence at a time, or unpacks in place
-PREFILL_WORKSPACE_BYTES = 1 << 30
+# keeps it), and at most half of the device memory free at the call (``_workspace_budget``);
+# a call whose batch needs more runs one sequence at a time, a longer context reads the
+# packed pages. 6 GiB hold 1.5M tokens of context at 4 KV heads x d = 256 (1 KB per token).
+PREFILL_WORKSPACE_BYTES = 6 << 30
 # the most bytes of fp32 split-K partials a prefill launch may take (``prefill_splits``)
 PREFILL_SPLIT_SCRATCH_BYTES = 256 << 20
 
@@ -167,6 +169,7 @@ class TritonBackend:
         self.gluon_max_tokens = gluon_max_tokens
         self.prefill_dequant_min_rows = prefill_dequant_min_rows
         self.prefill_workspace_bytes = prefill_workspace_bytes
+        self._budgets: dict[int, int] = {}  # CUDA device index -> workspace bytes (``_workspace_budget``)
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, validate: bool = True) -> None:
         from kernels.kv_append import triton_kernel
@@ -246,7 +249,8 @@ class TritonBackend:
 
         page = workspace_layout(layer.layout).page_bytes
         b, w = block_tables.shape
-        if b * w * page <= self.prefill_workspace_bytes:
+        budget = self._workspace_budget(q.device)
+        if b * w * page <= budget:
             return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True)
         # one sequence at a time (each within the budget: the table's width is its bound)
         start = 0
@@ -256,8 +260,22 @@ class TritonBackend:
             if n == 0:
                 continue
             self._prefill(qr[rows], layer, block_tables[i : i + 1], context_lens[i : i + 1], [n], sm_scale, out[rows],
-                          w * page <= self.prefill_workspace_bytes and n * group >= self.prefill_dequant_min_rows)
+                          w * page <= budget and n * group >= self.prefill_dequant_min_rows)
         return out
+
+    def _workspace_budget(self, device: torch.device) -> int:
+        """Bytes a prefill workspace may take: ``prefill_workspace_bytes``, and on CUDA at most
+        half of what was free at this device's first long prefill (the driver's free memory
+        plus the caching allocator's unused blocks; the engine's KV pool, sized at start-up,
+        leaves ``1 - memory_fraction`` of it). Asked once: the memory plan is fixed by then."""
+        if device.type != "cuda":
+            return self.prefill_workspace_bytes
+        key = device.index if device.index is not None else torch.cuda.current_device()
+        if key not in self._budgets:
+            free, _ = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            self._budgets[key] = min(self.prefill_workspace_bytes, (free + cached) // 2)
+        return self._budgets[key]
 
     def _dequantizes(self, layout: KVLayout, rows: int) -> bool:
         """Whether a prefill with ``rows`` query rows (longest chunk) may go through a workspace."""
