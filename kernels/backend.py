@@ -146,7 +146,8 @@ GLUON_MAX_TOKENS = 16
 # rows 229 -> 220, so the line lies between; docs/kernels.md)
 PREFILL_DEQUANT_MIN_ROWS = 1024
 # the most bytes such a workspace may take (per call, freed after it: the caching allocator
-# keeps it), and at most half of the device memory free at the call (``_workspace_budget``);
+# keeps it), and at most half of the device memory free at the first long prefill
+# (``_workspace_budget``);
 # a call whose batch needs more runs one sequence at a time, a longer context reads the
 # packed pages. 6 GiB hold 1.5M tokens of context at 4 KV heads x d = 256 (1 KB per token).
 PREFILL_WORKSPACE_BYTES = 6 << 30
