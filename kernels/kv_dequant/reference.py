@@ -70,20 +70,19 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
     check(cache, layout, block_tables, context_lens, workspace)
     b, w = block_tables.shape
     h, d, ps = layout.num_kv_heads, layout.head_dim, layout.page_size
-    codes_r, _ = _regions(cache, layout)
+    codes_r, scales_r = _regions(cache, layout)
     out = workspace.view(torch.float16).view(b * w, 2, h, ps, d)
     used = torch.arange(w, device=cache.device)[None, :] < (context_lens.long()[:, None] + ps - 1) // ps
     dst = torch.nonzero(used.reshape(-1)).squeeze(1)  # workspace pages to write
     src = block_tables.reshape(-1).long()[dst]
     if dst.numel() == 0:
         return workspace
-    rows = torch.arange(ps, device=cache.device)
+    pages = src.repeat_interleave(ps)  # [n * ps]: every row of every page to write
+    offs = torch.arange(ps, device=cache.device).repeat(dst.numel())
     ones = torch.ones(dst.numel() * ps * h, dtype=torch.float32, device=cache.device)
     for kv in (0, 1):
-        pages = src.repeat_interleave(ps)  # [n * ps]
-        offs = rows.repeat(dst.numel())
         codes = codes_r[pages, kv, :, offs]  # [n * ps, H, cb]
-        scales = _regions(cache, layout)[1][_scale_index(layout, kv, pages, offs)]  # [n * ps, H, sb]
+        scales = scales_r[_scale_index(layout, kv, pages, offs)]  # [n * ps, H, sb]
         vals = layout.codec.decode(codes.reshape(-1, codes.shape[-1]), scales.reshape(-1, scales.shape[-1]), ones)
         out[dst, kv] = (vals * VALUE_SHIFT).to(torch.float16).view(dst.numel(), ps, h, d).transpose(1, 2)
     return workspace
