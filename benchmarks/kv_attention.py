@@ -227,7 +227,7 @@ def prefill_case(fmt: str, prefix: int, chunk: int):
 
 def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) -> list[dict]:
     """The prefill of ``chunk`` tokens over a ``prefix``: the engine's call
-    (``TritonBackend.prefill_attention``: Q rotation, then for nvfp4 chunks of >= 512 query rows
+    (``TritonBackend.prefill_attention``: Q rotation, then for nvfp4 chunks of >= 1024 query rows
     the context unpacked once into an fp16 workspace and attention over it; Q rotation and the
     dequantization included), the attention kernel over the packed pages in three
     configurations (Q already rotated; the first is the backend's for short chunks), and the
@@ -278,38 +278,34 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
         report("workspace attention alone: bm=128 warps=8 stages=2", bench(att))
         del ws
         for long_prefix in (262144, 1048576) if chunk == 4096 and prefix == 65536 else ():
-            lay2, cache2, tables2, lens2, q2, _, _, fl2 = prefill_case(fmt, long_prefix, chunk)
-            layer2 = KVCacheLayer(lay2, cache2, lay2.default_scales("cuda"))
-            o2 = torch.empty_like(q2)
-            times = {}
-            for name, b2 in (("packed", TritonBackend(prefill_workspace_bytes=0)), ("workspace", TritonBackend())):
-                times[name] = bench(lambda: b2.prefill_attention(q2, layer2, tables2, lens2, [chunk], sm_scale=D**-0.5,
-                                                                 out=o2))
-            rows.append(dict(fmt=fmt, prefix=long_prefix, chunk=chunk, case="engine call variants",
-                             **{k + "_ms": v * 1e3 for k, v in times.items()}))
-            print(f"prefill {fmt} {chunk} over {long_prefix}: engine call "
-                  + ", ".join(f"{k} {v*1e3:.2f} ms ({fl2/v/1e12:.1f} TFLOP/s)" for k, v in times.items()), flush=True)
-            del cache2, layer2
-            torch.cuda.empty_cache()
+            rows.append(engine_call_variants(fmt, long_prefix, chunk, (
+                ("packed", dict(prefill_workspace_bytes=0)), ("workspace", {}))))
+            torch.cuda.empty_cache()  # its cache is gone with the call
         for short in (512, 128, 32, 8) if chunk == 4096 else ():
-            lay2, cache2, tables2, lens2, q2, _, _, fl2 = prefill_case(fmt, prefix, short)
-            layer2 = KVCacheLayer(lay2, cache2, lay2.default_scales("cuda"))
-            o2 = torch.empty_like(q2)
-            times = {}
-            for name, kw in (("packed, unsplit", dict(prefill_workspace_bytes=0, max_splits=1)),
-                             ("packed", dict(prefill_workspace_bytes=0)),
-                             ("workspace", dict(prefill_dequant_min_rows=1))):
-                b2 = TritonBackend(**kw)
-                times[name] = bench(lambda: b2.prefill_attention(q2, layer2, tables2, lens2, [short], sm_scale=D**-0.5,
-                                                                 out=o2))
-            default = "workspace" if be._dequantizes(lay2, short * HQ // HKV) else "packed"
-            rows.append(dict(fmt=fmt, prefix=prefix, chunk=short, case="engine call variants", default=default,
-                             **{k + "_ms": v * 1e3 for k, v in times.items()}))
-            print(f"prefill {fmt} {short} over {prefix}: engine call (default: {default}) "
-                  + ", ".join(f"{k} {v*1e3:.3f} ms ({fl2/v/1e12:.1f} TFLOP/s)" for k, v in times.items()), flush=True)
-            del cache2, layer2
+            rows.append(engine_call_variants(fmt, prefix, short, (
+                ("packed, unsplit", dict(prefill_workspace_bytes=0, max_splits=1)),
+                ("packed", dict(prefill_workspace_bytes=0)),
+                ("workspace", dict(prefill_dequant_min_rows=1)))))
             torch.cuda.empty_cache()
     return rows
+
+
+def engine_call_variants(fmt: str, prefix: int, chunk: int, variants) -> dict:
+    """The engine's prefill call (``TritonBackend.prefill_attention``) of ``chunk`` tokens over
+    ``prefix`` under each ``(name, TritonBackend keyword arguments)`` of ``variants``; the row
+    names the backend's default choice too."""
+    layout, cache, tables, lens, q, _, _, flops = prefill_case(fmt, prefix, chunk)
+    layer = KVCacheLayer(layout, cache, layout.default_scales("cuda"))
+    out = torch.empty_like(q)
+    times = {}
+    for name, kw in variants:
+        be = TritonBackend(**kw)
+        times[name] = bench(lambda: be.prefill_attention(q, layer, tables, lens, [chunk], sm_scale=D**-0.5, out=out))
+    default = "workspace" if TritonBackend()._dequantizes(layout, chunk * HQ // HKV) else "packed"
+    print(f"prefill {fmt} {chunk} over {prefix}: engine call (default: {default}) "
+          + ", ".join(f"{k} {v*1e3:.3f} ms ({flops/v/1e12:.1f} TFLOP/s)" for k, v in times.items()), flush=True)
+    return dict(fmt=fmt, prefix=prefix, chunk=chunk, case="engine call variants", default=default,
+                **{k + "_ms": v * 1e3 for k, v in times.items()})
 
 
 def append_case(fmt: str, counted: bool, fed: bool):
