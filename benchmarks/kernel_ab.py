@@ -14,7 +14,9 @@ heads, 4 KV heads, d = 256):
 - ``triton_kernel``: prefill of a 4k chunk over a 64k nvfp4 prefix (eager, TFLOP/s) and the
   Triton decode kernel (T = 1, graph replays);
 - ``kv_append``: one layer's append of a 64-sequence nvfp4 decode step (K centered, block
-  scales counted; nearest rounding and query-weighted rounding of K).
+  scales counted; nearest rounding and query-weighted rounding of K);
+- ``gluon_append``: the same through the Gluon nvfp4 append's ``launch`` directly (so a base
+  copy of that module is what runs), at one, two and four warps per program.
 
 Caches hold random valid codes and both versions read the same bytes, so when the page
 layout differs between them only the timing is comparable, not the outputs.
@@ -37,11 +39,13 @@ import torch  # noqa: E402
 from benchmarks.kv_attention import (D, HKV, HQ, append_case, bench, bench_graph, decode_case,  # noqa: E402
                                      graph_time, prefill_case)
 from kernels.backend import TritonBackend  # noqa: E402
+from kernels.hadamard.reference import scale as hadamard_scale  # noqa: E402
 
 MODULES = {
     "gluon_decode": "kernels.paged_attention.gluon_decode",
     "triton_kernel": "kernels.paged_attention.triton_kernel",
     "kv_append": "kernels.kv_append.triton_kernel",
+    "gluon_append": "kernels.kv_append.gluon_nvfp4",
 }
 DECODE_CASES = [(1, 64, 16384), (1, 1, 131072), (1, 8, 131072), (1, 64, 131072), (2, 8, 131072), (2, 64, 131072),
                 (4, 1, 16384), (4, 64, 16384), (4, 8, 131072), (4, 64, 131072)]
@@ -120,7 +124,20 @@ def append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
         yield (f"append nvfp4 64 x {HKV} heads, {label}", fns, lambda sec: f"{sec * 1e6:7.2f} us")
 
 
-CASES = {"gluon_decode": gluon_cases, "triton_kernel": triton_cases, "kv_append": append_cases}
+def gluon_append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
+    layout, cache, k, v, slots, scales, offset, counts, fb = append_case("nvfp4", True, True)
+    for label, feedback in (("nearest", None), ("feedback", fb)):
+        for warps in (1, 2, 4):
+            fns = {}
+            for name, m in mods.items():
+                call = (lambda m=m, feedback=feedback, warps=warps: m.launch(
+                    cache, layout, k, v, slots, scales, offset, counts, feedback, hadamard_scale(D), num_warps=warps))
+                fns[name] = lambda call=call: graph_time(call, 100)
+            yield (f"gluon append 64 x {HKV}, {label}, {warps} warps", fns, lambda sec: f"{sec * 1e6:7.2f} us")
+
+
+CASES = {"gluon_decode": gluon_cases, "triton_kernel": triton_cases, "kv_append": append_cases,
+         "gluon_append": gluon_append_cases}
 
 
 def main() -> int:

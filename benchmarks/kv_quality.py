@@ -47,6 +47,9 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   error feedback inside each 16-block, from the calibration window's queries, ``damp=D``
   relative damping, default 0.01); ``gptq=full`` (screening) pushes each element's error onto
   the whole rest of the row instead (GPTQ; the cache has no such rule);
+- ``fbspan=8`` (or 4; screening) with ``round=feedback``: each element's error pushed onto the
+  later elements of its own 8-element (4-element) part of the block only — shorter recursions
+  (eight steps instead of sixteen) for a cheaper encoder;
 - ``fbsink=1`` with ``round=feedback``: the window's first token (the attention sink: with
   ``--prefix "<|im_start|>"``, a chat template's first token) rounded to nearest, as the
   engine does for position 0;
@@ -115,6 +118,7 @@ class Config:
     feedback: bool = False  # round=feedback: the cache's query-weighted rounding of K
     vround: str = ""  # vround=wo|wosum: V rounded with feedback weighted by W_o (screening)
     fbsink: bool = False  # fbsink=1: round=feedback except the first token (nearest), as the engine
+    fbspan: int = 16  # fbspan=8 (screening): round=feedback's errors pushed only within 8-element halves
     vrot: bool = False  # vrot=1: V Hadamard-rotated in the cache, the output rotated back (screening)
 
     def quantizes(self, layer: int, kv: int) -> bool:
@@ -165,6 +169,8 @@ def parse_config(spec: str) -> Config:
             kw["gptq"] = choice(key, val, ("full",))
         elif key == "round":
             kw["feedback"] = choice(key, val, ("nearest", "feedback")) == "feedback"
+        elif key == "fbspan":
+            kw["fbspan"] = int(choice(key, val, ("4", "8", "16")))
         elif key == "fbsink":
             kw["fbsink"] = choice(key, val, ("0", "1")) == "1"
         elif key == "vround":
@@ -181,6 +187,8 @@ def parse_config(spec: str) -> Config:
             raise ValueError(f"unknown option {key!r} in {spec!r}")
     if kw.get("enc", "default") != "default" and (fmt != "nvfp4" or "kfmt" in kw):
         raise ValueError(f"enc= applies to nvfp4 only (and not with kfmt=): {spec!r}")
+    if kw.get("fbspan", 16) != 16 and not kw.get("feedback"):
+        raise ValueError(f"fbspan= needs round=feedback: {spec!r}")
     if kw.get("vrot") and kw.get("vround"):
         raise ValueError(f"vrot= and vround= do not combine (W_o's weights are in V's own basis): {spec!r}")
     if fmt not in ("fp8", "nvfp4") and kw.get("kfmt") not in ("fp8", "nvfp4"):
@@ -323,11 +331,15 @@ def q_covariance(q: torch.Tensor, h: int, hadamard: bool) -> torch.Tensor:
     return torch.einsum("nhgd,nhge->hde", qr, qr) / (n * hq // h)
 
 
-def block_diagonal(cov: torch.Tensor) -> torch.Tensor:
-    """[h, d, d] -> its 16x16 diagonal blocks [h, d/16, 16, 16]."""
+def block_diagonal(cov: torch.Tensor, span: int = nvfp4.BLOCK) -> torch.Tensor:
+    """[h, d, d] -> its 16x16 diagonal blocks [h, d/16, 16, 16]; ``span`` < 16: only the
+    ``span`` x ``span`` blocks on their diagonal kept (zero between them: feedback matrices
+    derived from it push errors within those spans only)."""
     h, d, _ = cov.shape
     bs = nvfp4.BLOCK
-    return torch.stack([cov[:, i * bs:(i + 1) * bs, i * bs:(i + 1) * bs] for i in range(d // bs)], 1)
+    out = torch.stack([cov[:, i * bs:(i + 1) * bs, i * bs:(i + 1) * bs] for i in range(d // bs)], 1)
+    idx = torch.arange(bs) // span
+    return out * (idx[:, None] == idx[None, :]).to(out.dtype)
 
 
 def gptq_round(x: torch.Tensor, g: torch.Tensor, cov: torch.Tensor, fmt: str, damp: float) -> torch.Tensor:
@@ -435,7 +447,7 @@ class KVRoundTrip:
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d)
             st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
             if cfg.feedback:  # the cache's rule, computed once from the calibration window
-                st["fb"][layer] = feedback.from_block_covariance(block_diagonal(st["qcov"][layer]), cfg.damp)
+                st["fb"][layer] = feedback.from_block_covariance(block_diagonal(st["qcov"][layer], cfg.fbspan), cfg.damp)
         if self.calibrating and cfg.vround:
             wo = self.o_proj[layer].double()  # [hidden, Hq, d]
             wg = wo.view(wo.shape[0], h, -1, d)  # [hidden, Hkv, group, d]

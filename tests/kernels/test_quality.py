@@ -63,6 +63,28 @@ def test_quality_orderings():
     assert kl["nvfp4+H:round=feedback"] <= 0.8 * kl["nvfp4+H"]
 
 
+def test_feedback_span_screening_option():
+    """``fbspan=8`` (screening) derives feedback matrices that push errors only within 8-element
+    halves of each block; it needs ``round=feedback`` and a span of 4, 8 or 16."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from benchmarks.kv_quality import block_diagonal, parse_config
+    from kernels.kv_formats import feedback
+
+    assert parse_config("nvfp4+H:round=feedback:fbspan=8").fbspan == 8
+    for bad in ("nvfp4+H:fbspan=8", "nvfp4+H:round=feedback:fbspan=3"):
+        with pytest.raises(ValueError):
+            parse_config(bad)
+    a = torch.randn(2, 64, 200, dtype=torch.float64)
+    cov = a @ a.transpose(1, 2) / 200
+    full, half = block_diagonal(cov), block_diagonal(cov, 8)
+    assert torch.equal(full[:, :, :8, :8], half[:, :, :8, :8]) and torch.equal(full[:, :, 8:, 8:], half[:, :, 8:, 8:])
+    fb = feedback.from_block_covariance(half)
+    assert fb[:, :, :8, 8:].abs().max() == 0 and fb[:, :, :8, :8].abs().max() > 0
+    assert feedback.from_block_covariance(full)[:, :, :8, 8:].abs().max() > 0
+
+
 def test_engine_quality_rejects_bad_specs():
     """``kv_quality_engine.py`` refuses an unknown KV dtype or option before loading anything."""
     for spec in ("fp4", "nvfp4:hadamard=maybe", "fp8:colour=red"):
