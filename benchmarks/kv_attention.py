@@ -279,7 +279,10 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
         del ws
         for long_prefix in (262144, 1048576) if chunk == 4096 and prefix == 65536 else ():
             rows.append(engine_call_variants(fmt, long_prefix, chunk, (
-                ("packed", dict(prefill_workspace_bytes=0)), ("workspace", {}))))
+                ("packed", dict(prefill_workspace_bytes=0)), ("workspace", {}),
+                # budgets the context exceeds: attended in segments of its pages
+                ("segments within 1 GiB", dict(prefill_workspace_bytes=1 << 30)),
+                ("segments within 512 MiB", dict(prefill_workspace_bytes=512 << 20)))))
             torch.cuda.empty_cache()  # its cache is gone with the call
         for short in (512, 128, 32, 8) if chunk == 4096 else ():
             rows.append(engine_call_variants(fmt, prefix, short, (

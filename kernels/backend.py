@@ -33,7 +33,9 @@ Contract:
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
 - ``prefill_attention`` (Triton) splits the keys of short chunks over long prefixes
   (``prefill_splits``) and reads long nvfp4 chunks' context from an fp16 workspace
-  (``kernels.kv_dequant``; ``PREFILL_DEQUANT_MIN_ROWS``, ``PREFILL_WORKSPACE_BYTES``).
+  (``kernels.kv_dequant``; ``PREFILL_DEQUANT_MIN_ROWS``, ``PREFILL_WORKSPACE_BYTES``), a
+  context longer than the workspace allows in segments of its pages (``_prefill_segments``:
+  this path reads the context length back to the host once per call).
 - ``decode_attention`` launches a grid that depends only on ``B``, ``T`` and
   ``num_splits`` (default from ``B`` and the SM count, never from context lengths), so a
   step is capturable in a CUDA graph; pass ``validate=False`` when capturing.
@@ -148,9 +150,13 @@ PREFILL_DEQUANT_MIN_ROWS = 1024
 # the most bytes such a workspace may take (per call, freed after it: the caching allocator
 # keeps it), and at most half of the device memory free at the first long prefill
 # (``_workspace_budget``);
-# a call whose batch needs more runs one sequence at a time, a longer context reads the
-# packed pages. 6 GiB hold 1.5M tokens of context at 4 KV heads x d = 256 (1 KB per token).
+# a call whose batch needs more runs one sequence at a time, and a sequence whose context
+# needs more is attended in segments of its pages (``_prefill_segments``). 6 GiB hold 1.5M
+# tokens of context at 4 KV heads x d = 256 (4 KB per token: fp16 K and V).
 PREFILL_WORKSPACE_BYTES = 6 << 30
+# the fewest pages a segment may hold (else the packed pages are read): every segment reads
+# the chunk's queries again and folds its partial result into the others
+PREFILL_SEGMENT_MIN_PAGES = 64
 # the most bytes of fp32 split-K partials a prefill launch may take (``prefill_splits``)
 PREFILL_SPLIT_SCRATCH_BYTES = 256 << 20
 
@@ -253,16 +259,67 @@ class TritonBackend:
         budget = self._workspace_budget(q.device)
         if b * w * page <= budget:
             return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True)
-        # one sequence at a time (each within the budget: the table's width is its bound)
+        # one sequence at a time (within the budget: the table's width bounds its pages), a
+        # longer one in segments of its pages, each through the workspace
         start = 0
         for i, n in enumerate(lens):
             rows = slice(start, start + n)
             start += n
             if n == 0:
                 continue
-            self._prefill(qr[rows], layer, block_tables[i : i + 1], context_lens[i : i + 1], [n], sm_scale, out[rows],
-                          w * page <= budget and n * group >= self.prefill_dequant_min_rows)
+            one = (block_tables[i : i + 1], context_lens[i : i + 1])
+            if n * group < self.prefill_dequant_min_rows:
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False)
+            elif w * page <= budget:
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True)
+            elif not self._prefill_segments(qr[rows], layer, *one, sm_scale, out[rows], budget):
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False)
         return out
+
+    def _prefill_segments(self, qr: Tensor, layer: KVCacheLayer, block_table: Tensor, context_len: Tensor,
+                          sm_scale: float, out: Tensor, budget: int) -> bool:
+        """One sequence's chunk ``qr`` (rotated) over a context whose workspace exceeds
+        ``budget``: its pages in segments that fit (after two fp32 partial results of the chunk),
+        each dequantized into the workspace and attended alone (``key_pages``), the partial
+        results folded together (``merge_partials``) — the same keys and values as one pass,
+        summed in another order. False (nothing done) when a segment would hold fewer than
+        ``PREFILL_SEGMENT_MIN_PAGES`` pages. Reads the context length back to the host (one sync
+        per call: pages past the context need no segment)."""
+        from kernels.kv_dequant import reference as dq_ref
+        from kernels.kv_dequant import triton_kernel as dq
+        from kernels.paged_attention import triton_kernel
+
+        lay = layer.layout
+        ws_lay = dq_ref.workspace_layout(lay)
+        n, hq, d = qr.shape
+        partial_bytes = n * hq * (d + 1) * 4
+        seg = (budget - 2 * partial_bytes) // ws_lay.page_bytes
+        if seg < PREFILL_SEGMENT_MIN_PAGES:
+            return False
+        dev = qr.device
+        pages = min(block_table.shape[1], -(-int(context_len[0]) // lay.page_size))
+        f32 = dict(dtype=torch.float32, device=dev)
+        o_run, lse_run = torch.empty(qr.shape, **f32), torch.empty(qr.shape[:2], **f32)
+        o_new, lse_new = torch.empty(qr.shape, **f32), torch.empty(qr.shape[:2], **f32)
+        ws = torch.empty(min(seg, pages), 2, lay.num_kv_heads, ws_lay.head_page_bytes, dtype=torch.uint8, device=dev)
+        # fastest measured over the workspace (``_prefill``): 128-row blocks, 8 warps, 2 stages
+        work = triton_kernel.work_items([n], hq // lay.num_kv_heads, 128, dev)
+        starts, q_len = _starts([n], dev), torch.tensor([n], dtype=torch.int32, device=dev)
+        ws_table = torch.zeros_like(block_table)
+        for index, lo in enumerate(range(0, max(pages, 1), seg)):
+            hi = min(lo + seg, pages)
+            seg_ctx = (context_len - lo * lay.page_size).clamp(0, (hi - lo) * lay.page_size).to(torch.int32)
+            dq.dequantize(layer.data, lay, block_table[:, lo:hi].contiguous(), seg_ctx, ws[: hi - lo])
+            ws_table.zero_()
+            ws_table[0, lo:hi] = torch.arange(hi - lo, dtype=torch.int32, device=dev)
+            triton_kernel.paged_attention(
+                qr, ws, ws_lay, layer.scales, ws_table, context_len, starts, q_len, sm_scale, q_lens_host=[n],
+                dequantized=True, key_pages=(lo, hi), partial=(o_run, lse_run) if index == 0 else (o_new, lse_new),
+                work=work, block_m=128, num_warps=8, num_stages=2, pages_per_tile=1, page_max=False)
+            if index:
+                triton_kernel.merge_partials(o_run, lse_run, o_new, lse_new)
+        out.copy_(o_run)
+        return True
 
     def _workspace_budget(self, device: torch.device) -> int:
         """Bytes a prefill workspace may take: ``prefill_workspace_bytes``, and on CUDA at most

@@ -397,11 +397,11 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
     return acc_lo, acc_hi, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["win_lo", "win_hi"])
 def paged_attention_fwd_kernel(
     q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr,
     block_table_ptr, ctx_len_ptr, q_start_ptr, q_len_ptr, work_seq_ptr, work_row_ptr,
-    qk_scale,
+    qk_scale, win_lo, win_hi,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cp, stride_ckv, stride_ch, stride_bt,
     NUM_KV_HEADS,
@@ -445,6 +445,9 @@ def paged_attention_fwd_kernel(
     pps = tl.cdiv(tl.cdiv(num_pages, NUM_SPLITS), TILE_PAGES) * TILE_PAGES
     p_lo = split * pps
     p_hi = tl.minimum(p_lo + pps, num_pages)
+    # the caller's key window (absolute pages [win_lo, win_hi); everything by default)
+    p_lo = tl.maximum(p_lo, win_lo)
+    p_hi = tl.minimum(p_hi, win_hi)
 
     offs_c = tl.arange(0, HALF)
     q_rows = q_ptr + (q0 + t).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
@@ -495,8 +498,21 @@ def paged_attention_fwd_kernel(
         part = (q0 + t).to(tl.int64) * (NUM_KV_HEADS * G) + head
         tl.store(lse_ptr + part * NUM_SPLITS + split, lse, mask=row_ok)
         o_rows = opart_ptr + (part * NUM_SPLITS + split)[:, None] * D
-        tl.store(o_rows + offs_c[None, :], o_lo, mask=row_ok[:, None])
-        tl.store(o_rows + HALF + offs_c[None, :], o_hi, mask=row_ok[:, None])
+        if BLOCK_M >= 128:
+            # fp32 [128, d/2] stores in quarters of the head dim: the layout conversion before each
+            # store then needs half the shared memory (H200, 4k chunk over a 256k workspace: the
+            # kernel compiled with whole-half fp32 stores ran 10% slower)
+            QUART: tl.constexpr = HALF // 2
+            offs_q = tl.arange(0, QUART)
+            a, b2 = tl.split(tl.permute(tl.reshape(o_lo, [BLOCK_M, 2, QUART]), (0, 2, 1)))
+            c, d2 = tl.split(tl.permute(tl.reshape(o_hi, [BLOCK_M, 2, QUART]), (0, 2, 1)))
+            tl.store(o_rows + offs_q[None, :], a, mask=row_ok[:, None])
+            tl.store(o_rows + QUART + offs_q[None, :], b2, mask=row_ok[:, None])
+            tl.store(o_rows + HALF + offs_q[None, :], c, mask=row_ok[:, None])
+            tl.store(o_rows + HALF + QUART + offs_q[None, :], d2, mask=row_ok[:, None])
+        else:
+            tl.store(o_rows + offs_c[None, :], o_lo, mask=row_ok[:, None])
+            tl.store(o_rows + HALF + offs_c[None, :], o_hi, mask=row_ok[:, None])
     else:
         o_rows = out_ptr + (q0 + t).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh
         tl.store(o_rows + offs_c[None, :], o_lo.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -588,6 +604,8 @@ def paged_attention(
     uniform_t: int = 0,
     max_registers: int | None = None,
     dequantized: bool = False,
+    key_pages: tuple[int, int] | None = None,
+    partial: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same meaning as ``reference.paged_attention`` (Q already in the K space).
 
@@ -605,6 +623,14 @@ def paged_attention(
     per thread (``ptxas`` ``maxnreg``: more programs per SM, possibly spills). ``q_len`` must
     not exceed ``context_lens`` (the reference raises; checking here would need a device
     sync): a query row that sees no key comes out as zeros, split or not.
+
+    ``key_pages=(lo, hi)``: only the keys in pages ``[lo, hi)`` of every sequence (absolute
+    page indices, causal masking as always) — one segment of a context whose pieces are
+    attended one at a time (the backend's segmented workspace). ``partial=(o, lse)`` (fp32,
+    ``[tokens, Hq, d]`` and ``[tokens, Hq]``, contiguous; ``num_splits`` must be 1): the result
+    is left unmerged there — ``o`` normalized over the keys seen and ``lse`` their
+    log2-sum-exp (``-inf`` and zeros for a row that saw none), what ``merge_partials`` combines —
+    and ``out`` is not written.
     """
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
                  None if uniform_t else q_start, None if uniform_t else q_len)
@@ -647,7 +673,22 @@ def paged_attention(
         raise ValueError("global scales must be contiguous float32 [2, num_kv_heads]")
     # the kernel reads g itself; nvfp4 elements are fp16 patterns worth value * 2**-14
     gs_mul = 16384.0 if dequantized else {KVFormat.BF16: 0.0, KVFormat.INT8: 0.0, KVFormat.NVFP4: 16384.0}.get(layout.fmt, 1.0)
-    split_out = num_splits > 1
+    if key_pages is not None and not 0 <= key_pages[0] <= key_pages[1]:
+        raise ValueError(f"key_pages must be (lo, hi) with 0 <= lo <= hi, got {key_pages}")
+    win_lo, win_hi = key_pages if key_pages is not None else (0, 1 << 30)
+    win_hi = min(win_hi, 1 << 30)
+    if partial is not None:
+        if num_splits != 1:
+            raise ValueError(f"partial outputs need num_splits=1, got {num_splits}")
+        po, pl = partial
+        if (po.dtype != torch.float32 or pl.dtype != torch.float32 or tuple(po.shape) != tuple(q.shape)
+                or tuple(pl.shape) != tuple(q.shape[:2]) or not po.is_contiguous() or not pl.is_contiguous()
+                or po.device != q.device or pl.device != q.device):
+            raise ValueError(f"partial must be contiguous float32 tensors {list(q.shape)} and {list(q.shape[:2])} "
+                             f"on {q.device}")
+    split_out = num_splits > 1 or partial is not None
+    if partial is not None:
+        scratch = partial
     if split_out:
         if scratch is None:
             scratch = (
@@ -673,7 +714,7 @@ def paged_attention(
     paged_attention_fwd_kernel[grid](
         q, out, opart, lse, cache, global_scales,
         block_tables, context_lens, q_start, q_len, work[0], work[1],
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, win_lo, win_hi,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0),
         h,
@@ -698,6 +739,23 @@ def paged_attention(
         num_warps=nw, num_stages=ns, **({"maxnreg": max_registers} if max_registers else {}),
         **pdl.launch_kwargs(q.device, "attention"),
     )
-    if split_out:
+    if split_out and partial is None:
         merge_splits(out, opart, lse, num_splits)
     return out
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor) -> None:
+    """Fold the partial result ``(o_new, lse_new)`` of more keys into ``(o, lse)`` in place
+    (``paged_attention(..., partial=...)``: fp32 ``[tokens, Hq, d]`` normalized outputs and
+    ``[tokens, Hq]`` log2-sum-exps): the attention over both key sets, ``-inf`` / zeros where
+    neither saw a key. Plain torch: a few passes over the rows, once per segment."""
+    m = torch.maximum(lse, lse_new)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa = torch.exp2(lse - m)  # 0 where lse is -inf
+    wb = torch.exp2(lse_new - m)
+    tot = wa + wb
+    seen = tot > 0
+    inv = torch.where(seen, 1.0 / torch.where(seen, tot, torch.ones_like(tot)), torch.zeros_like(tot))
+    o.mul_((wa * inv)[..., None]).add_(o_new * (wb * inv)[..., None])
+    lse.copy_(torch.where(seen, m + torch.log2(torch.where(seen, tot, torch.ones_like(tot))),
+                          torch.full_like(tot, float("-inf"))))

@@ -69,6 +69,74 @@ def test_prefill_over_the_workspace_equals_the_packed_pages():
     assert rel_l2(want.cpu(), ref) <= 1e-3
 
 
+def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
+    # the first sequence's context (10 pages) needs more workspace than the budget holds: its
+    # pages go through the workspace three at a time ([0, 3), [3, 6), [6, 9), [9, 10): the
+    # chunk's causal pages 8-9 straddle a boundary), the partial results folded together; the
+    # second sequence's table row is as wide (over the budget) but its 2 pages are one segment;
+    # both equal the packed pages' prefill and the fp64 oracle
+    import kernels.backend
+
+    monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 2)
+    layout = KVLayout.make("nvfp4", 2, 64)
+    case = build_case(layout, [600, 70], seed=8, device=DEV)
+    ql = [40, 30]
+    q = torch.randn(sum(ql), 6, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
+    layer = KVCacheLayer(layout, case.cache, case.scales)
+    page = dq_ref.workspace_layout(layout).page_bytes
+    partials = 2 * ql[0] * 6 * 65 * 4
+    calls = []
+    real = attn_tk.paged_attention
+
+    def spy(*args, **kw):
+        calls.append(kw.get("key_pages"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attn_tk, "paged_attention", spy)
+    be = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=partials + 3 * page + 100)
+    got = be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125,
+                               out=torch.full(q.shape, float("nan"), device=DEV))
+    assert calls == [(0, 3), (3, 6), (6, 9), (9, 10), (0, 2)]
+    monkeypatch.setattr(attn_tk, "paged_attention", real)
+    want = TritonBackend(prefill_workspace_bytes=0).prefill_attention(
+        q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125, out=torch.empty(q.shape, device=DEV))
+    assert rel_l2(got.cpu(), want.cpu()) <= 1e-5
+    from tests.kernels.test_attention import _oracle
+
+    starts = torch.tensor([0, ql[0]], dtype=torch.int32, device=DEV)
+    ref = _oracle(case, rotate_q(q, layout), starts, torch.tensor(ql, dtype=torch.int32, device=DEV))
+    assert rel_l2(got.cpu(), ref) <= 1e-3
+    # a budget whose segments would hold fewer pages than the minimum reads the packed pages
+    monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 4)
+    calls.clear()
+    monkeypatch.setattr(attn_tk, "paged_attention", spy)
+    be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125)
+    assert calls == [None, None]
+
+
+def test_partial_outputs_fold_into_the_whole_attention():
+    # two key windows' partial results folded by merge_partials == one pass over all keys
+    layout = KVLayout.make("bf16", 1, 64)
+    case = build_case(layout, [300], seed=2, device=DEV)
+    q = torch.randn(20, 3, 64, generator=torch.Generator().manual_seed(5)).to(DEV)
+    args = (q, case.cache, layout, case.scales, case.block_tables, case.context_lens,
+            torch.zeros(1, dtype=torch.int32, device=DEV), torch.tensor([20], dtype=torch.int32, device=DEV), 0.125)
+    whole = attn_tk.paged_attention(*args, out=torch.empty(q.shape, device=DEV))
+    parts = [(torch.empty(q.shape, device=DEV), torch.empty(q.shape[:2], device=DEV)) for _ in range(3)]
+    for (lo, hi), part in zip(((0, 2), (2, 5), (7, 9)), parts):  # the last window lies past the context
+        attn_tk.paged_attention(*args, key_pages=(lo, hi), partial=part)
+    assert bool(torch.isinf(parts[2][1]).all()) and not bool(parts[2][0].any())
+    for o_new, lse_new in parts[1:]:
+        attn_tk.merge_partials(parts[0][0], parts[0][1], o_new, lse_new)
+    assert rel_l2(parts[0][0].cpu(), whole.cpu()) <= 1e-6
+    with pytest.raises(ValueError, match="num_splits=1"):
+        attn_tk.paged_attention(*args, num_splits=2, partial=parts[0])
+    with pytest.raises(ValueError, match="partial must be"):
+        attn_tk.paged_attention(*args, partial=(parts[0][0], parts[0][1][:1]))
+    with pytest.raises(ValueError, match="key_pages"):
+        attn_tk.paged_attention(*args, key_pages=(3, 1))
+
+
 @pytest.mark.parametrize("min_rows", [1 << 30, 1])  # over the packed pages / over the workspace
 def test_short_chunk_over_a_long_prefix_is_split(min_rows, monkeypatch):
     # one row block per KV head would leave the GPU idle: the backend splits the prefix (on
@@ -134,3 +202,28 @@ def test_full_size_workspace_bytes_and_prefill_on_the_gpu():
     starts = torch.tensor([0, ql[0]], dtype=torch.int32, device="cuda")
     ref = _oracle_gpu(case, rotate_q(q, layout), starts, torch.tensor(ql, dtype=torch.int32, device="cuda"))
     assert rel_l2(out, ref) <= 1e-3
+
+
+@pytest.mark.gpu
+def test_full_size_segmented_prefill_on_the_gpu():
+    """27B layout: a 4k chunk over a 40k context through a workspace budget that holds a third
+    of it (three segments): within 1e-5 of the one-workspace path and 1e-3 of fp64."""
+    from tests.kernels.test_gpu_large import _oracle_gpu
+
+    layout = KVLayout.make("nvfp4", 4, 256)
+    ctx, n = 40000, 4096
+    case = build_case(layout, [ctx], seed=14, device="cuda")
+    q = torch.randn(n, 24, 256, device="cuda").to(torch.bfloat16)
+    layer = KVCacheLayer(layout, case.cache, case.scales)
+    page = dq_ref.workspace_layout(layout).page_bytes
+    budget = 2 * n * 24 * 257 * 4 + (ctx // 64 // 3 + 1) * page
+    seg = torch.empty(q.shape, device="cuda")
+    TritonBackend(prefill_workspace_bytes=budget).prefill_attention(q, layer, case.block_tables, case.context_lens, [n],
+                                                                    sm_scale=256**-0.5, out=seg)
+    whole = torch.empty(q.shape, device="cuda")
+    TritonBackend().prefill_attention(q, layer, case.block_tables, case.context_lens, [n], sm_scale=256**-0.5,
+                                      out=whole)
+    assert rel_l2(seg, whole) <= 1e-5
+    one = torch.tensor([n], dtype=torch.int32, device="cuda")
+    ref = _oracle_gpu(case, rotate_q(q, layout), torch.zeros(1, dtype=torch.int32, device="cuda"), one)
+    assert rel_l2(seg, ref) <= 1e-3
