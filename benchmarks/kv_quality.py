@@ -50,6 +50,10 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``fbspan=8`` (or 4; screening) with ``round=feedback``: each element's error pushed onto the
   later elements of its own 8-element (4-element) part of the block only — shorter recursions
   (eight steps instead of sixteen) for a cheaper encoder;
+- ``fbsearch=1`` (screening, nvfp4) with ``round=feedback``: K's block scale chosen jointly
+  with the rounding — every candidate of the codec's list rounded with feedback, the one whose
+  error has the smallest query-weighted energy kept (the codec picks it by plain squared error
+  before rounding);
 - ``fbsink=1`` with ``round=feedback``: the window's first token (the attention sink: with
   ``--prefix "<|im_start|>"``, a chat template's first token) rounded to nearest, as the
   engine does for position 0;
@@ -119,6 +123,7 @@ class Config:
     vround: str = ""  # vround=wo|wosum: V rounded with feedback weighted by W_o (screening)
     fbsink: bool = False  # fbsink=1: round=feedback except the first token (nearest), as the engine
     fbspan: int = 16  # fbspan=8 (screening): round=feedback's errors pushed only within 8-element halves
+    fbsearch: bool = False  # fbsearch=1 (screening): nvfp4 K's block scale chosen by the feedback-rounded weighted error
     vrot: bool = False  # vrot=1: V Hadamard-rotated in the cache, the output rotated back (screening)
 
     def quantizes(self, layer: int, kv: int) -> bool:
@@ -169,6 +174,8 @@ def parse_config(spec: str) -> Config:
             kw["gptq"] = choice(key, val, ("full",))
         elif key == "round":
             kw["feedback"] = choice(key, val, ("nearest", "feedback")) == "feedback"
+        elif key == "fbsearch":
+            kw["fbsearch"] = choice(key, val, ("0", "1")) == "1"
         elif key == "fbspan":
             kw["fbspan"] = int(choice(key, val, ("4", "8", "16")))
         elif key == "fbsink":
@@ -187,8 +194,10 @@ def parse_config(spec: str) -> Config:
             raise ValueError(f"unknown option {key!r} in {spec!r}")
     if kw.get("enc", "default") != "default" and (fmt != "nvfp4" or "kfmt" in kw):
         raise ValueError(f"enc= applies to nvfp4 only (and not with kfmt=): {spec!r}")
-    if kw.get("fbspan", 16) != 16 and not kw.get("feedback"):
-        raise ValueError(f"fbspan= needs round=feedback: {spec!r}")
+    if (kw.get("fbspan", 16) != 16 or kw.get("fbsearch")) and not kw.get("feedback"):
+        raise ValueError(f"fbspan= and fbsearch= need round=feedback: {spec!r}")
+    if kw.get("fbsearch") and (fmt != "nvfp4" or "kfmt" in kw):
+        raise ValueError(f"fbsearch= applies to nvfp4 K: {spec!r}")
     if kw.get("vrot") and kw.get("vround"):
         raise ValueError(f"vrot= and vround= do not combine (W_o's weights are in V's own basis): {spec!r}")
     if fmt not in ("fp8", "nvfp4") and kw.get("kfmt") not in ("fp8", "nvfp4"):
@@ -340,6 +349,38 @@ def block_diagonal(cov: torch.Tensor, span: int = nvfp4.BLOCK) -> torch.Tensor:
     out = torch.stack([cov[:, i * bs:(i + 1) * bs, i * bs:(i + 1) * bs] for i in range(d // bs)], 1)
     idx = torch.arange(bs) // span
     return out * (idx[:, None] == idx[None, :]).to(out.dtype)
+
+
+def joint_feedback_encode(x: torch.Tensor, g: torch.Tensor, fb: torch.Tensor,
+                          cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nvfp4 K rows [N, d] rounded with error feedback ``fb`` under, per block, the candidate
+    scale (the codec's K list) whose feedback-rounded error ``e`` has the smallest ``e^T C_b e``
+    (``cov`` [N, d/16, 16, 16]: the block's query covariance), ties keeping the earlier
+    candidate (screening ``fbsearch=1``: the codec picks the scale by plain squared error first)."""
+    n, d = x.shape
+    x = x.to(torch.float32)
+    c6, _ = e4m3.encode_magnitude(nvfp4.block_scale_input(x, g))
+    m = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // 16, 16).amax(-1)
+    c4, _ = e4m3.encode_magnitude(m * 0.25)
+    cands = nvfp4.scale_candidates(nvfp4.first_candidate(c6, m, True), c4, True)
+    best_codes = best_err = best_sc = None
+    for c in cands:
+        sc = torch.where(c6 > 0, c, 0).to(torch.uint8)
+        codes, _ = nvfp4.encode_with_feedback(x, g, sc, fb)
+        e = (nvfp4.decode(codes, sc, g) - x).double().view(n, d // 16, 16)
+        err = torch.einsum("nbi,nbij,nbj->nb", e, cov.double(), e)
+        if best_err is None:
+            best_codes, best_err, best_sc = codes.clone(), err, sc
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_sc = torch.where(better, sc, best_sc)
+        # a block's 16 elements are bytes j and j + d/2 of the half-split packing: rebuild per block
+        bmask = better.repeat_interleave(16, dim=1)  # [N, d] element mask
+        old_idx, old_neg = nvfp4.unpack_codes(best_codes)
+        new_idx, new_neg = nvfp4.unpack_codes(codes)
+        best_codes = nvfp4.pack_codes(torch.where(bmask, new_idx, old_idx), torch.where(bmask, new_neg, old_neg))
+    return best_codes, best_sc
 
 
 def gptq_round(x: torch.Tensor, g: torch.Tensor, cov: torch.Tensor, fmt: str, damp: float) -> torch.Tensor:
@@ -495,7 +536,13 @@ class KVRoundTrip:
                             fb = fb.clone()
                             fb[:, 0] = 0.0
                         extra["feedback"] = fb.reshape(b * t * h, *fb.shape[3:])
-                    codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
+                    if kv == 0 and cfg.fbsearch:
+                        cb = st["qcov"][layer]
+                        cb = block_diagonal(cb, cfg.fbspan).expand(b * t, *cb.shape[:1], d // 16, 16, 16)
+                        codes, sc = joint_feedback_encode(rows.reshape(-1, d), gg, extra["feedback"],
+                                                          cb.reshape(b * t * h, d // 16, 16, 16))
+                    else:
+                        codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
             st["err"][kv] += float(((deq - rows).double() ** 2).sum())
             st["energy"][kv] += float((rows.double() ** 2).sum())
