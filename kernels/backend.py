@@ -159,6 +159,8 @@ PREFILL_WORKSPACE_BYTES = 6 << 30
 PREFILL_SEGMENT_MIN_PAGES = 64
 # the most bytes of fp32 split-K partials a prefill launch may take (``prefill_splits``)
 PREFILL_SPLIT_SCRATCH_BYTES = 256 << 20
+# the fewest pages a prefill split may hold (``prefill_splits``, and within segments)
+PREFILL_SPLIT_MIN_PAGES = 8
 
 
 class TritonBackend:
@@ -279,12 +281,13 @@ class TritonBackend:
     def _prefill_segments(self, qr: Tensor, layer: KVCacheLayer, block_table: Tensor, context_len: Tensor,
                           sm_scale: float, out: Tensor, budget: int) -> bool:
         """One sequence's chunk ``qr`` (rotated) over a context whose workspace exceeds
-        ``budget``: its pages in segments that fit (after two fp32 partial results of the chunk),
-        each dequantized into the workspace and attended alone (``key_pages``), the partial
-        results folded together (``merge_partials``) — the same keys and values as one pass,
-        summed in another order. False (nothing done) when a segment would hold fewer than
-        ``PREFILL_SEGMENT_MIN_PAGES`` pages. Reads the context length back to the host (one sync
-        per call: pages past the context need no segment)."""
+        ``budget``: its pages in segments that fit (after the fp32 partial results of the chunk:
+        a running one and one per split), each dequantized into the workspace and attended alone
+        (``key_pages``; split along the keys like ``_prefill`` when the chunk's row blocks
+        would leave SMs idle), the partial results folded together (``merge_partials``) — the
+        same keys and values as one pass, summed in another order. False (nothing done) when a
+        segment would hold fewer than ``PREFILL_SEGMENT_MIN_PAGES`` pages. Reads the context
+        length back to the host (one sync per call: pages past the context need no segment)."""
         from kernels.kv_dequant import reference as dq_ref
         from kernels.kv_dequant import triton_kernel as dq
         from kernels.paged_attention import triton_kernel
@@ -292,21 +295,24 @@ class TritonBackend:
         lay = layer.layout
         ws_lay = dq_ref.workspace_layout(lay)
         n, hq, d = qr.shape
-        partial_bytes = n * hq * (d + 1) * 4
-        seg = (budget - 2 * partial_bytes) // ws_lay.page_bytes
-        if seg < PREFILL_SEGMENT_MIN_PAGES:
-            return False
         dev = qr.device
         pages = min(block_table.shape[1], -(-int(context_len[0]) // lay.page_size))
-        f32 = dict(dtype=torch.float32, device=dev)
-        o_run, lse_run = torch.empty(qr.shape, **f32), torch.empty(qr.shape[:2], **f32)
-        o_new, lse_new = torch.empty(qr.shape, **f32), torch.empty(qr.shape[:2], **f32)
-        ws = torch.empty(min(seg, pages), 2, lay.num_kv_heads, ws_lay.head_page_bytes, dtype=torch.uint8, device=dev)
-        # fastest measured over the workspace (``_prefill``): 128-row blocks, 8 warps, 2 stages
+        # fastest measured over the workspace (``_prefill``): 128-row blocks, 8 warps, 2 stages,
+        # one program per SM; a chunk of few row blocks splits each segment's keys as well
         work = triton_kernel.work_items([n], hq // lay.num_kv_heads, 128, dev)
+        splits = self.prefill_splits(work[0].numel(), lay.num_kv_heads, pages, n * hq, d, _sm_count(dev), 1)
+        row_bytes = n * hq * (d + 1) * 4  # one fp32 partial result of the chunk
+        seg = (budget - (1 + splits) * row_bytes) // ws_lay.page_bytes
+        if seg < PREFILL_SEGMENT_MIN_PAGES:
+            return False
+        splits = max(1, min(splits, min(seg, pages) // PREFILL_SPLIT_MIN_PAGES))  # of a segment, too
+        f32 = dict(dtype=torch.float32, device=dev)
+        o_run, lse_run = torch.zeros(qr.shape, **f32), torch.full(qr.shape[:2], float("-inf"), **f32)
+        o_new, lse_new = torch.empty(n, hq, splits, d, **f32), torch.empty(n, hq, splits, **f32)
+        ws = torch.empty(min(seg, pages), 2, lay.num_kv_heads, ws_lay.head_page_bytes, dtype=torch.uint8, device=dev)
         starts, q_len = _starts([n], dev), torch.tensor([n], dtype=torch.int32, device=dev)
         ws_table = torch.zeros_like(block_table)
-        for index, lo in enumerate(range(0, max(pages, 1), seg)):
+        for lo in range(0, max(pages, 1), seg):
             hi = min(lo + seg, pages)
             seg_ctx = (context_len - lo * lay.page_size).clamp(0, (hi - lo) * lay.page_size).to(torch.int32)
             dq.dequantize(layer.data, lay, block_table[:, lo:hi].contiguous(), seg_ctx, ws[: hi - lo])
@@ -314,10 +320,9 @@ class TritonBackend:
             ws_table[0, lo:hi] = torch.arange(hi - lo, dtype=torch.int32, device=dev)
             triton_kernel.paged_attention(
                 qr, ws, ws_lay, layer.scales, ws_table, context_len, starts, q_len, sm_scale, q_lens_host=[n],
-                dequantized=True, key_pages=(lo, hi), partial=(o_run, lse_run) if index == 0 else (o_new, lse_new),
+                dequantized=True, key_pages=(lo, hi), partial=(o_new, lse_new), num_splits=splits,
                 work=work, block_m=128, num_warps=8, num_stages=2, pages_per_tile=1, page_max=False)
-            if index:
-                triton_kernel.merge_partials(o_run, lse_run, o_new, lse_new)
+            triton_kernel.merge_partials(o_run, lse_run, o_new, lse_new)
         out.copy_(o_run)
         return True
 
@@ -352,7 +357,7 @@ class TritonBackend:
             return 1
         want = -(-2 * per_sm * sms // programs)
         scratch = max(1, PREFILL_SPLIT_SCRATCH_BYTES // max(1, q_rows * head_dim * 4))
-        return max(1, min(self.max_splits, want, table_width // 8, scratch))
+        return max(1, min(self.max_splits, want, table_width // PREFILL_SPLIT_MIN_PAGES, scratch))
 
     def _prefill(self, qr: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor, lens: list[int],
                  sm_scale: float, out: Tensor, dequantize: bool) -> Tensor:

@@ -442,12 +442,11 @@ def paged_attention_fwd_kernel(
     # pages per split, a whole number of tiles so tiles start at the same pages whatever
     # the split count (which keeps split and unsplit results equal to ~1e-7)
     TILE_PAGES: tl.constexpr = BN // PAGE
-    pps = tl.cdiv(tl.cdiv(num_pages, NUM_SPLITS), TILE_PAGES) * TILE_PAGES
-    p_lo = split * pps
-    p_hi = tl.minimum(p_lo + pps, num_pages)
-    # the caller's key window (absolute pages [win_lo, win_hi); everything by default)
-    p_lo = tl.maximum(p_lo, win_lo)
-    p_hi = tl.minimum(p_hi, win_hi)
+    # the splits divide the caller's key window (absolute pages [win_lo, win_hi); all by default)
+    p_end = tl.minimum(num_pages, win_hi)
+    pps = tl.cdiv(tl.cdiv(tl.maximum(p_end - win_lo, 0), NUM_SPLITS), TILE_PAGES) * TILE_PAGES
+    p_lo = win_lo + split * pps
+    p_hi = tl.minimum(p_lo + pps, p_end)
 
     offs_c = tl.arange(0, HALF)
     q_rows = q_ptr + (q0 + t).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh
@@ -625,12 +624,12 @@ def paged_attention(
     sync): a query row that sees no key comes out as zeros, split or not.
 
     ``key_pages=(lo, hi)``: only the keys in pages ``[lo, hi)`` of every sequence (absolute
-    page indices, causal masking as always) — one segment of a context whose pieces are
-    attended one at a time (the backend's segmented workspace). ``partial=(o, lse)`` (fp32,
-    ``[tokens, Hq, d]`` and ``[tokens, Hq]``, contiguous; ``num_splits`` must be 1): the result
-    is left unmerged there — ``o`` normalized over the keys seen and ``lse`` their
-    log2-sum-exp (``-inf`` and zeros for a row that saw none), what ``merge_partials`` combines —
-    and ``out`` is not written.
+    page indices, causal masking as always; the splits divide that window) — one segment of a
+    context whose pieces are attended one at a time (the backend's segmented workspace).
+    ``partial=(o, lse)`` (fp32, contiguous, ``[tokens, Hq, num_splits, d]`` and ``[tokens,
+    Hq, num_splits]``): the splits' results are left unmerged there — each ``o`` normalized
+    over the keys its split saw and ``lse`` their log2-sum-exp (``-inf`` and zeros where it saw
+    none), what ``merge_partials`` folds into a running result — and ``out`` is not written.
     """
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
                  None if uniform_t else q_start, None if uniform_t else q_len)
@@ -678,14 +677,12 @@ def paged_attention(
     win_lo, win_hi = key_pages if key_pages is not None else (0, 1 << 30)
     win_hi = min(win_hi, 1 << 30)
     if partial is not None:
-        if num_splits != 1:
-            raise ValueError(f"partial outputs need num_splits=1, got {num_splits}")
         po, pl = partial
-        if (po.dtype != torch.float32 or pl.dtype != torch.float32 or tuple(po.shape) != tuple(q.shape)
-                or tuple(pl.shape) != tuple(q.shape[:2]) or not po.is_contiguous() or not pl.is_contiguous()
+        want_o, want_l = [total, hq, num_splits, d], [total, hq, num_splits]
+        if (po.dtype != torch.float32 or pl.dtype != torch.float32 or list(po.shape) != want_o
+                or list(pl.shape) != want_l or not po.is_contiguous() or not pl.is_contiguous()
                 or po.device != q.device or pl.device != q.device):
-            raise ValueError(f"partial must be contiguous float32 tensors {list(q.shape)} and {list(q.shape[:2])} "
-                             f"on {q.device}")
+            raise ValueError(f"partial must be contiguous float32 tensors {want_o} and {want_l} on {q.device}")
     split_out = num_splits > 1 or partial is not None
     if partial is not None:
         scratch = partial
@@ -745,17 +742,18 @@ def paged_attention(
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor, o_new: torch.Tensor, lse_new: torch.Tensor) -> None:
-    """Fold the partial result ``(o_new, lse_new)`` of more keys into ``(o, lse)`` in place
-    (``paged_attention(..., partial=...)``: fp32 ``[tokens, Hq, d]`` normalized outputs and
-    ``[tokens, Hq]`` log2-sum-exps): the attention over both key sets, ``-inf`` / zeros where
-    neither saw a key. Plain torch: a few passes over the rows, once per segment."""
-    m = torch.maximum(lse, lse_new)
+    """Fold partial results of more keys into the running result ``(o, lse)`` in place: ``o``
+    fp32 ``[tokens, Hq, d]`` normalized, ``lse`` ``[tokens, Hq]`` its log2-sum-exp (start from
+    zeros and ``-inf``); ``(o_new, lse_new)`` ``[tokens, Hq, S, d]`` / ``[tokens, Hq, S]`` as
+    ``paged_attention(..., partial=...)`` leaves them. The result is the attention over all the
+    keys seen, zeros and ``-inf`` where none was. Plain torch: a few passes over the rows."""
+    m = torch.maximum(lse, lse_new.amax(-1))
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     wa = torch.exp2(lse - m)  # 0 where lse is -inf
-    wb = torch.exp2(lse_new - m)
-    tot = wa + wb
+    wb = torch.exp2(lse_new - m[..., None])
+    tot = wa + wb.sum(-1)
     seen = tot > 0
-    inv = torch.where(seen, 1.0 / torch.where(seen, tot, torch.ones_like(tot)), torch.zeros_like(tot))
-    o.mul_((wa * inv)[..., None]).add_(o_new * (wb * inv)[..., None])
-    lse.copy_(torch.where(seen, m + torch.log2(torch.where(seen, tot, torch.ones_like(tot))),
-                          torch.full_like(tot, float("-inf"))))
+    safe = torch.where(seen, tot, torch.ones_like(tot))
+    inv = torch.where(seen, 1.0 / safe, torch.zeros_like(tot))
+    o.mul_((wa * inv)[..., None]).add_(torch.einsum("thsd,ths->thd", o_new, wb * inv[..., None]))
+    lse.copy_(torch.where(seen, m + torch.log2(safe), torch.full_like(tot, float("-inf"))))

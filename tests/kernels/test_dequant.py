@@ -70,16 +70,16 @@ def test_prefill_over_the_workspace_equals_the_packed_pages():
 
 
 def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
-    # the first sequence's context (10 pages) needs more workspace than the budget holds: its
-    # pages go through the workspace three at a time ([0, 3), [3, 6), [6, 9), [9, 10): the
-    # chunk's causal pages 8-9 straddle a boundary), the partial results folded together; the
+    # the first sequence's context (7 pages) needs more workspace than the budget holds: its
+    # pages go through the workspace three at a time ([0, 3), [3, 6), [6, 7): the chunk's
+    # causal pages 5-6 straddle a boundary), the partial results folded together; the
     # second sequence's table row is as wide (over the budget) but its 2 pages are one segment;
     # both equal the packed pages' prefill and the fp64 oracle
     import kernels.backend
 
     monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 2)
     layout = KVLayout.make("nvfp4", 2, 64)
-    case = build_case(layout, [600, 70], seed=8, device=DEV)
+    case = build_case(layout, [400, 70], seed=8, device=DEV)
     ql = [40, 30]
     q = torch.randn(sum(ql), 6, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEV)
     layer = KVCacheLayer(layout, case.cache, case.scales)
@@ -96,7 +96,7 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     be = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=partials + 3 * page + 100)
     got = be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125,
                                out=torch.full(q.shape, float("nan"), device=DEV))
-    assert calls == [(0, 3), (3, 6), (6, 9), (9, 10), (0, 2)]
+    assert calls == [(0, 3), (3, 6), (6, 7), (0, 2)]
     monkeypatch.setattr(attn_tk, "paged_attention", real)
     want = TritonBackend(prefill_workspace_bytes=0).prefill_attention(
         q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125, out=torch.empty(q.shape, device=DEV))
@@ -106,6 +106,20 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     starts = torch.tensor([0, ql[0]], dtype=torch.int32, device=DEV)
     ref = _oracle(case, rotate_q(q, layout), starts, torch.tensor(ql, dtype=torch.int32, device=DEV))
     assert rel_l2(got.cpu(), ref) <= 1e-3
+    # a chunk of few row blocks (one per KV head) on a GPU of four SMs: each segment's keys are
+    # split as well (splits of one page allowed here; the budget holds a running partial and
+    # one per split)
+    monkeypatch.setattr(kernels.backend, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(kernels.backend, "PREFILL_SPLIT_MIN_PAGES", 1)
+    monkeypatch.setattr(attn_tk, "paged_attention", lambda *a, **kw: calls.append(kw.get("num_splits")) or real(*a, **kw))
+    calls.clear()
+    be2 = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=5 * partials // 2 + 3 * page + 100)
+    wide = torch.cat([case.block_tables, torch.zeros_like(case.block_tables)[:, :6]], 1)  # 13 entries, 7 used
+    got2 = be2.prefill_attention(q, layer, wide, case.context_lens, ql, sm_scale=0.125,
+                                 out=torch.full(q.shape, float("nan"), device=DEV))
+    assert calls == [3, 3, 3, 2]  # segments of 3, 3, 1 pages in three splits; the short sequence's 2 in two
+    monkeypatch.setattr(attn_tk, "paged_attention", real)
+    assert rel_l2(got2.cpu(), want.cpu()) <= 1e-5
     # a budget whose segments would hold fewer pages than the minimum reads the packed pages
     monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 4)
     calls.clear()
@@ -115,24 +129,25 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
 
 
 def test_partial_outputs_fold_into_the_whole_attention():
-    # two key windows' partial results folded by merge_partials == one pass over all keys
+    # key windows' partial results (one split, and two splits of a window) folded by
+    # merge_partials into a running result == one pass over all keys
     layout = KVLayout.make("bf16", 1, 64)
     case = build_case(layout, [300], seed=2, device=DEV)
     q = torch.randn(20, 3, 64, generator=torch.Generator().manual_seed(5)).to(DEV)
     args = (q, case.cache, layout, case.scales, case.block_tables, case.context_lens,
             torch.zeros(1, dtype=torch.int32, device=DEV), torch.tensor([20], dtype=torch.int32, device=DEV), 0.125)
     whole = attn_tk.paged_attention(*args, out=torch.empty(q.shape, device=DEV))
-    parts = [(torch.empty(q.shape, device=DEV), torch.empty(q.shape[:2], device=DEV)) for _ in range(3)]
-    for (lo, hi), part in zip(((0, 2), (2, 5), (7, 9)), parts):  # the last window lies past the context
-        attn_tk.paged_attention(*args, key_pages=(lo, hi), partial=part)
-    assert bool(torch.isinf(parts[2][1]).all()) and not bool(parts[2][0].any())
-    for o_new, lse_new in parts[1:]:
-        attn_tk.merge_partials(parts[0][0], parts[0][1], o_new, lse_new)
-    assert rel_l2(parts[0][0].cpu(), whole.cpu()) <= 1e-6
-    with pytest.raises(ValueError, match="num_splits=1"):
-        attn_tk.paged_attention(*args, num_splits=2, partial=parts[0])
-    with pytest.raises(ValueError, match="partial must be"):
-        attn_tk.paged_attention(*args, partial=(parts[0][0], parts[0][1][:1]))
+    o, lse = torch.zeros(q.shape, device=DEV), torch.full(q.shape[:2], float("-inf"), device=DEV)
+    for (lo, hi), splits in (((0, 2), 1), ((7, 9), 1), ((2, 5), 2)):  # (7, 9) lies past the context
+        part = (torch.empty(20, 3, splits, 64, device=DEV), torch.empty(20, 3, splits, device=DEV))
+        attn_tk.paged_attention(*args, key_pages=(lo, hi), partial=part, num_splits=splits)
+        if lo == 7:
+            assert bool(torch.isinf(part[1]).all()) and not bool(part[0].any())
+        attn_tk.merge_partials(o, lse, *part)
+    assert rel_l2(o.cpu(), whole.cpu()) <= 1e-6
+    with pytest.raises(ValueError, match="partial must be"):  # one split's buffers for two splits
+        attn_tk.paged_attention(*args, num_splits=2, partial=(torch.empty(20, 3, 1, 64, device=DEV),
+                                                              torch.empty(20, 3, 1, device=DEV)))
     with pytest.raises(ValueError, match="key_pages"):
         attn_tk.paged_attention(*args, key_pages=(3, 1))
 
