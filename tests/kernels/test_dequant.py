@@ -120,12 +120,13 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     assert calls == [3, 3, 3, 2]  # segments of 3, 3, 1 pages in three splits; the short sequence's 2 in two
     monkeypatch.setattr(attn_tk, "paged_attention", real)
     assert rel_l2(got2.cpu(), want.cpu()) <= 1e-5
-    # a budget whose segments would hold fewer pages than the minimum reads the packed pages
+    # segments of fewer pages than the minimum are refused (the caller then reads the packed
+    # pages), before anything is written
     monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 4)
-    calls.clear()
-    monkeypatch.setattr(attn_tk, "paged_attention", spy)
-    be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125)
-    assert calls == [None, None]
+    untouched = torch.full((ql[0], 6, 64), float("nan"), device=DEV)
+    assert not be._prefill_segments(rotate_q(q[: ql[0]], layout), layer, case.block_tables[:1], case.context_lens[:1],
+                                    0.125, untouched, be._workspace_budget(q.device))
+    assert bool(untouched.isnan().all())
 
 
 def test_partial_outputs_fold_into_the_whole_attention():
