@@ -6,6 +6,13 @@ import os
 
 import pytest
 
+# gRPC's fork handlers restart its poller in a forked child, and Popen(close_fds=True) then
+# closes that poller's epoll descriptor before exec: the child aborts now and then
+# ("epoll_wait error: Bad file descriptor", grpc/grpc#43055, grpcio >= 1.81). The tests fork only
+# to exec a process (``preexec_fn`` sets its parent-death signal), so the handlers stay off. Set
+# before anything imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 # Triton kernels run through the interpreter where there is no GPU. Set before anything
 # imports triton (its @jit reads the variable when a kernel is defined).
 if "TRITON_INTERPRET" not in os.environ:
