@@ -363,24 +363,22 @@ def joint_feedback_encode(x: torch.Tensor, g: torch.Tensor, fb: torch.Tensor,
     m = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // 16, 16).amax(-1)
     c4, _ = e4m3.encode_magnitude(m * 0.25)
     cands = nvfp4.scale_candidates(nvfp4.first_candidate(c6, m, True), c4, True)
-    best_codes = best_err = best_sc = None
+    best = None  # (error per block, scale codes, element indices, element signs)
     for c in cands:
         sc = torch.where(c6 > 0, c, 0).to(torch.uint8)
         codes, _ = nvfp4.encode_with_feedback(x, g, sc, fb)
         e = (nvfp4.decode(codes, sc, g) - x).double().view(n, d // 16, 16)
         err = torch.einsum("nbi,nbij,nbj->nb", e, cov.double(), e)
-        if best_err is None:
-            best_codes, best_err, best_sc = codes.clone(), err, sc
+        idx, neg = nvfp4.unpack_codes(codes)
+        if best is None:
+            best = (err, sc, idx, neg)
             continue
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_sc = torch.where(better, sc, best_sc)
-        # a block's 16 elements are bytes j and j + d/2 of the half-split packing: rebuild per block
-        bmask = better.repeat_interleave(16, dim=1)  # [N, d] element mask
-        old_idx, old_neg = nvfp4.unpack_codes(best_codes)
-        new_idx, new_neg = nvfp4.unpack_codes(codes)
-        best_codes = nvfp4.pack_codes(torch.where(bmask, new_idx, old_idx), torch.where(bmask, new_neg, old_neg))
-    return best_codes, best_sc
+        better = err < best[0]  # ties keep the earlier candidate
+        elems = better.repeat_interleave(16, dim=1)  # [N, d]: the blocks' elements
+        best = (torch.where(better, err, best[0]), torch.where(better, sc, best[1]),
+                torch.where(elems, idx, best[2]), torch.where(elems, neg, best[3]))
+    assert best is not None
+    return nvfp4.pack_codes(best[2], best[3]), best[1]
 
 
 def gptq_round(x: torch.Tensor, g: torch.Tensor, cov: torch.Tensor, fmt: str, damp: float) -> torch.Tensor:

@@ -286,7 +286,8 @@ class TritonBackend:
         (``key_pages``; split along the keys like ``_prefill`` when the chunk's row blocks
         would leave SMs idle), the partial results folded together (``merge_partials``) — the
         same keys and values as one pass, summed in another order. False (nothing done) when a
-        segment would hold fewer than ``PREFILL_SEGMENT_MIN_PAGES`` pages. Reads the context
+        segment would hold fewer than ``PREFILL_SEGMENT_MIN_PAGES`` pages; a context that fits
+        (only its table row is wider) goes through one workspace of its pages. Reads the context
         length back to the host (one sync per call: pages past the context need no segment)."""
         from kernels.kv_dequant import reference as dq_ref
         from kernels.kv_dequant import triton_kernel as dq
@@ -297,6 +298,10 @@ class TritonBackend:
         n, hq, d = qr.shape
         dev = qr.device
         pages = min(block_table.shape[1], -(-int(context_len[0]) // lay.page_size))
+        if pages * ws_lay.page_bytes <= budget:  # only the table is wider: one workspace of its pages
+            self._prefill(qr, layer, block_table[:, : max(pages, 1)].contiguous(), context_len, [n], sm_scale, out,
+                          True)
+            return True
         # fastest measured over the workspace (``_prefill``): 128-row blocks, 8 warps, 2 stages,
         # one program per SM; a chunk of few row blocks splits each segment's keys as well
         work = triton_kernel.work_items([n], hq // lay.num_kv_heads, 128, dev)

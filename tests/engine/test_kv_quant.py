@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from deepwell import configs
 from engine_service.cli import calibrate_kv, configure, size_pools
 from engine_service.config import ENV_PREFIX, EngineConfig
-from engine_service.kv_calibration import CALIBRATION_TEXT, RANDOM_IDS, calibration_token_ids
+from engine_service.kv_calibration import CALIBRATION_TEXT, RANDOM_IDS, KVCalibration, calibration_token_ids
 from engine_service.kv_quant import KVSettingsError, QuantKVPool
 from engine_service.loading import open_model
 from engine_service.memory import KVLayout as FloatLayout
@@ -66,7 +66,7 @@ def smol() -> tuple[TorchModelRunner, Tokenizer]:
     return runner, Tokenizer.from_str(src.files["tokenizer.json"]().decode("utf-8"))
 
 
-_CALIBRATED: dict[tuple[str, str, str, str], object] = {}  # settings -> KVCalibration (or None: nothing to do)
+_CALIBRATED: dict[tuple[str, str, str, str], KVCalibration | None] = {}  # settings -> calibration (None: none needed)
 
 
 def quant_runner(base: TorchModelRunner, kv: str, hadamard: str = "auto", calibrate: bool = True,
@@ -83,8 +83,8 @@ def quant_runner(base: TorchModelRunner, kv: str, hadamard: str = "auto", calibr
         if fresh or key not in _CALIBRATED:
             _CALIBRATED[key] = calibrate_kv(smollm2_source(), r)
         elif (cal := _CALIBRATED[key]) is not None:
-            r.set_kv_scales(cal.scales, cal.k_offsets, cal.k_feedback)  # type: ignore[attr-defined]
-            r.kv_calibration = cal  # type: ignore[assignment]
+            r.set_kv_scales(cal.scales, cal.k_offsets, cal.k_feedback)
+            r.kv_calibration = cal
     return r
 
 

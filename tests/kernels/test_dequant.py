@@ -73,7 +73,7 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     # the first sequence's context (7 pages) needs more workspace than the budget holds: its
     # pages go through the workspace three at a time ([0, 3), [3, 6), [6, 7): the chunk's
     # causal pages 5-6 straddle a boundary), the partial results folded together; the
-    # second sequence's table row is as wide (over the budget) but its 2 pages are one segment;
+    # second sequence's table row is as wide (over the budget) but its 2 pages fit one workspace;
     # both equal the packed pages' prefill and the fp64 oracle
     import kernels.backend
 
@@ -96,7 +96,7 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     be = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=partials + 3 * page + 100)
     got = be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125,
                                out=torch.full(q.shape, float("nan"), device=DEV))
-    assert calls == [(0, 3), (3, 6), (6, 7), (0, 2)]
+    assert calls == [(0, 3), (3, 6), (6, 7), None]
     monkeypatch.setattr(attn_tk, "paged_attention", real)
     want = TritonBackend(prefill_workspace_bytes=0).prefill_attention(
         q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125, out=torch.empty(q.shape, device=DEV))
@@ -106,20 +106,24 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     starts = torch.tensor([0, ql[0]], dtype=torch.int32, device=DEV)
     ref = _oracle(case, rotate_q(q, layout), starts, torch.tensor(ql, dtype=torch.int32, device=DEV))
     assert rel_l2(got.cpu(), ref) <= 1e-3
-    # a chunk of few row blocks (one per KV head) on a GPU of four SMs: each segment's keys are
-    # split as well (splits of one page allowed here; the budget holds a running partial and
-    # one per split)
+    # an 8-token chunk (one row block per KV head) over 10 pages on a GPU of four SMs: each
+    # segment's keys are split as well (splits of one page allowed here; the budget holds a
+    # running partial and one per split, and three pages)
     monkeypatch.setattr(kernels.backend, "_sm_count", lambda device: 4)
     monkeypatch.setattr(kernels.backend, "PREFILL_SPLIT_MIN_PAGES", 1)
+    short = build_case(layout, [640], seed=10, device=DEV)
+    q8 = torch.randn(8, 6, 64, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16).to(DEV)
+    layer8 = KVCacheLayer(layout, short.cache, short.scales)
+    want8 = TritonBackend(prefill_workspace_bytes=0).prefill_attention(
+        q8, layer8, short.block_tables, short.context_lens, [8], sm_scale=0.125, out=torch.empty(q8.shape, device=DEV))
     monkeypatch.setattr(attn_tk, "paged_attention", lambda *a, **kw: calls.append(kw.get("num_splits")) or real(*a, **kw))
     calls.clear()
-    be2 = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=5 * partials // 2 + 3 * page + 100)
-    wide = torch.cat([case.block_tables, torch.zeros_like(case.block_tables)[:, :6]], 1)  # 13 entries, 7 used
-    got2 = be2.prefill_attention(q, layer, wide, case.context_lens, ql, sm_scale=0.125,
-                                 out=torch.full(q.shape, float("nan"), device=DEV))
-    assert calls == [3, 3, 3, 2]  # segments of 3, 3, 1 pages in three splits; the short sequence's 2 in two
+    be4 = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=5 * 8 * 6 * 65 * 4 + 3 * page + 100)
+    got8 = be4.prefill_attention(q8, layer8, short.block_tables, short.context_lens, [8], sm_scale=0.125,
+                                 out=torch.full(q8.shape, float("nan"), device=DEV))
+    assert calls == [3, 3, 3, 3]  # segments of 3, 3, 3, 1 pages, each in three splits
     monkeypatch.setattr(attn_tk, "paged_attention", real)
-    assert rel_l2(got2.cpu(), want.cpu()) <= 1e-5
+    assert rel_l2(got8.cpu(), want8.cpu()) <= 1e-5
     # segments of fewer pages than the minimum are refused (the caller then reads the packed
     # pages), before anything is written
     monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 4)
