@@ -90,6 +90,8 @@ def test_supported_shapes_and_bad_inputs_are_rejected_before_any_launch():
     with pytest.raises(ValueError, match="v_regs needs head_dim 256"):
         gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
                         v_regs=True)
+    with pytest.raises(ValueError, match="sm_scale must be positive"):  # the page maximum precedes the scale
+        gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, -0.1)
     with pytest.raises(ValueError, match="flush >= 0"):
         gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1,
                         flush=-1)
