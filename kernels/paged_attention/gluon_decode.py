@@ -13,7 +13,8 @@ head, split); each loop iteration one 64-token page:
   query head) pairs of the KV head as the N columns (8, 16 or 32, padded). K is unpacked from the page bytes straight into the A operand's
   registers: thread ``c`` of a quad holds 32 consecutive code bytes of a row, and the MMA's
   reduction index ``p`` is a permutation of the head dim (``_k_perm``) that Q, staged once in
-  shared memory, follows too, so no value moves between threads;
+  shared memory, follows too, so no value moves between threads. K's high half is unpacked
+  while the low half's MMA runs, and V's low half while both do (no wait in between);
 - ``Oᵀ = Vᵀ·Pᵀ``: at head_dim 256 (``V_REGS``) V is unpacked (fp16, times its block scales)
   straight into the A operand's registers: each thread loads four consecutive code bytes of
   each of its 16 keys, and the rows of ``Oᵀ`` are the head dim in the order that makes those
