@@ -43,6 +43,7 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,6 +101,25 @@ def _starts(q_lens: list[int], device: torch.device) -> torch.Tensor:
     for n in q_lens[:-1]:
         starts.append(starts[-1] + n)
     return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
+def _seq_rows(q_lens: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """(first query row, query count) per sequence on ``device`` without a stream sync, cached
+    per shape and stream like ``triton_kernel.work_items`` (every layer asks the same): read-only."""
+    from kernels.paged_attention import triton_kernel
+
+    return _seq_rows_cached(tuple(int(n) for n in q_lens), torch.device(device), triton_kernel.stream_key(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _seq_rows_cached(q_lens: tuple[int, ...], device: torch.device, stream: int) -> tuple[Tensor, Tensor]:
+    from kernels.paged_attention import triton_kernel
+
+    starts = [0]
+    for n in q_lens[:-1]:
+        starts.append(starts[-1] + n)
+    starts_t, lens_t = triton_kernel.host_int32(device, starts, q_lens)
+    return starts_t, lens_t
 
 
 class ReferenceBackend:
@@ -315,7 +335,7 @@ class TritonBackend:
         o_run, lse_run = torch.zeros(qr.shape, **f32), torch.full(qr.shape[:2], float("-inf"), **f32)
         o_new, lse_new = torch.empty(n, hq, splits, d, **f32), torch.empty(n, hq, splits, **f32)
         ws = torch.empty(min(seg, pages), 2, lay.num_kv_heads, ws_lay.head_page_bytes, dtype=torch.uint8, device=dev)
-        starts, q_len = _starts([n], dev), torch.tensor([n], dtype=torch.int32, device=dev)
+        starts, q_len = _seq_rows([n], dev)
         ws_table = torch.zeros_like(block_table)
         for lo in range(0, max(pages, 1), seg):
             hi = min(lo + seg, pages)
@@ -374,7 +394,7 @@ class TritonBackend:
 
         dev = qr.device
         lay = layer.layout
-        starts, q_len = _starts(lens, dev), torch.tensor(lens, dtype=torch.int32, device=dev)
+        starts, q_len = _seq_rows(lens, dev)
         # fastest measured on the H200 (docs/kernels.md): over packed pages 64-row blocks, 4
         # warps, 2 stages; over the fp16 workspace 128-row blocks, 8 warps, 2 stages
         bm, warps, per_sm = (128, 8, 1) if dequantize else (64, 4, 2)

@@ -273,3 +273,20 @@ def test_gluon_splits_fill_whole_waves_from_the_batch_shape_only():
     assert be.gluon_splits(1, 4, cpu, per_sm=2) == 8  # verify's 16-32 columns: two programs per SM
     assert be.gluon_splits(1, 1, cpu, per_sm=2) == 32
     assert not be.uses_gluon(KVLayout.make("nvfp4", 4, 256), 6, 1, cpu)  # not CUDA
+
+
+def test_prefill_row_metadata_is_right_cached_and_aligned():
+    """``work_items`` / ``_seq_rows`` (every layer of a step asks the same): right values, one
+    cached copy per shape, and on CUDA one non-blocking copy whose lists start on 16 bytes."""
+    from kernels.backend import _seq_rows
+    from kernels.paged_attention import triton_kernel as tk
+
+    seqs, rows = tk.work_items([3, 0, 5], 2, 4, "cpu")  # 6 and 10 query rows in blocks of 4
+    assert seqs.tolist() == [0, 0, 2, 2, 2] and rows.tolist() == [0, 4, 0, 4, 8]
+    assert seqs.dtype == torch.int32 and tk.work_items((3, 0, 5), 2, 4, torch.device("cpu"))[0] is seqs
+    starts, lens = _seq_rows([3, 0, 5], torch.device("cpu"))
+    assert starts.tolist() == [0, 3, 3] and lens.tolist() == [3, 0, 5]
+    if DEV == "cuda":
+        parts = tk.host_int32(DEV, [1, 2, 3], [], [4, 5, 6, 7, 8])
+        assert [p.tolist() for p in parts] == [[1, 2, 3], [], [4, 5, 6, 7, 8]]
+        assert all(p.data_ptr() % 16 == 0 and p.device.type == "cuda" for p in parts)
