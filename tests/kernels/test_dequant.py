@@ -69,6 +69,12 @@ def test_prefill_over_the_workspace_equals_the_packed_pages():
     assert rel_l2(want.cpu(), ref) <= 1e-3
 
 
+# Segments (and splits) restart the running maximum, and the fp16 probabilities are rounded
+# against it: one pass and segments round a few of them differently (H200: 4.5e-5 on the
+# first case below; the CPU interpreter computes in fp32 and agrees to ~1e-7).
+SEGMENTS_VS_ONE_PASS = 1e-4
+
+
 def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     # the first sequence's context (7 pages) needs more workspace than the budget holds: its
     # pages go through the workspace three at a time ([0, 3), [3, 6), [6, 7): the chunk's
@@ -100,7 +106,7 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     monkeypatch.setattr(attn_tk, "paged_attention", real)
     want = TritonBackend(prefill_workspace_bytes=0).prefill_attention(
         q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125, out=torch.empty(q.shape, device=DEV))
-    assert rel_l2(got.cpu(), want.cpu()) <= 1e-5
+    assert rel_l2(got.cpu(), want.cpu()) <= SEGMENTS_VS_ONE_PASS
     from tests.kernels.test_attention import _oracle
 
     starts = torch.tensor([0, ql[0]], dtype=torch.int32, device=DEV)
@@ -123,7 +129,7 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
                                  out=torch.full(q8.shape, float("nan"), device=DEV))
     assert calls == [3, 3, 3, 3]  # segments of 3, 3, 3, 1 pages, each in three splits
     monkeypatch.setattr(attn_tk, "paged_attention", real)
-    assert rel_l2(got8.cpu(), want8.cpu()) <= 1e-5
+    assert rel_l2(got8.cpu(), want8.cpu()) <= SEGMENTS_VS_ONE_PASS
     # segments of fewer pages than the minimum are refused (the caller then reads the packed
     # pages), before anything is written
     monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 4)
@@ -243,7 +249,7 @@ def test_full_size_segmented_prefill_on_the_gpu():
     whole = torch.empty(q.shape, device="cuda")
     TritonBackend().prefill_attention(q, layer, case.block_tables, case.context_lens, [n], sm_scale=256**-0.5,
                                       out=whole)
-    assert rel_l2(seg, whole) <= 1e-5
+    assert rel_l2(seg, whole) <= SEGMENTS_VS_ONE_PASS
     one = torch.tensor([n], dtype=torch.int32, device="cuda")
     ref = _oracle_gpu(case, rotate_q(q, layout), torch.zeros(1, dtype=torch.int32, device="cuda"), one)
     assert rel_l2(seg, ref) <= 1e-3
