@@ -359,9 +359,7 @@ def joint_feedback_encode(x: torch.Tensor, g: torch.Tensor, fb: torch.Tensor,
     candidate (screening ``fbsearch=1``: the codec picks the scale by plain squared error first)."""
     n, d = x.shape
     x = x.to(torch.float32)
-    c6, _ = e4m3.encode_magnitude(nvfp4.block_scale_input(x, g))
-    m = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // 16, 16).amax(-1)
-    c4, _ = e4m3.encode_magnitude(m * 0.25)
+    c6, _, m, c4 = nvfp4.search_inputs(x, g)
     cands = nvfp4.scale_candidates(nvfp4.first_candidate(c6, m, True), c4, True)
     best = None  # (error per block, scale codes, element indices, element signs)
     for c in cands:

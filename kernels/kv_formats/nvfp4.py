@@ -166,15 +166,23 @@ def block_error(a: torch.Tensor, unit: torch.Tensor, s: torch.Tensor) -> tuple[t
     return (dd * dd).sum(-1, dtype=torch.int32), idx
 
 
-def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, down: int = SEARCH_DOWN,
-                       up: int = UP_SPAN) -> torch.Tensor:
-    """Block-scale codes uint8 [N, d/16] of fp32 rows [N, d] (the searched rule, module doc;
-    ``down`` / ``up`` lengthen or shorten the candidate list, for screening only)."""
+def search_inputs(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the scale search starts from, for fp32 rows [N, d]: (``c6`` uint8 [N, d/16], the
+    E4M3 code of amax/6; ``a`` = |x| / g [N, d/16, 16]; ``m`` its block maxima; ``c4``, the code
+    of amax/4)."""
     n, d = x.shape
     c6, _ = e4m3.encode_magnitude(block_scale_input(x, g))
     a = (x.abs() * (1.0 / g.to(torch.float32))[:, None]).view(n, d // BLOCK, BLOCK)
     m = a.amax(-1)
     c4, _ = e4m3.encode_magnitude(m * 0.25)
+    return c6, a, m, c4
+
+
+def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, down: int = SEARCH_DOWN,
+                       up: int = UP_SPAN) -> torch.Tensor:
+    """Block-scale codes uint8 [N, d/16] of fp32 rows [N, d] (the searched rule, module doc;
+    ``down`` / ``up`` lengthen or shorten the candidate list, for screening only)."""
+    c6, a, m, c4 = search_inputs(x, g)
     exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=ERR_EXP_FLOOR)
     unit = e4m3._pow2(ERR_BITS - exp)
     cands = scale_candidates(first_candidate(c6, m, clip), c4, clip, down, up)
