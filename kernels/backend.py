@@ -96,13 +96,6 @@ def _check_q(q: torch.Tensor, layer: KVCacheLayer) -> None:
         raise ValueError(f"q must be [tokens, Hq, {lay.head_dim}] with Hq a multiple of {lay.num_kv_heads}, got {list(q.shape)}")
 
 
-def _starts(q_lens: list[int], device: torch.device) -> torch.Tensor:
-    starts = [0]
-    for n in q_lens[:-1]:
-        starts.append(starts[-1] + n)
-    return torch.tensor(starts, dtype=torch.int32, device=device)
-
-
 def _seq_rows(q_lens: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
     """(first query row, query count) per sequence on ``device`` without a stream sync, cached
     per shape and stream like ``triton_kernel.work_items`` (every layer asks the same): read-only."""
@@ -137,10 +130,9 @@ class ReferenceBackend:
         if sum(q_lens) != q.shape[0]:
             raise ValueError(f"q has {q.shape[0]} tokens but q_lens sum to {sum(q_lens)}")
         qr = rotate_q(q, layer.layout)
-        lens = torch.tensor(q_lens, dtype=torch.int32, device=q.device)
+        starts, lens = _seq_rows(q_lens, q.device)
         res = attn_ref.paged_attention(
-            qr, layer.data, layer.layout, layer.scales, block_tables,
-            context_lens, _starts(q_lens, q.device), lens, sm_scale,
+            qr, layer.data, layer.layout, layer.scales, block_tables, context_lens, starts, lens, sm_scale,
         )
         if out is None:
             return res.to(q.dtype)
