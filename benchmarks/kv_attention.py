@@ -17,8 +17,8 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
    merge kernels on Hopper) against none (``DEEPWELL_PDL=0``) and all kernels in the same
    process, for appends, decode calls and a whole layer (``--only pdl``). Every other table
    runs with the default; ``DEEPWELL_PDL=0 python benchmarks/kv_attention.py`` runs without.
-nvfp4 rows time the kernel the engine runs: on Hopper, decode and verify (T = 1-5 here) run
-the Gluon one (``gluon_decode``), timed beside the Triton kernel.
+nvfp4 and fp8 rows time the kernel the engine runs: on Hopper, decode and verify (T = 1-5
+here) run the Gluon one (``gluon_decode``), timed beside the Triton kernel.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays (decode, verify,
 append, the engine step: the GPU's time, as the engine runs them) or of eager calls (prefill).
@@ -102,14 +102,14 @@ def bench_graph(fn, reps: int = 20) -> float:
 def decode_call(fmt: str, batch: int, ctx: int, t: int = 1, splits: int | None = None, impl: str = "auto", **kw):
     """(the engine's decode call of one shape as a closure, its split count, the bytes it reads:
     KV of the contexts + Q + output). ``impl``: "auto" is the engine's choice
-    (``TritonBackend.uses_gluon``: the Gluon kernel for nvfp4 decode on Hopper, else the Triton
+    (``TritonBackend.uses_gluon``: the Gluon kernel for nvfp4 / fp8 decode on Hopper, else the Triton
     kernel); "triton" forces the Triton kernel, which takes ``kw`` (its tuning arguments)."""
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
     be = TritonBackend()
     gluon = impl == "auto" and be.uses_gluon(layout, HQ // HKV, t, q.device)
     if splits is None:
         dev = torch.device("cuda")
-        splits = (be.gluon_splits(batch, HKV, dev, gluon_decode.programs_per_sm(t, HQ // HKV, D)) if gluon
+        splits = (be.gluon_splits(batch, HKV, dev, gluon_decode.programs_per_sm(t, HQ // HKV, D, layout.fmt)) if gluon
                   else be.default_splits(batch, HKV, dev))
     scales = layout.default_scales("cuda")
     out = torch.empty_like(q)
@@ -150,18 +150,21 @@ def decode_table(quick: bool) -> list[dict]:
             for batch in batches:
                 tokens = batch * ctx
                 cap = 16 << 20 if fmt == "nvfp4" else 8 << 20
-                if tokens > cap or (fmt in ("fp8", "int8") and ctx not in (131072,)):
+                if tokens > cap or (fmt == "int8" and ctx != 131072) or (fmt == "fp8" and ctx < 16384):
                     continue
                 sec, bw, splits = time_decode(fmt, batch, ctx, **cfg)
                 rows.append(dict(fmt=fmt, ctx=ctx, batch=batch, splits=splits, us=sec * 1e6, tbps=bw / 1e12, frac=bw / PEAK))
                 print(f"decode {fmt:6s} ctx={ctx:8d} B={batch:3d} splits={splits:3d} {sec*1e6:9.1f} us {bw/1e12:6.2f} TB/s {bw/PEAK:6.1%}", flush=True)
-    # the Triton kernel at the same points, where the engine runs the Gluon one (nvfp4 on Hopper)
-    for ctx, batch in ((16384, 64), (131072, 1), (131072, 8), (131072, 64)):
-        if quick and batch == 64:
-            continue
-        sec, bw, splits = time_decode("nvfp4", batch, ctx, impl="triton", **BEST.get("nvfp4", {}))
-        rows.append(dict(fmt="nvfp4-triton", ctx=ctx, batch=batch, splits=splits, us=sec * 1e6, tbps=bw / 1e12, frac=bw / PEAK))
-        print(f"decode nvfp4 (Triton kernel) ctx={ctx:8d} B={batch:3d} splits={splits:3d} {sec*1e6:9.1f} us {bw/1e12:6.2f} TB/s {bw/PEAK:6.1%}", flush=True)
+    # the Triton kernel at the same points, where the engine runs the Gluon one (nvfp4 and fp8 on Hopper)
+    for fmt in ("nvfp4", "fp8"):
+        for ctx, batch in ((16384, 64), (131072, 1), (131072, 8), (131072, 64)):
+            if quick and batch == 64:
+                continue
+            sec, bw, splits = time_decode(fmt, batch, ctx, impl="triton", **BEST.get(fmt, {}))
+            rows.append(dict(fmt=f"{fmt}-triton", ctx=ctx, batch=batch, splits=splits, us=sec * 1e6, tbps=bw / 1e12,
+                             frac=bw / PEAK))
+            print(f"decode {fmt} (Triton kernel) ctx={ctx:8d} B={batch:3d} splits={splits:3d} {sec*1e6:9.1f} us "
+                  f"{bw/1e12:6.2f} TB/s {bw/PEAK:6.1%}", flush=True)
     return rows
 
 

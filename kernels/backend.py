@@ -241,7 +241,7 @@ class TritonBackend:
         if self.uses_gluon(layer.layout, q.shape[1] // h, t, q.device):
             from kernels.paged_attention import gluon_decode
 
-            per_sm = gluon_decode.programs_per_sm(t, q.shape[1] // h, layer.layout.head_dim)
+            per_sm = gluon_decode.programs_per_sm(t, q.shape[1] // h, layer.layout.head_dim, layer.layout.fmt)
             return gluon_decode.paged_decode(
                 _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
                 sm_scale, tokens_per_seq=t, num_splits=num_splits or self.gluon_splits(b, h, q.device, per_sm), out=out,

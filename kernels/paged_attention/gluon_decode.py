@@ -1,7 +1,7 @@
-"""nvfp4 paged decode attention in Gluon (Hopper): keys as the rows of the tensor-core products.
+"""nvfp4 / fp8 paged decode attention in Gluon (Hopper): keys as the rows of the tensor-core products.
 
 Same meaning as ``reference.paged_attention`` for ``T`` query tokens per sequence (decode,
-or verify with a causal mask among them), nvfp4 caches with head_dim 128 or 256 and
+or verify with a causal mask among them), nvfp4 and fp8 caches with head_dim 128 or 256 and
 ``T`` x (query heads per KV head) <= 32 (the backend's choice for every such shape on Hopper:
 ``TritonBackend.uses_gluon``; T = 1-5 for the 27B layout). A program owns one (sequence, KV
 head, split); each loop iteration one 64-token page:
@@ -43,6 +43,14 @@ of the code word for the low elements, four operations for the high ones: page l
 ``kv_formats.nvfp4``) times its block's E4M3 scale in fp16 (exact); 2**14 and the global scales go into the fp32
 score scale and the output scale. Probabilities are fp16 times 2**15 (``P_LOG2``).
 Split-K writes normalized partial outputs and log2-sum-exps for ``triton_kernel.merge_splits``.
+
+fp8 (``FP8``): a row's ``d`` code bytes are copied as two ``[64, d/2]`` tiles, the halves of
+the head dim, which take the places of nvfp4's low and high elements (the same registers, Q
+order and ``Vᵀ`` rows); each E4M3 byte converts to fp16 exactly (``cvt.rn.f16x2.e4m3x2``, no
+block scale), and V's codes past the context are zeroed on the last page (an E4M3 byte can be
+NaN, which a zero probability does not cancel). The global scales go into the score and output
+scales as for nvfp4. H200, 27B layout: 91-95% of HBM at batch x context >= 1M tokens against
+the Triton kernel's 57-64% (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -206,26 +214,54 @@ def _pow2(e):
 @gluon.jit
 def _issue_page(cache_ptr, bt_ptr, b, pg, stage, kc_s, ks_s, vc_s, vs_s,
                 stride_bt, stride_cp, stride_ckv, stride_ch, kvh,
-                CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr):
+                CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, FP8: gl.constexpr):
     page = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + pg).to(gl.int64)
     base = cache_ptr + page * stride_cp + kvh * stride_ch
     cl: gl.constexpr = _copy_layout(CB, 16)
-    sl: gl.constexpr = _copy_layout(SB, 8)
-    r = gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
-    cc = gl.arange(0, CB, layout=gl.SliceLayout(0, cl))
-    offs = gl.expand_dims(r, 1) * CB + gl.expand_dims(cc, 0)
-    rs = gl.arange(0, 64, layout=gl.SliceLayout(1, sl))
-    cs = gl.arange(0, SB, layout=gl.SliceLayout(0, sl))
-    offs_s = SCALE_OFF + gl.expand_dims(rs, 1) * SB + gl.expand_dims(cs, 0)
-    async_copy.async_copy_global_to_shared(kc_s.index(stage), base + offs)
-    async_copy.async_copy_global_to_shared(ks_s.index(stage), base + offs_s)
-    async_copy.async_copy_global_to_shared(vc_s.index(stage), base + stride_ckv + offs)
-    # V's scale region is block-major ([SB blocks, 64 slots], kv_formats.layout.scale_slot)
-    vl: gl.constexpr = _copy_layout(64, SB // 2)
-    rv = gl.arange(0, SB, layout=gl.SliceLayout(1, vl))
-    cv = gl.arange(0, 64, layout=gl.SliceLayout(0, vl))
-    offs_vs = SCALE_OFF + gl.expand_dims(rv, 1) * 64 + gl.expand_dims(cv, 0)
-    async_copy.async_copy_global_to_shared(vs_s.index(stage), base + stride_ckv + offs_vs)
+    if FP8:  # rows of 2 CB code bytes, no scales: each half of the head dim to its own tile
+        r2 = gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
+        c2 = gl.arange(0, CB, layout=gl.SliceLayout(0, cl))
+        offs2 = gl.expand_dims(r2, 1) * (2 * CB) + gl.expand_dims(c2, 0)
+        async_copy.async_copy_global_to_shared(kc_s.index(2 * stage), base + offs2)
+        async_copy.async_copy_global_to_shared(kc_s.index(2 * stage + 1), base + CB + offs2)
+        async_copy.async_copy_global_to_shared(vc_s.index(2 * stage), base + stride_ckv + offs2)
+        async_copy.async_copy_global_to_shared(vc_s.index(2 * stage + 1), base + stride_ckv + CB + offs2)
+    else:
+        sl: gl.constexpr = _copy_layout(SB, 8)
+        r = gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
+        cc = gl.arange(0, CB, layout=gl.SliceLayout(0, cl))
+        offs = gl.expand_dims(r, 1) * CB + gl.expand_dims(cc, 0)
+        rs = gl.arange(0, 64, layout=gl.SliceLayout(1, sl))
+        cs = gl.arange(0, SB, layout=gl.SliceLayout(0, sl))
+        offs_s = SCALE_OFF + gl.expand_dims(rs, 1) * SB + gl.expand_dims(cs, 0)
+        async_copy.async_copy_global_to_shared(kc_s.index(stage), base + offs)
+        async_copy.async_copy_global_to_shared(ks_s.index(stage), base + offs_s)
+        async_copy.async_copy_global_to_shared(vc_s.index(stage), base + stride_ckv + offs)
+        # V's scale region is block-major ([SB blocks, 64 slots], kv_formats.layout.scale_slot)
+        vl: gl.constexpr = _copy_layout(64, SB // 2)
+        rv = gl.arange(0, SB, layout=gl.SliceLayout(1, vl))
+        cv = gl.arange(0, 64, layout=gl.SliceLayout(0, vl))
+        offs_vs = SCALE_OFF + gl.expand_dims(rv, 1) * 64 + gl.expand_dims(cv, 0)
+        async_copy.async_copy_global_to_shared(vs_s.index(stage), base + stride_ckv + offs_vs)
+
+
+@gluon.jit
+def _e4m3(c):
+    """fp8 code bytes -> fp16 values (exact: E4M3 is a subset of fp16; NaN codes stay NaN)."""
+    return c.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+
+
+@gluon.jit
+def _fp8_rows(tile, valid, l2: gl.constexpr, l3: gl.constexpr, MASK: gl.constexpr):
+    """A half's fp8 V code bytes [64 keys, CB] from shared memory -> [64, NB, 16] in ``l3``;
+    ``MASK``: keys >= ``valid`` (past the context, whatever their bytes: 0x7F is NaN, and
+    a zero probability does not cancel it in the MMA) become code 0."""
+    NB: gl.constexpr = tile.shape[1] // 16
+    c = gl.convert_layout(gl.reshape(tile.load(l2), [64, NB, 16]), l3)
+    if MASK:
+        row = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+        c = gl.where(gl.expand_dims(gl.expand_dims(row < valid, 1), 2), c, 0)
+    return c
 
 
 @gluon.jit
@@ -286,6 +322,7 @@ def nvfp4_decode_kernel(
     D: gl.constexpr, G: gl.constexpr, SCALE_OFF: gl.constexpr,
     NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr,
     T: gl.constexpr, N: gl.constexpr, V_REGS: gl.constexpr, FLUSH: gl.constexpr, PDL: gl.constexpr,
+    FP8: gl.constexpr = False,
 ):
     pdl.enter(PDL)
     CB: gl.constexpr = D // 2
@@ -302,10 +339,18 @@ def nvfp4_decode_kernel(
     # warp's V loads span four keys 128 bytes apart, four-way bank conflicts unswizzled)
     kc_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=128 // CB, max_phase=CB // 16, order=[1, 0])
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
-    ks_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, SB], plain)
-    vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
-    vs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, SB, 64], plain)
+    # fp8: a row's 2 CB bytes as two [64, CB] tiles per stage (the halves of the head dim, as
+    # nvfp4's low and high elements), no block scales (``ks_s`` / ``vs_s`` placeholders)
+    if FP8:
+        kc_s = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 64, CB], kc_lay)
+        vc_s = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 64, CB], kc_lay)
+        ks_s = kc_s
+        vs_s = vc_s
+    else:
+        kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
+        vc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
+        ks_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, SB], plain)
+        vs_s = gl.allocate_shared_memory(gl.uint8, [STAGES, SB, 64], plain)
     if not V_REGS:
         vt_lay: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, CB], gl.float16)
         vt_s = gl.allocate_shared_memory(gl.float16, [2, 64, CB], vt_lay)
@@ -327,7 +372,7 @@ def nvfp4_decode_kernel(
     for pre in gl.static_range(STAGES - 1):
         if pre < n:
             _issue_page(cache_ptr, bt_ptr, b, p_begin + pre, pre, kc_s, ks_s, vc_s, vs_s,
-                        stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF)
+                        stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF, FP8)
         async_copy.commit_group()
 
     # Q (fp16, the MMA's reduction order) into shared memory once
@@ -344,7 +389,8 @@ def nvfp4_decode_kernel(
 
     gk = gl.load(gscale_ptr + kvh)
     gv = gl.load(gscale_ptr + H + kvh)
-    s_scale = qk_scale * gk * 16384.0
+    UNIT: gl.constexpr = 1.0 if FP8 else 16384.0  # nvfp4's fp16 values are E2M1 * 2**-14 (E4M3 is exact)
+    s_scale = qk_scale * gk * UNIT
 
     m_i = gl.full([N], float("-inf"), gl.float32, layout=col_l)
     l_r = gl.zeros([64, N], gl.float32, layout=acc_l)  # per-row partial sums, times P_SHIFT (one reduction at the end)
@@ -365,12 +411,12 @@ def nvfp4_decode_kernel(
         m_i, l_r, m_o, acc_lo, acc_hi = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
             kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False)
+            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False, FP8)
     for i in range(n_full, n):
         m_i, l_r, m_o, acc_lo, acc_hi = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
             kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True)
+            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True, FP8)
 
     async_copy.wait_group(0)
     if FLUSH > 0:
@@ -378,7 +424,7 @@ def nvfp4_decode_kernel(
         acc_lo = o_s.index(0).load(acc_l)
         acc_hi = o_s.index(1).load(acc_l)
     l_i = gl.sum(l_r, axis=0) * (1.0 / P_SHIFT)
-    out_scale = gv * 16384.0 / P_SHIFT
+    out_scale = gv * UNIT / P_SHIFT
     den = gl.where(l_i > 0, l_i, 1.0)
     o_scale = gl.expand_dims(out_scale / den, 0)
     o_lo = acc_lo * o_scale
@@ -413,12 +459,12 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
           kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
           CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, STAGES: gl.constexpr,
           P_SHIFT: gl.constexpr, T: gl.constexpr, G: gl.constexpr, N: gl.constexpr,
-          V_REGS: gl.constexpr, FLUSH: gl.constexpr, MASK: gl.constexpr):
+          V_REGS: gl.constexpr, FLUSH: gl.constexpr, MASK: gl.constexpr, FP8: gl.constexpr):
     """Page ``i`` of the program's ``n``: issue the copy of page ``i + STAGES - 1``, then
     scores, softmax and ``Oᵀ`` for this one. ``MASK`` False (every page but the last one or
-    two): every query token sees all 64 keys, so neither the scores nor V's block scales are
-    masked; ``vt_s`` / ``o_s`` are placeholders where ``V_REGS`` / ``FLUSH`` leave them unused.
-    Returns the running state (m_i, l_r, m_o, acc_lo, acc_hi)."""
+    two): every query token sees all 64 keys, so neither the scores nor V's block scales (fp8:
+    V's codes) are masked; ``vt_s`` / ``o_s`` are placeholders where ``V_REGS`` / ``FLUSH``
+    leave them unused. Returns the running state (m_i, l_r, m_o, acc_lo, acc_hi)."""
     NB: gl.constexpr = CB // 16
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -432,7 +478,7 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     nxt = i + STAGES - 1
     if nxt < n:
         _issue_page(cache_ptr, bt_ptr, b, p_begin + nxt, nxt % STAGES, kc_s, ks_s, vc_s, vs_s,
-                    stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF)
+                    stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF, FP8)
     async_copy.commit_group()
     async_copy.wait_group(STAGES - 1)
     gl.thread_barrier()
@@ -450,21 +496,35 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     first = (p_begin + i) * 64
     valid = ctx - first  # keys of this page: rows < valid
 
-    # K: bytes -> A operand registers, block scales never masked (``_block_scales``)
-    kc = gl.convert_layout(gl.reshape(kc_s.index(st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
-    ks_lo, ks_hi = _block_scales(ks_s.index(st), NB, kl3)
-    k_lo = _to_a_operand(_unpack_half(kc, ks_lo, False), CB, a_l)
+    # K: bytes -> A operand registers, block scales never masked (``_block_scales``; fp8: a
+    # row past the context only reaches its own score, whatever its bytes, NaN included)
+    if FP8:
+        kc = gl.convert_layout(gl.reshape(kc_s.index(2 * st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
+        k_lo = _to_a_operand(_e4m3(kc), CB, a_l)
+    else:
+        kc = gl.convert_layout(gl.reshape(kc_s.index(st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
+        ks_lo, ks_hi = _block_scales(ks_s.index(st), NB, kl3)
+        k_lo = _to_a_operand(_unpack_half(kc, ks_lo, False), CB, a_l)
     s = warpgroup_mma(k_lo, q_lo.permute((1, 0)), gl.zeros([64, N], gl.float32, layout=acc_l), use_acc=False,
                       is_async=True)
     # the high half unpacks while the low half's MMA runs, V's low half while both do (H200,
     # 27B layout: decode 2-5% and verify 3-7% faster than waiting after each MMA, 3-5 more
     # registers at T = 1: still three programs per SM)
-    k_hi = _to_a_operand(_unpack_half(kc, ks_hi, True), CB, a_l)
+    if FP8:
+        kc = gl.convert_layout(gl.reshape(kc_s.index(2 * st + 1).load(kl2), [64, NB, 16]), kl3,
+                               assert_trivial=True)
+        k_hi = _to_a_operand(_e4m3(kc), CB, a_l)
+    else:
+        k_hi = _to_a_operand(_unpack_half(kc, ks_hi, True), CB, a_l)
     s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
     if V_REGS:
-        vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vp2), [64, NB, 16]), vp3)
-        vs_lo, vs_hi = _v_block_scales(vs_s.index(st), valid, NB, vp3, MASK)
-        va_lo = _v_a_operand(_unpack_half(vc, vs_lo, False), CB, a_l)
+        if FP8:
+            vc = _fp8_rows(vc_s.index(2 * st), valid, vp2, vp3, MASK)
+            va_lo = _v_a_operand(_e4m3(vc), CB, a_l)
+        else:
+            vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vp2), [64, NB, 16]), vp3)
+            vs_lo, vs_hi = _v_block_scales(vs_s.index(st), valid, NB, vp3, MASK)
+            va_lo = _v_a_operand(_unpack_half(vc, vs_lo, False), CB, a_l)
 
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     if MASK:
@@ -497,13 +557,20 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
         fence_async_shared()
         gl.thread_barrier()
         acc_lo, o_lo = _o_mma(va_lo, p_s, acc_lo, alpha, zero_o, FLUSH)
-        acc_hi, o_hi = _o_mma(_v_a_operand(_unpack_half(vc, vs_hi, True), CB, a_l), p_s, acc_hi, alpha, zero_o,
-                              FLUSH)
+        if FP8:
+            va_hi = _v_a_operand(_e4m3(_fp8_rows(vc_s.index(2 * st + 1), valid, vp2, vp3, MASK)), CB, a_l)
+        else:
+            va_hi = _v_a_operand(_unpack_half(vc, vs_hi, True), CB, a_l)
+        acc_hi, o_hi = _o_mma(va_hi, p_s, acc_hi, alpha, zero_o, FLUSH)
     else:  # V: bytes -> fp16 rows in shared memory
-        vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vl2), [64, NB, 16]), vl3, assert_trivial=True)
-        vs_lo, vs_hi = _v_block_scales(vs_s.index(st), valid, NB, vl3, MASK)
-        vt_lo.store(gl.reshape(_unpack_half(vc, vs_lo, False), [64, CB]))
-        vt_hi.store(gl.reshape(_unpack_half(vc, vs_hi, True), [64, CB]))
+        if FP8:
+            vt_lo.store(gl.reshape(_e4m3(_fp8_rows(vc_s.index(2 * st), valid, vl2, vl3, MASK)), [64, CB]))
+            vt_hi.store(gl.reshape(_e4m3(_fp8_rows(vc_s.index(2 * st + 1), valid, vl2, vl3, MASK)), [64, CB]))
+        else:
+            vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vl2), [64, NB, 16]), vl3, assert_trivial=True)
+            vs_lo, vs_hi = _v_block_scales(vs_s.index(st), valid, NB, vl3, MASK)
+            vt_lo.store(gl.reshape(_unpack_half(vc, vs_lo, False), [64, CB]))
+            vt_hi.store(gl.reshape(_unpack_half(vc, vs_hi, True), [64, CB]))
         fence_async_shared()
         gl.thread_barrier()
         acc_lo, o_lo = _o_mma(vt_lo.permute((1, 0)), p_s, acc_lo, alpha, zero_o, FLUSH)
@@ -562,9 +629,12 @@ def _to_a_operand(x, CB: gl.constexpr, a_l: gl.constexpr):
 _PERM_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+FORMATS = (KVFormat.NVFP4, KVFormat.FP8)
+
+
 def supported(layout: KVLayout, group: int, tokens_per_seq: int = 1) -> bool:
     """What this kernel covers; everything else stays with ``triton_kernel``."""
-    return (layout.fmt is KVFormat.NVFP4 and layout.head_dim in (128, 256) and group >= 1
+    return (layout.fmt in FORMATS and layout.head_dim in (128, 256) and group >= 1
             and 1 <= tokens_per_seq * group <= MAX_COLS)
 
 
@@ -584,22 +654,27 @@ def num_columns(tokens_per_seq: int, group: int) -> int:
     return max(8, triton.next_power_of_2(tokens_per_seq * group))
 
 
-def programs_per_sm(tokens_per_seq: int, group: int, head_dim: int = 256) -> int:
+def programs_per_sm(tokens_per_seq: int, group: int, head_dim: int = 256, fmt: KVFormat = KVFormat.NVFP4) -> int:
     """Programs per SM that split counts are planned for (sm_90, two ring stages): at head_dim
     256, 3 at 8 or 16 columns and 2 at 32 (registers / shared memory: docs/kernels.md); at
     head_dim 128 (V through shared memory) 3 at 8 columns, else 2 -- conservative there
-    (72 / 127 / 168 registers and 38-48 KB at 8 / 16 / 32 columns fit more; not timed)."""
-    v_regs, _ = kernel_config(tokens_per_seq, group, head_dim)
-    return 3 if num_columns(tokens_per_seq, group) <= (16 if v_regs else 8) else 2
+    (72 / 127 / 168 registers and 38-48 KB at 8 / 16 / 32 columns fit more; not timed).
+    fp8 (twice nvfp4's page bytes in the ring, no flushed accumulators): 3 at 8 columns, else 2."""
+    v_regs, _ = kernel_config(tokens_per_seq, group, head_dim, fmt)
+    most = 16 if v_regs and fmt is KVFormat.NVFP4 else 8
+    return 3 if num_columns(tokens_per_seq, group) <= most else 2
 
 
-def kernel_config(tokens_per_seq: int, group: int, head_dim: int) -> tuple[bool, int]:
+def kernel_config(tokens_per_seq: int, group: int, head_dim: int,
+                  fmt: KVFormat = KVFormat.NVFP4) -> tuple[bool, int]:
     """(V from registers, FLUSH) for a shape, the fastest measured (docs/kernels.md): V from
-    registers at head_dim 256; accumulators in registers except at 16 columns with V from
-    registers, where they would take three programs per SM to two (216 registers; 168 with
-    the MMA's accumulators flushed every 32 pages)."""
+    registers at head_dim 256; accumulators in registers except for nvfp4 at 16 columns with
+    V from registers, where they would take three programs per SM to two (216 registers; 168
+    with the MMA's accumulators flushed every 32 pages; fp8's ring of 64 KB leaves no room for
+    the flushed sums in a third program's shared memory)."""
     v_regs = head_dim == 256
-    return v_regs, 32 if v_regs and num_columns(tokens_per_seq, group) == 16 else 0
+    flush = fmt is KVFormat.NVFP4 and v_regs and num_columns(tokens_per_seq, group) == 16
+    return v_regs, 32 if flush else 0
 
 
 def max_registers(columns: int, v_regs: bool, flush: int) -> int | None:
@@ -639,11 +714,11 @@ def paged_decode(
     group = hq // h
     t = tokens_per_seq
     if not supported(layout, group, t):
-        raise ValueError(f"gluon decode needs nvfp4, head_dim 128/256 and tokens_per_seq * group <= {MAX_COLS}; "
+        raise ValueError(f"gluon decode needs nvfp4 or fp8, head_dim 128/256 and tokens_per_seq * group <= {MAX_COLS}; "
                          f"got {layout.fmt.value}, d={layout.head_dim}, group={group}, tokens_per_seq={t}")
     if total != block_tables.shape[0] * t:
         raise ValueError(f"q must hold {t} tokens per block-table row ({block_tables.shape[0] * t}), got {total}")
-    cfg = kernel_config(t, group, d)
+    cfg = kernel_config(t, group, d, layout.fmt)
     v_regs = cfg[0] if v_regs is None else v_regs
     flush = cfg[1] if flush is None else flush
     if v_regs and d != 256:
@@ -682,7 +757,8 @@ def paged_decode(
         sm_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0), h,
         D=d, G=group, SCALE_OFF=layout.scale_offset, NUM_SPLITS=num_splits, STAGES=stages,
-        P_SHIFT=2.0 ** P_LOG2, T=t, N=num_columns(t, group), V_REGS=v_regs, FLUSH=flush, num_warps=4,
+        P_SHIFT=2.0 ** P_LOG2, T=t, N=num_columns(t, group), V_REGS=v_regs, FLUSH=flush,
+        FP8=layout.fmt is KVFormat.FP8, num_warps=4,
         maxnreg=max_registers(num_columns(t, group), v_regs, flush), **pdl.launch_kwargs(q.device, "attention"),
     )
     if num_splits > 1:

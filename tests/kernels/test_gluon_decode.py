@@ -1,6 +1,6 @@
-"""Gluon nvfp4 decode / verify (Hopper): fp64 evaluation over the dequantized cache, split-K
-invariance, verify(T=k) == k sequential decodes, the backend's dispatch; on CPU, the reduction
-order that Q follows and the input checks."""
+"""Gluon nvfp4 / fp8 decode / verify (Hopper): fp64 evaluation over the dequantized cache,
+split-K invariance, verify(T=k) == k sequential decodes, bytes past the context, the backend's
+dispatch; on CPU, the reduction order that Q follows and the input checks."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from kernels.backend import KVCacheLayer, TritonBackend
 from kernels.kv_formats import KVLayout
+from kernels.kv_formats.layout import KVFormat
 from kernels.paged_attention import gluon_decode as gd
 from kernels.paged_attention import reference as attn_ref
 from tests.kernels.helpers import build_case, rel_l2
@@ -69,15 +70,20 @@ def test_supported_shapes_and_bad_inputs_are_rejected_before_any_launch():
     assert gd.supported(KVLayout.make("nvfp4", 4, 256), 6, 4)
     assert not gd.supported(KVLayout.make("nvfp4", 4, 256), 6, 6)  # 36 columns > 32
     assert not gd.supported(KVLayout.make("nvfp4", 3, 64), 3)
-    assert not gd.supported(KVLayout.make("fp8", 4, 256), 6)
+    assert gd.supported(KVLayout.make("fp8", 4, 256), 6) and gd.supported(KVLayout.make("fp8", 2, 128), 4, 4)
+    assert not gd.supported(KVLayout.make("fp8", 3, 64), 3)
+    assert not gd.supported(KVLayout.make("int8", 4, 256), 6) and not gd.supported(KVLayout.make("bf16", 4, 256), 6)
     assert gd.num_columns(1, 6) == 8 and gd.num_columns(4, 6) == 32 and gd.num_columns(1, 1) == 8
     assert gd.programs_per_sm(1, 6) == 3 and gd.programs_per_sm(2, 6) == 3 and gd.programs_per_sm(4, 6) == 2
     assert gd.programs_per_sm(2, 6, 128) == 2
-    layout = KVLayout.make("fp8", 1, 128)
+    # fp8: no flushed accumulators (its 64 KB ring leaves a third program no room for them)
+    assert gd.kernel_config(2, 6, 256, KVFormat.FP8) == (True, 0) and gd.kernel_config(2, 6, 256) == (True, 32)
+    assert gd.programs_per_sm(1, 6, 256, KVFormat.FP8) == 3 and gd.programs_per_sm(2, 6, 256, KVFormat.FP8) == 2
+    layout = KVLayout.make("int8", 1, 128)
     cache = layout.allocate(2)
     tables = torch.zeros(1, 2, dtype=torch.int32)
     lens = torch.tensor([70], dtype=torch.int32)
-    with pytest.raises(ValueError, match="nvfp4"):
+    with pytest.raises(ValueError, match="nvfp4 or fp8"):
         gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1)
     layout = KVLayout.make("nvfp4", 1, 128)
     cache = layout.allocate(2)
@@ -129,11 +135,16 @@ CASES = [
 ]
 
 
+# fp8: every shape up to 32k contexts, and 128k for decode and verify (the fp64 oracle over
+# the full-size batches takes minutes)
+FP8_CASES = CASES[:10] + [CASES[10], CASES[13]]
+
+
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,hq,h,ctx,t", CASES)
-def test_gluon_matches_fp64_and_splits_agree(d, hq, h, ctx, t):
-    case = build_case(KVLayout.make("nvfp4", h, d), ctx, seed=d + hq + len(ctx) + t, device="cuda")
+@pytest.mark.parametrize("fmt,d,hq,h,ctx,t", [("nvfp4", *c) for c in CASES] + [("fp8", *c) for c in FP8_CASES])
+def test_gluon_matches_fp64_and_splits_agree(fmt, d, hq, h, ctx, t):
+    case = build_case(KVLayout.make(fmt, h, d), ctx, seed=d + hq + len(ctx) + t, device="cuda")
     q = torch.randn(len(ctx) * t, hq, d, device="cuda").to(torch.bfloat16)
     ref = _oracle(case, q, t)
     for v_regs in (False, True) if d == 256 else (False, ):  # V through shared memory / registers
@@ -150,10 +161,11 @@ def test_gluon_matches_fp64_and_splits_agree(d, hq, h, ctx, t):
 
 @hopper
 @pytest.mark.gpu
-def test_verify_equals_sequential_decodes():
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_verify_equals_sequential_decodes(fmt):
     """T = 4 query tokens in one call == four decode steps with growing context lengths."""
     ctx = [70, 300, 4]
-    case = build_case(KVLayout.make("nvfp4", 4, 256), ctx, seed=11, device="cuda")
+    case = build_case(KVLayout.make(fmt, 4, 256), ctx, seed=11, device="cuda")
     t = 4
     q = torch.randn(len(ctx), t, 24, 256, device="cuda").to(torch.bfloat16)
     out = torch.empty(len(ctx) * t, 24, 256, dtype=torch.float32, device="cuda")
@@ -187,15 +199,16 @@ def _fill_past_context(case, value: int) -> torch.Tensor:
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("t", [1, 2, 4])
-def test_bytes_past_the_context_do_not_change_the_output(t):
+def test_bytes_past_the_context_do_not_change_the_output(fmt, t):
     """Rows past the context are never read into a result, whatever they hold: 0xFF makes
-    their E4M3 block scales NaN (the kernels mask V's scales on the last page, and K's rows
-    only reach their own, masked, scores)."""
+    nvfp4's E4M3 block scales and fp8's codes NaN (the kernels mask V's scales / codes on the
+    last page, and K's rows only reach their own, masked, scores)."""
     from kernels.paged_attention import triton_kernel
 
     ctx = [70, 65, 1 + t, 130, 64 + t - 1, 4]
-    case = build_case(KVLayout.make("nvfp4", 4, 256), ctx, seed=5 + t, device="cuda")
+    case = build_case(KVLayout.make(fmt, 4, 256), ctx, seed=5 + t, device="cuda")
     q = torch.randn(len(ctx) * t, 24, 256, device="cuda").to(torch.bfloat16)
     nan_cache = _fill_past_context(case, 0xFF)
 
@@ -222,10 +235,11 @@ def test_bytes_past_the_context_do_not_change_the_output(t):
 
 @hopper
 @pytest.mark.gpu
-def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(monkeypatch):
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(monkeypatch, fmt):
     from kernels.paged_attention import triton_kernel
 
-    layout = KVLayout.make("nvfp4", 4, 256)
+    layout = KVLayout.make(fmt, 4, 256)
     case = build_case(layout, [700, 65, 1], seed=3, device="cuda")
     layer = KVCacheLayer(layout=layout, data=case.cache, scales=case.scales)
     q = torch.randn(3, 24, 256, device="cuda").to(torch.bfloat16)
