@@ -1,7 +1,7 @@
-"""nvfp4 / fp8 paged decode attention in Gluon (Hopper): keys as the rows of the tensor-core products.
+"""nvfp4 / fp8 / int8 paged decode attention in Gluon (Hopper): keys as the rows of the tensor-core products.
 
 Same meaning as ``reference.paged_attention`` for ``T`` query tokens per sequence (decode,
-or verify with a causal mask among them), nvfp4 and fp8 caches with head_dim 128 or 256 and
+or verify with a causal mask among them), nvfp4, fp8 and int8 caches with head_dim 128 or 256 and
 ``T`` x (query heads per KV head) <= 32 (the backend's choice for every such shape on Hopper:
 ``TritonBackend.uses_gluon``; T = 1-5 for the 27B layout). A program owns one (sequence, KV
 head, split); each loop iteration one 64-token page:
@@ -44,13 +44,17 @@ of the code word for the low elements, four operations for the high ones: page l
 score scale and the output scale. Probabilities are fp16 times 2**15 (``P_LOG2``).
 Split-K writes normalized partial outputs and log2-sum-exps for ``triton_kernel.merge_splits``.
 
-fp8 (``FP8``): a row's ``d`` code bytes are copied as two ``[64, d/2]`` tiles, the halves of
-the head dim, which take the places of nvfp4's low and high elements (the same registers, Q
-order and ``Vᵀ`` rows); each E4M3 byte converts to fp16 exactly (``cvt.rn.f16x2.e4m3x2``, no
-block scale), and V's codes past the context are zeroed on the last page (an E4M3 byte can be
-NaN, which a zero probability does not cancel). The global scales go into the score and output
-scales as for nvfp4. H200, 27B layout: 91-95% of HBM at batch x context >= 1M tokens against
-the Triton kernel's 57-64% (docs/kernels.md).
+fp8 and int8 (``FMT`` 1 and 2; nvfp4 is 0): a row's ``d`` code bytes are copied as two
+``[64, d/2]`` tiles, the halves of the head dim, which take the places of nvfp4's low and
+high elements (the same registers, Q order and ``Vᵀ`` rows); each byte converts to fp16
+exactly (E4M3: ``cvt.rn.f16x2.e4m3x2``; int8's -127..127), no block scales. fp8: V's codes
+past the context are zeroed on the last page (an E4M3 byte can be NaN, which a zero
+probability does not cancel); the global scales go into the score and output scales as for
+nvfp4. int8: each key's fp32 token scale (copied with the page) multiplies its score row after
+the MMA and V's multiplies its probability row before the fp16 rounding (``P_LOG2_INT8``; zero
+past the context), the global scales are ignored (the format's rule). H200, 27B layout: fp8
+91-95% of HBM at batch x context >= 1M tokens against the Triton kernel's 57-64%
+(docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -214,11 +218,11 @@ def _pow2(e):
 @gluon.jit
 def _issue_page(cache_ptr, bt_ptr, b, pg, stage, kc_s, ks_s, vc_s, vs_s,
                 stride_bt, stride_cp, stride_ckv, stride_ch, kvh,
-                CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, FP8: gl.constexpr):
+                CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, FMT: gl.constexpr):
     page = gl.load(bt_ptr + b.to(gl.int64) * stride_bt + pg).to(gl.int64)
     base = cache_ptr + page * stride_cp + kvh * stride_ch
     cl: gl.constexpr = _copy_layout(CB, 16)
-    if FP8:  # rows of 2 CB code bytes, no scales: each half of the head dim to its own tile
+    if FMT != 0:  # rows of 2 CB code bytes: each half of the head dim to its own tile
         r2 = gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
         c2 = gl.arange(0, CB, layout=gl.SliceLayout(0, cl))
         offs2 = gl.expand_dims(r2, 1) * (2 * CB) + gl.expand_dims(c2, 0)
@@ -226,6 +230,12 @@ def _issue_page(cache_ptr, bt_ptr, b, pg, stage, kc_s, ks_s, vc_s, vs_s,
         async_copy.async_copy_global_to_shared(kc_s.index(2 * stage + 1), base + CB + offs2)
         async_copy.async_copy_global_to_shared(vc_s.index(2 * stage), base + stride_ckv + offs2)
         async_copy.async_copy_global_to_shared(vc_s.index(2 * stage + 1), base + stride_ckv + CB + offs2)
+        if FMT == 2:  # int8: K's and V's fp32 token scales, one per thread (K's 64, then V's, in ks_s)
+            sl1: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
+                                                 order=[0])
+            j = gl.arange(0, 128, layout=sl1)
+            sp = base + SCALE_OFF + (j // 64).to(gl.int64) * stride_ckv + (j % 64) * 4
+            async_copy.async_copy_global_to_shared(ks_s.index(stage), sp.to(gl.pointer_type(gl.float32)))
     else:
         sl: gl.constexpr = _copy_layout(SB, 8)
         r = gl.arange(0, 64, layout=gl.SliceLayout(1, cl))
@@ -245,20 +255,36 @@ def _issue_page(cache_ptr, bt_ptr, b, pg, stage, kc_s, ks_s, vc_s, vs_s,
         async_copy.async_copy_global_to_shared(vs_s.index(stage), base + stride_ckv + offs_vs)
 
 
-@gluon.jit
-def _e4m3(c):
-    """fp8 code bytes -> fp16 values (exact: E4M3 is a subset of fp16; NaN codes stay NaN)."""
-    return c.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+# four int8 codes (one 32-bit word) -> two fp16 pairs: the byte ``x + 128`` under the fp16 high
+# byte 0x64 is the fp16 number 1024 + x + 128, exactly, so one xor, two byte permutes and two
+# half-precision subtractions of 1152 (0x6480) convert four codes (the compiler's conversion
+# takes an I2F and ~2 byte moves per code: 1001 instructions per page against 652 for fp8)
+_ASM_INT8 = gl.constexpr(
+    "{ .reg .b32 u, a, b, c; xor.b32 u, $2, 0x80808080; mov.b32 c, 0x64806480; "
+    "prmt.b32 a, u, 0x64646464, 0x4140; prmt.b32 b, u, 0x64646464, 0x4342; "
+    "sub.rn.f16x2 $0, a, c; sub.rn.f16x2 $1, b, c; }")
 
 
 @gluon.jit
-def _fp8_rows(tile, valid, l2: gl.constexpr, l3: gl.constexpr, MASK: gl.constexpr):
-    """A half's fp8 V code bytes [64 keys, CB] from shared memory -> [64, NB, 16] in ``l3``;
-    ``MASK``: keys >= ``valid`` (past the context, whatever their bytes: 0x7F is NaN, and
-    a zero probability does not cancel it in the MMA) become code 0."""
+def _bytes_f16(c, FMT: gl.constexpr):
+    """fp8 (``FMT`` 1) / int8 (2) code bytes -> fp16 values, exactly (E4M3 and -127..127 are
+    fp16 numbers; NaN codes stay NaN)."""
+    if FMT == 1:
+        return c.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+    else:
+        return gl.inline_asm_elementwise(asm=_ASM_INT8, constraints="=r,=r,r", args=[c], dtype=gl.float16,
+                                         is_pure=True, pack=4)
+
+
+@gluon.jit
+def _byte_rows(tile, valid, l2: gl.constexpr, l3: gl.constexpr, MASK: gl.constexpr, FMT: gl.constexpr):
+    """A half's fp8 / int8 V code bytes [64 keys, CB] from shared memory -> [64, NB, 16] in
+    ``l3``; fp8 with ``MASK``: keys >= ``valid`` (past the context, whatever their bytes: 0x7F
+    is NaN, and a zero probability does not cancel it in the MMA) become code 0 (int8 codes are
+    finite and those keys' probabilities are zeroed with their token scales)."""
     NB: gl.constexpr = tile.shape[1] // 16
     c = gl.convert_layout(gl.reshape(tile.load(l2), [64, NB, 16]), l3)
-    if MASK:
+    if MASK and FMT == 1:
         row = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
         c = gl.where(gl.expand_dims(gl.expand_dims(row < valid, 1), 2), c, 0)
     return c
@@ -322,7 +348,7 @@ def nvfp4_decode_kernel(
     D: gl.constexpr, G: gl.constexpr, SCALE_OFF: gl.constexpr,
     NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr,
     T: gl.constexpr, N: gl.constexpr, V_REGS: gl.constexpr, FLUSH: gl.constexpr, PDL: gl.constexpr,
-    FP8: gl.constexpr = False,
+    FMT: gl.constexpr = 0,
 ):
     pdl.enter(PDL)
     CB: gl.constexpr = D // 2
@@ -339,12 +365,17 @@ def nvfp4_decode_kernel(
     # warp's V loads span four keys 128 bytes apart, four-way bank conflicts unswizzled)
     kc_lay: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=128 // CB, max_phase=CB // 16, order=[1, 0])
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    # fp8: a row's 2 CB bytes as two [64, CB] tiles per stage (the halves of the head dim, as
-    # nvfp4's low and high elements), no block scales (``ks_s`` / ``vs_s`` placeholders)
-    if FP8:
+    # fp8 / int8: a row's 2 CB bytes as two [64, CB] tiles per stage (the halves of the head
+    # dim, as nvfp4's low and high elements); no block scales (``vs_s`` a placeholder; int8's
+    # token scales in ``ks_s``, fp8's ``ks_s`` a placeholder)
+    if FMT != 0:
         kc_s = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 64, CB], kc_lay)
         vc_s = gl.allocate_shared_memory(gl.uint8, [2 * STAGES, 64, CB], kc_lay)
-        ks_s = kc_s
+        if FMT == 2:
+            flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+            ks_s = gl.allocate_shared_memory(gl.float32, [STAGES, 128], flat)  # K's 64, then V's
+        else:
+            ks_s = kc_s
         vs_s = vc_s
     else:
         kc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, CB], kc_lay)
@@ -372,7 +403,7 @@ def nvfp4_decode_kernel(
     for pre in gl.static_range(STAGES - 1):
         if pre < n:
             _issue_page(cache_ptr, bt_ptr, b, p_begin + pre, pre, kc_s, ks_s, vc_s, vs_s,
-                        stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF, FP8)
+                        stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF, FMT)
         async_copy.commit_group()
 
     # Q (fp16, the MMA's reduction order) into shared memory once
@@ -387,9 +418,13 @@ def nvfp4_decode_kernel(
     q_s.index(0).store(gl.load(qrow + gl.expand_dims(dj, 0), mask=qmask, other=0.0).to(gl.float16))
     q_s.index(1).store(gl.load(qrow + CB + gl.expand_dims(dj, 0), mask=qmask, other=0.0).to(gl.float16))
 
-    gk = gl.load(gscale_ptr + kvh)
-    gv = gl.load(gscale_ptr + H + kvh)
-    UNIT: gl.constexpr = 1.0 if FP8 else 16384.0  # nvfp4's fp16 values are E2M1 * 2**-14 (E4M3 is exact)
+    if FMT == 2:  # int8 ignores the global scales (token scales instead)
+        gk = 1.0
+        gv = 1.0
+    else:
+        gk = gl.load(gscale_ptr + kvh)
+        gv = gl.load(gscale_ptr + H + kvh)
+    UNIT: gl.constexpr = 16384.0 if FMT == 0 else 1.0  # nvfp4's fp16 values are E2M1 * 2**-14
     s_scale = qk_scale * gk * UNIT
 
     m_i = gl.full([N], float("-inf"), gl.float32, layout=col_l)
@@ -411,12 +446,12 @@ def nvfp4_decode_kernel(
         m_i, l_r, m_o, acc_lo, acc_hi = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
             kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False, FP8)
+            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False, FMT)
     for i in range(n_full, n):
         m_i, l_r, m_o, acc_lo, acc_hi = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
             kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True, FP8)
+            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True, FMT)
 
     async_copy.wait_group(0)
     if FLUSH > 0:
@@ -459,7 +494,7 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
           kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
           CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, STAGES: gl.constexpr,
           P_SHIFT: gl.constexpr, T: gl.constexpr, G: gl.constexpr, N: gl.constexpr,
-          V_REGS: gl.constexpr, FLUSH: gl.constexpr, MASK: gl.constexpr, FP8: gl.constexpr):
+          V_REGS: gl.constexpr, FLUSH: gl.constexpr, MASK: gl.constexpr, FMT: gl.constexpr):
     """Page ``i`` of the program's ``n``: issue the copy of page ``i + STAGES - 1``, then
     scores, softmax and ``Oᵀ`` for this one. ``MASK`` False (every page but the last one or
     two): every query token sees all 64 keys, so neither the scores nor V's block scales (fp8:
@@ -478,7 +513,7 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     nxt = i + STAGES - 1
     if nxt < n:
         _issue_page(cache_ptr, bt_ptr, b, p_begin + nxt, nxt % STAGES, kc_s, ks_s, vc_s, vs_s,
-                    stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF, FP8)
+                    stride_bt, stride_cp, stride_ckv, stride_ch, kvh, CB, SB, SCALE_OFF, FMT)
     async_copy.commit_group()
     async_copy.wait_group(STAGES - 1)
     gl.thread_barrier()
@@ -496,11 +531,11 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     first = (p_begin + i) * 64
     valid = ctx - first  # keys of this page: rows < valid
 
-    # K: bytes -> A operand registers, block scales never masked (``_block_scales``; fp8: a
-    # row past the context only reaches its own score, whatever its bytes, NaN included)
-    if FP8:
+    # K: bytes -> A operand registers, block scales never masked (``_block_scales``; fp8 /
+    # int8: a row past the context only reaches its own score, whatever its bytes, NaN included)
+    if FMT != 0:
         kc = gl.convert_layout(gl.reshape(kc_s.index(2 * st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
-        k_lo = _to_a_operand(_e4m3(kc), CB, a_l)
+        k_lo = _to_a_operand(_bytes_f16(kc, FMT), CB, a_l)
     else:
         kc = gl.convert_layout(gl.reshape(kc_s.index(st).load(kl2), [64, NB, 16]), kl3, assert_trivial=True)
         ks_lo, ks_hi = _block_scales(ks_s.index(st), NB, kl3)
@@ -510,23 +545,25 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     # the high half unpacks while the low half's MMA runs, V's low half while both do (H200,
     # 27B layout: decode 2-5% and verify 3-7% faster than waiting after each MMA, 3-5 more
     # registers at T = 1: still three programs per SM)
-    if FP8:
+    if FMT != 0:
         kc = gl.convert_layout(gl.reshape(kc_s.index(2 * st + 1).load(kl2), [64, NB, 16]), kl3,
                                assert_trivial=True)
-        k_hi = _to_a_operand(_e4m3(kc), CB, a_l)
+        k_hi = _to_a_operand(_bytes_f16(kc, FMT), CB, a_l)
     else:
         k_hi = _to_a_operand(_unpack_half(kc, ks_hi, True), CB, a_l)
     s = warpgroup_mma(k_hi, q_hi.permute((1, 0)), s, is_async=True)
     if V_REGS:
-        if FP8:
-            vc = _fp8_rows(vc_s.index(2 * st), valid, vp2, vp3, MASK)
-            va_lo = _v_a_operand(_e4m3(vc), CB, a_l)
+        if FMT != 0:
+            vc = _byte_rows(vc_s.index(2 * st), valid, vp2, vp3, MASK, FMT)
+            va_lo = _v_a_operand(_bytes_f16(vc, FMT), CB, a_l)
         else:
             vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vp2), [64, NB, 16]), vp3)
             vs_lo, vs_hi = _v_block_scales(vs_s.index(st), valid, NB, vp3, MASK)
             va_lo = _v_a_operand(_unpack_half(vc, vs_lo, False), CB, a_l)
 
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if FMT == 2:  # int8: each key's token scale times its score row (NaN past the context: masked below)
+        s = s * gl.expand_dims(ks_s.index(st).slice(0, 64).load(gl.SliceLayout(1, acc_l)), 1)
     if MASK:
         srow = gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         if T == 1:
@@ -552,20 +589,29 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     alpha = gl.expand_dims(_pow2(m_i - m_ref), 0)
     m_i = m_new
     pw = p * (w * P_SHIFT)  # P's fp16 values; the row sums stay in these units (exact)
-    p_s.store(gl.permute(pw.to(gl.float16), (1, 0)))
+    if FMT == 2:  # int8: V's token scales go into P (masked past the context: they may be NaN)
+        vsc = ks_s.index(st).slice(64, 64).load(gl.SliceLayout(1, acc_l))
+        if MASK:
+            vsc = gl.where(gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l)) < valid, vsc, 0.0)
+        p_s.store(gl.permute((pw * gl.expand_dims(vsc, 1)).to(gl.float16), (1, 0)))
+    else:
+        p_s.store(gl.permute(pw.to(gl.float16), (1, 0)))
     if V_REGS:  # V: bytes -> A operand registers (the low half above), after P is in shared memory
         fence_async_shared()
         gl.thread_barrier()
         acc_lo, o_lo = _o_mma(va_lo, p_s, acc_lo, alpha, zero_o, FLUSH)
-        if FP8:
-            va_hi = _v_a_operand(_e4m3(_fp8_rows(vc_s.index(2 * st + 1), valid, vp2, vp3, MASK)), CB, a_l)
+        if FMT != 0:
+            va_hi = _v_a_operand(_bytes_f16(_byte_rows(vc_s.index(2 * st + 1), valid, vp2, vp3, MASK, FMT), FMT),
+                                 CB, a_l)
         else:
             va_hi = _v_a_operand(_unpack_half(vc, vs_hi, True), CB, a_l)
         acc_hi, o_hi = _o_mma(va_hi, p_s, acc_hi, alpha, zero_o, FLUSH)
     else:  # V: bytes -> fp16 rows in shared memory
-        if FP8:
-            vt_lo.store(gl.reshape(_e4m3(_fp8_rows(vc_s.index(2 * st), valid, vl2, vl3, MASK)), [64, CB]))
-            vt_hi.store(gl.reshape(_e4m3(_fp8_rows(vc_s.index(2 * st + 1), valid, vl2, vl3, MASK)), [64, CB]))
+        if FMT != 0:
+            vt_lo.store(gl.reshape(_bytes_f16(_byte_rows(vc_s.index(2 * st), valid, vl2, vl3, MASK, FMT), FMT),
+                                   [64, CB]))
+            vt_hi.store(gl.reshape(_bytes_f16(_byte_rows(vc_s.index(2 * st + 1), valid, vl2, vl3, MASK, FMT), FMT),
+                                   [64, CB]))
         else:
             vc = gl.convert_layout(gl.reshape(vc_s.index(st).load(vl2), [64, NB, 16]), vl3, assert_trivial=True)
             vs_lo, vs_hi = _v_block_scales(vs_s.index(st), valid, NB, vl3, MASK)
@@ -629,7 +675,11 @@ def _to_a_operand(x, CB: gl.constexpr, a_l: gl.constexpr):
 _PERM_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-FORMATS = (KVFormat.NVFP4, KVFormat.FP8)
+FORMATS = (KVFormat.NVFP4, KVFormat.FP8, KVFormat.INT8)
+_FMT_CODE = {KVFormat.NVFP4: 0, KVFormat.FP8: 1, KVFormat.INT8: 2}
+# int8's probabilities carry V's token scales, which must stay below 16 (V's magnitudes below
+# 2032) for them to fit fp16 at 2**12 (as ``triton_kernel``'s int8 path)
+P_LOG2_INT8 = 12.0
 
 
 def supported(layout: KVLayout, group: int, tokens_per_seq: int = 1) -> bool:
@@ -714,7 +764,7 @@ def paged_decode(
     group = hq // h
     t = tokens_per_seq
     if not supported(layout, group, t):
-        raise ValueError(f"gluon decode needs nvfp4 or fp8, head_dim 128/256 and tokens_per_seq * group <= {MAX_COLS}; "
+        raise ValueError(f"gluon decode needs nvfp4, fp8 or int8, head_dim 128/256 and tokens_per_seq * group <= {MAX_COLS}; "
                          f"got {layout.fmt.value}, d={layout.head_dim}, group={group}, tokens_per_seq={t}")
     if total != block_tables.shape[0] * t:
         raise ValueError(f"q must hold {t} tokens per block-table row ({block_tables.shape[0] * t}), got {total}")
@@ -757,8 +807,8 @@ def paged_decode(
         sm_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0), h,
         D=d, G=group, SCALE_OFF=layout.scale_offset, NUM_SPLITS=num_splits, STAGES=stages,
-        P_SHIFT=2.0 ** P_LOG2, T=t, N=num_columns(t, group), V_REGS=v_regs, FLUSH=flush,
-        FP8=layout.fmt is KVFormat.FP8, num_warps=4,
+        P_SHIFT=2.0 ** (P_LOG2_INT8 if layout.fmt is KVFormat.INT8 else P_LOG2), T=t, N=num_columns(t, group),
+        V_REGS=v_regs, FLUSH=flush, FMT=_FMT_CODE[layout.fmt], num_warps=4,
         maxnreg=max_registers(num_columns(t, group), v_regs, flush), **pdl.launch_kwargs(q.device, "attention"),
     )
     if num_splits > 1:

@@ -1,4 +1,4 @@
-"""Gluon nvfp4 / fp8 decode / verify (Hopper): fp64 evaluation over the dequantized cache,
+"""Gluon nvfp4 / fp8 / int8 decode / verify (Hopper): fp64 evaluation over the dequantized cache,
 split-K invariance, verify(T=k) == k sequential decodes, bytes past the context, the backend's
 dispatch; on CPU, the reduction order that Q follows and the input checks."""
 
@@ -72,18 +72,19 @@ def test_supported_shapes_and_bad_inputs_are_rejected_before_any_launch():
     assert not gd.supported(KVLayout.make("nvfp4", 3, 64), 3)
     assert gd.supported(KVLayout.make("fp8", 4, 256), 6) and gd.supported(KVLayout.make("fp8", 2, 128), 4, 4)
     assert not gd.supported(KVLayout.make("fp8", 3, 64), 3)
-    assert not gd.supported(KVLayout.make("int8", 4, 256), 6) and not gd.supported(KVLayout.make("bf16", 4, 256), 6)
+    assert gd.supported(KVLayout.make("int8", 4, 256), 6) and not gd.supported(KVLayout.make("bf16", 4, 256), 6)
     assert gd.num_columns(1, 6) == 8 and gd.num_columns(4, 6) == 32 and gd.num_columns(1, 1) == 8
     assert gd.programs_per_sm(1, 6) == 3 and gd.programs_per_sm(2, 6) == 3 and gd.programs_per_sm(4, 6) == 2
     assert gd.programs_per_sm(2, 6, 128) == 2
     # fp8: no flushed accumulators (its 64 KB ring leaves a third program no room for them)
     assert gd.kernel_config(2, 6, 256, KVFormat.FP8) == (True, 0) and gd.kernel_config(2, 6, 256) == (True, 32)
     assert gd.programs_per_sm(1, 6, 256, KVFormat.FP8) == 3 and gd.programs_per_sm(2, 6, 256, KVFormat.FP8) == 2
-    layout = KVLayout.make("int8", 1, 128)
+    assert gd.programs_per_sm(1, 6, 256, KVFormat.INT8) == 3 and gd.kernel_config(2, 6, 256, KVFormat.INT8) == (True, 0)
+    layout = KVLayout.make("bf16", 1, 128)
     cache = layout.allocate(2)
     tables = torch.zeros(1, 2, dtype=torch.int32)
     lens = torch.tensor([70], dtype=torch.int32)
-    with pytest.raises(ValueError, match="nvfp4 or fp8"):
+    with pytest.raises(ValueError, match="nvfp4, fp8 or int8"):
         gd.paged_decode(torch.randn(1, 4, 128), cache, layout, layout.default_scales(), tables, lens, 0.1)
     layout = KVLayout.make("nvfp4", 1, 128)
     cache = layout.allocate(2)
@@ -135,14 +136,15 @@ CASES = [
 ]
 
 
-# fp8: every shape up to 32k contexts, and 128k for decode and verify (the fp64 oracle over
-# the full-size batches takes minutes)
-FP8_CASES = CASES[:10] + [CASES[10], CASES[13]]
+# fp8 / int8: every shape up to 32k contexts, and 128k for decode and verify (the fp64 oracle
+# over the full-size batches takes minutes)
+BYTE_CASES = CASES[:10] + [CASES[10], CASES[13]]
 
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,d,hq,h,ctx,t", [("nvfp4", *c) for c in CASES] + [("fp8", *c) for c in FP8_CASES])
+@pytest.mark.parametrize("fmt,d,hq,h,ctx,t", [("nvfp4", *c) for c in CASES] + [("fp8", *c) for c in BYTE_CASES]
+                         + [("int8", *c) for c in BYTE_CASES])
 def test_gluon_matches_fp64_and_splits_agree(fmt, d, hq, h, ctx, t):
     case = build_case(KVLayout.make(fmt, h, d), ctx, seed=d + hq + len(ctx) + t, device="cuda")
     q = torch.randn(len(ctx) * t, hq, d, device="cuda").to(torch.bfloat16)
@@ -161,7 +163,7 @@ def test_gluon_matches_fp64_and_splits_agree(fmt, d, hq, h, ctx, t):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_verify_equals_sequential_decodes(fmt):
     """T = 4 query tokens in one call == four decode steps with growing context lengths."""
     ctx = [70, 300, 4]
@@ -199,12 +201,12 @@ def _fill_past_context(case, value: int) -> torch.Tensor:
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_bytes_past_the_context_do_not_change_the_output(fmt, t):
     """Rows past the context are never read into a result, whatever they hold: 0xFF makes
-    nvfp4's E4M3 block scales and fp8's codes NaN (the kernels mask V's scales / codes on the
-    last page, and K's rows only reach their own, masked, scores)."""
+    nvfp4's E4M3 block scales, fp8's codes and int8's fp32 token scales NaN (the kernels mask
+    V's scales / codes on the last page, and K's rows only reach their own, masked, scores)."""
     from kernels.paged_attention import triton_kernel
 
     ctx = [70, 65, 1 + t, 130, 64 + t - 1, 4]
@@ -235,7 +237,7 @@ def test_bytes_past_the_context_do_not_change_the_output(fmt, t):
 
 @hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(monkeypatch, fmt):
     from kernels.paged_attention import triton_kernel
 
