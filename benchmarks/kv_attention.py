@@ -5,7 +5,7 @@
 Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256):
 1. decode attention effective bandwidth = (KV bytes of the context + Q + output) / time,
    and its fraction of the H200's 4.8 TB/s, for contexts 2k..1M and batch 1..64;
-2. nvfp4 vs bf16 decode time at 128k; verify T=4 vs T=1 time at >= 16k;
+2. nvfp4 / fp8 / int8 vs bf16 decode time at 128k; verify T=4 vs T=1 time at >= 16k;
 3. prefill attention TFLOP/s for a 4k chunk over a 64k nvfp4 prefix (causal FLOPs:
    4 * d * Hq * sum over queries of visible keys): the engine's call (nvfp4: through an fp16
    workspace of the context, ``kv_dequant``) and the kernel over the packed pages; shorter
@@ -17,8 +17,8 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
    merge kernels on Hopper) against none (``DEEPWELL_PDL=0``) and all kernels in the same
    process, for appends, decode calls and a whole layer (``--only pdl``). Every other table
    runs with the default; ``DEEPWELL_PDL=0 python benchmarks/kv_attention.py`` runs without.
-nvfp4 and fp8 rows time the kernel the engine runs: on Hopper, decode and verify (T = 1-5
-here) run the Gluon one (``gluon_decode``), timed beside the Triton kernel.
+nvfp4, fp8 and int8 rows time the kernel the engine runs: on Hopper, decode and verify (T =
+1-5 here) run the Gluon one (``gluon_decode``), timed beside the Triton kernel.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays (decode, verify,
 append, the engine step: the GPU's time, as the engine runs them) or of eager calls (prefill).
@@ -102,7 +102,7 @@ def bench_graph(fn, reps: int = 20) -> float:
 def decode_call(fmt: str, batch: int, ctx: int, t: int = 1, splits: int | None = None, impl: str = "auto", **kw):
     """(the engine's decode call of one shape as a closure, its split count, the bytes it reads:
     KV of the contexts + Q + output). ``impl``: "auto" is the engine's choice
-    (``TritonBackend.uses_gluon``: the Gluon kernel for nvfp4 / fp8 decode on Hopper, else the Triton
+    (``TritonBackend.uses_gluon``: the Gluon kernel for nvfp4 / fp8 / int8 decode on Hopper, else the Triton
     kernel); "triton" forces the Triton kernel, which takes ``kw`` (its tuning arguments)."""
     layout, cache, tables, ctx_lens, q = decode_case(fmt, batch, ctx, t)
     be = TritonBackend()
@@ -150,13 +150,13 @@ def decode_table(quick: bool) -> list[dict]:
             for batch in batches:
                 tokens = batch * ctx
                 cap = 16 << 20 if fmt == "nvfp4" else 8 << 20
-                if tokens > cap or (fmt == "int8" and ctx != 131072) or (fmt == "fp8" and ctx < 16384):
+                if tokens > cap or (fmt in ("fp8", "int8") and ctx < 16384):
                     continue
                 sec, bw, splits = time_decode(fmt, batch, ctx, **cfg)
                 rows.append(dict(fmt=fmt, ctx=ctx, batch=batch, splits=splits, us=sec * 1e6, tbps=bw / 1e12, frac=bw / PEAK))
                 print(f"decode {fmt:6s} ctx={ctx:8d} B={batch:3d} splits={splits:3d} {sec*1e6:9.1f} us {bw/1e12:6.2f} TB/s {bw/PEAK:6.1%}", flush=True)
-    # the Triton kernel at the same points, where the engine runs the Gluon one (nvfp4 and fp8 on Hopper)
-    for fmt in ("nvfp4", "fp8"):
+    # the Triton kernel at the same points, where the engine runs the Gluon one (nvfp4, fp8, int8 on Hopper)
+    for fmt in ("nvfp4", "fp8", "int8"):
         for ctx, batch in ((16384, 64), (131072, 1), (131072, 8), (131072, 64)):
             if quick and batch == 64:
                 continue
@@ -202,12 +202,14 @@ def verify_table() -> list[dict]:
     """T=4 vs T=1 with the kernels the engine uses (Gluon on Hopper), then the Triton kernel's
     T=4 variants at 128k x 8 (against the engine's T=1)."""
     rows = []
-    for ctx in (16384, 131072):
-        for batch in (1, 8, 64):
-            t1, _, _ = time_decode("nvfp4", batch, ctx, 1)
-            t4, _, _ = time_decode("nvfp4", batch, ctx, 4)
-            rows.append(dict(ctx=ctx, batch=batch, t1_us=t1 * 1e6, t4_us=t4 * 1e6, ratio=t4 / t1))
-            print(f"verify nvfp4 ctx={ctx} B={batch}: T=1 {t1*1e6:.1f} us, T=4 {t4*1e6:.1f} us, ratio {t4/t1:.2f}", flush=True)
+    for fmt in ("nvfp4", "fp8", "int8"):
+        for ctx in (16384, 131072):
+            for batch in (1, 8, 64):
+                t1, _, _ = time_decode(fmt, batch, ctx, 1)
+                t4, _, _ = time_decode(fmt, batch, ctx, 4)
+                rows.append(dict(fmt=fmt, ctx=ctx, batch=batch, t1_us=t1 * 1e6, t4_us=t4 * 1e6, ratio=t4 / t1))
+                print(f"verify {fmt} ctx={ctx} B={batch}: T=1 {t1*1e6:.1f} us, T=4 {t4*1e6:.1f} us, ratio {t4/t1:.2f}",
+                      flush=True)
     t1, _, _ = time_decode("nvfp4", 8, 131072, 1)
     for warps, stages, ppt in [(4, 2, 2), (4, 3, 2), (8, 2, 2)]:  # the Triton kernel's T = 4
         t4, _, _ = time_decode("nvfp4", 8, 131072, 4, warps=warps, stages=stages, ppt=ppt, impl="triton")
@@ -480,8 +482,9 @@ def main() -> int:
                 json.dump(res, f, indent=1)
     by = {(r["fmt"], r["ctx"], r["batch"]): r["us"] for r in res.get("decode", [])}
     for b in (1, 8, 64):
-        if ("nvfp4", 131072, b) in by and ("bf16", 131072, b) in by:
-            print(f"128k B={b}: bf16 / nvfp4 time = {by['bf16', 131072, b] / by['nvfp4', 131072, b]:.2f}x")
+        for fmt in ("nvfp4", "fp8", "int8"):
+            if (fmt, 131072, b) in by and ("bf16", 131072, b) in by:
+                print(f"128k B={b}: bf16 / {fmt} time = {by['bf16', 131072, b] / by[fmt, 131072, b]:.2f}x")
     return 0
 
 
