@@ -52,8 +52,8 @@ past the context are zeroed on the last page (an E4M3 byte can be NaN, which a z
 probability does not cancel); the global scales go into the score and output scales as for
 nvfp4. int8: each key's fp32 token scale (copied with the page) multiplies its score row after
 the MMA and V's multiplies its probability row before the fp16 rounding (``P_LOG2_INT8``; zero
-past the context), the global scales are ignored (the format's rule). H200, 27B layout: fp8
-91-95% of HBM at batch x context >= 1M tokens against the Triton kernel's 57-64%
+past the context), the global scales are ignored (the format's rule). H200, 27B layout: fp8 /
+int8 at 82-95% of HBM at batch x context >= 1M tokens against the Triton kernel's 53-64%
 (docs/kernels.md).
 """
 
