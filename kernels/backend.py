@@ -32,7 +32,7 @@ Contract:
 - Both backends write identical cache bytes (the Triton append is bit-exact); attention
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
 - ``prefill_attention`` (Triton) splits the keys of short chunks over long prefixes
-  (``prefill_splits``) and reads long nvfp4 chunks' context from an fp16 workspace
+  (``prefill_splits``) and reads long nvfp4 / fp8 chunks' context from an fp16 workspace
   (``kernels.kv_dequant``; ``PREFILL_DEQUANT_MIN_ROWS``, ``PREFILL_WORKSPACE_BYTES``), a
   context longer than the workspace allows in segments of its pages (``_prefill_segments``:
   this path reads the context length back to the host once per call).
@@ -150,14 +150,15 @@ class ReferenceBackend:
         return self._attend(q, layer, block_tables, context_lens, list(q_lens), sm_scale, out)
 
 
-# decode / verify with up to this many tokens per sequence runs the Gluon nvfp4 kernel on Hopper
-# (where tokens x query heads per KV head <= 32, ``gluon_decode.supported``)
+# decode / verify with up to this many tokens per sequence runs the Gluon kernel on Hopper (nvfp4,
+# fp8, int8 where tokens x query heads per KV head <= 32, ``gluon_decode.supported``)
 GLUON_MAX_TOKENS = 16
-# nvfp4 prefill whose longest chunk has at least this many query rows (tokens x query heads of
-# a KV head) unpacks the context once into an fp16 workspace (``kv_dequant``) and attends over
-# that: every row block otherwise unpacks every page again (H200, 27B layout, 64k prefix, both
-# split: a 4k chunk 297 -> 356 TFLOP/s, 512 tokens = 3072 rows 222 -> 253; 128 tokens = 768
-# rows 229 -> 220, so the line lies between; docs/kernels.md)
+# nvfp4 / fp8 prefill whose longest chunk has at least this many query rows (tokens x query
+# heads of a KV head) unpacks the context once into an fp16 workspace (``kv_dequant``) and
+# attends over that: every row block otherwise unpacks every page again (H200, 27B layout, 64k
+# prefix, both split: nvfp4 a 4k chunk 297 -> 356 TFLOP/s, 512 tokens = 3072 rows 222 -> 253;
+# 128 tokens = 768 rows 229 -> 220, so the line lies between; fp8 4k 318 -> 418, 512 tokens
+# 258 -> 289, 128 tokens 299 -> 320; docs/kernels.md)
 PREFILL_DEQUANT_MIN_ROWS = 1024
 # the most bytes such a workspace may take (per call, freed after it: the caching allocator
 # keeps it), and at most half of the device memory free at the first long prefill
@@ -359,7 +360,7 @@ class TritonBackend:
 
     def _dequantizes(self, layout: KVLayout, rows: int) -> bool:
         """Whether a prefill with ``rows`` query rows (longest chunk) may go through a workspace."""
-        return (layout.fmt is KVFormat.NVFP4 and rows >= self.prefill_dequant_min_rows
+        return (layout.fmt in (KVFormat.NVFP4, KVFormat.FP8) and rows >= self.prefill_dequant_min_rows
                 and self.prefill_workspace_bytes > 0)
 
     def prefill_splits(self, row_blocks: int, num_kv_heads: int, table_width: int, q_rows: int, head_dim: int,

@@ -1,7 +1,7 @@
-"""nvfp4 pages -> an fp16 workspace: the dequantization a long prefill chunk reads instead.
+"""nvfp4 / fp8 pages -> an fp16 workspace: the dequantization a long prefill chunk reads instead.
 
 A prefill chunk of many query rows reads every cached page once per 64-row block, so the
-Triton attention kernel would unpack each nvfp4 page that many times; for a long chunk it is
+Triton attention kernel would unpack each nvfp4 / fp8 page that many times; for a long chunk it is
 cheaper to unpack every page once into an fp16 **workspace** and let the attention read plain
 fp16 (``paged_attention.triton_kernel.paged_attention(..., dequantized=True)``).
 
@@ -14,8 +14,11 @@ attention masks keys past the context). A value is the nvfp4 element times its E
 scale times ``2**-14``, without the global scale (applied by the attention as for the cache
 itself): exact in fp16 (every E2M1 x E4M3 product is ``k * 2**-24`` with ``k < 2**11`` or a
 normal number with at most 8 significant bits), the same fp16 numbers the attention kernels
-unpack in registers. Rows past the context inside the last page hold whatever their bytes
-decode to (finite for pages written by the append or zero-allocated).
+unpack in registers; fp8: the E4M3 value times ``2**-14``, exact too (E4M3 values are
+multiples of ``2**-9`` with at most 4 significant bits, so their ``2**-14`` multiples are
+fp16 numbers, subnormal below ``2**-14``), so the attention reads both the same way. Rows
+past the context inside the last page hold whatever their bytes decode to (finite for pages
+written by the append or zero-allocated; an fp8 NaN byte stays NaN, its bits unspecified).
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ import torch
 from kernels.kv_append.reference import _regions, _scale_index
 from kernels.kv_formats.layout import KVFormat, KVLayout
 
-VALUE_SHIFT = 2.0**-14  # workspace value = nvfp4 value / g * VALUE_SHIFT
+VALUE_SHIFT = 2.0**-14  # workspace value = nvfp4 / fp8 value / g * VALUE_SHIFT
+FORMATS = (KVFormat.NVFP4, KVFormat.FP8)
 
 
 def workspace_layout(layout: KVLayout) -> KVLayout:
     """The workspace's page geometry: bf16's for the same heads (64 rows of 2d bytes)."""
-    if layout.fmt is not KVFormat.NVFP4:
-        raise ValueError(f"only nvfp4 caches are dequantized into a workspace, got {layout.fmt.value}")
+    if layout.fmt not in FORMATS:
+        raise ValueError(f"only nvfp4 and fp8 caches are dequantized into a workspace, got {layout.fmt.value}")
     return KVLayout.make("bf16", layout.num_kv_heads, layout.head_dim, hadamard=layout.hadamard)
 
 
@@ -83,6 +87,7 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
     for kv in (0, 1):
         codes = codes_r[pages, kv, :, offs]  # [n * ps, H, cb]
         scales = scales_r[_scale_index(layout, kv, pages, offs)]  # [n * ps, H, sb]
-        vals = layout.codec.decode(codes.reshape(-1, codes.shape[-1]), scales.reshape(-1, scales.shape[-1]), ones)
+        rows = dst.numel() * ps * h  # (fp8 has no scale bytes: a [rows, 0] tensor)
+        vals = layout.codec.decode(codes.reshape(rows, codes.shape[-1]), scales.reshape(rows, scales.shape[-1]), ones)
         out[dst, kv] = (vals * VALUE_SHIFT).to(torch.float16).view(dst.numel(), ps, h, d).transpose(1, 2)
     return workspace

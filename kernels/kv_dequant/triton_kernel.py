@@ -1,9 +1,10 @@
 """``reference.dequantize`` as one Triton launch (bit-identical workspace bytes).
 
 Grid ``[B * W, Hkv, 2]``: a program unpacks one (page, K|V, head) block of 64 rows. An
-element becomes the fp16 pattern ``sign << 15 | index << 9`` (its E2M1 value times
+nvfp4 element becomes the fp16 pattern ``sign << 15 | index << 9`` (its E2M1 value times
 ``2**-14``, page layout 3: low element sign bit 7 and index bits 1-3, high element index bits
-4-6 and sign bit 0) times its E4M3 block scale in fp16 (exact), as in the attention kernels.
+4-6 and sign bit 0) times its E4M3 block scale in fp16 (exact), as in the attention kernels;
+an fp8 byte its E4M3 value (hardware conversion) times ``2**-14`` (exact).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import triton
 import triton.language as tl
 
 from kernels.kv_dequant import reference
-from kernels.kv_formats.layout import KVLayout
+from kernels.kv_formats.layout import KVFormat, KVLayout
+
+VALUE_SHIFT = tl.constexpr(reference.VALUE_SHIFT)
 
 
 @triton.jit
 def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, W,
                    stride_cp, stride_ckv, stride_ch, stride_wp, stride_wkv, stride_wh,
-                   D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr):
+                   D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
     wp = tl.program_id(0)
     hd = tl.program_id(1)
     kv = tl.program_id(2)
@@ -27,30 +30,39 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, W,
     i = wp % W
     ctx = tl.load(ctx_ptr + b)
     if i * PAGE < ctx:
-        HALF: tl.constexpr = D // 2
-        NB: tl.constexpr = D // 32  # blocks per half
-        page = tl.load(bt_ptr + wp).to(tl.int64)  # the table is contiguous [B, W]
-        base = cache_ptr + page * stride_cp + kv * stride_ckv + hd * stride_ch
-        r = tl.arange(0, PAGE)
-        c = tl.arange(0, HALF)
-        blk = tl.arange(0, NB)
-        code = tl.load(base + r[:, None] * HALF + c[None, :]).to(tl.int32)
-        if kv == 0:  # row-major scale bytes
-            s_idx = r[:, None] * (2 * NB) + blk[None, :]
-            s_step = NB
-        else:  # block-major (kv_formats.layout.scale_slot)
-            slot = 16 * ((r >> 1) & 3) + (r & 1) + 2 * (r >> 3)
-            s_idx = blk[None, :] * PAGE + slot[:, None]
-            s_step = NB * PAGE
-        s_lo = tl.load(base + SCALE_OFF + s_idx).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        s_hi = tl.load(base + SCALE_OFF + s_idx + s_step).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        s_lo = tl.reshape(tl.broadcast_to(s_lo[:, :, None], [PAGE, NB, 16]), [PAGE, HALF])
-        s_hi = tl.reshape(tl.broadcast_to(s_hi[:, :, None], [PAGE, NB, 16]), [PAGE, HALF])
-        lo = ((code & 0x8E) << 8).to(tl.int16).to(tl.float16, bitcast=True) * s_lo
-        hi = (((code & 0x70) << 5) | ((code & 1) << 15)).to(tl.int16).to(tl.float16, bitcast=True) * s_hi
-        out = ws_ptr + wp.to(tl.int64) * stride_wp + kv * stride_wkv + hd * stride_wh + r[:, None] * D + c[None, :]
-        tl.store(out, lo)
-        tl.store(out + HALF, hi)
+        if FP8:
+            page = tl.load(bt_ptr + wp).to(tl.int64)
+            base = cache_ptr + page * stride_cp + kv * stride_ckv + hd * stride_ch
+            r = tl.arange(0, PAGE)
+            c = tl.arange(0, D)
+            e = tl.load(base + r[:, None] * D + c[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            out = ws_ptr + wp.to(tl.int64) * stride_wp + kv * stride_wkv + hd * stride_wh + r[:, None] * D + c[None, :]
+            tl.store(out, (e * VALUE_SHIFT).to(tl.float16))
+        else:
+            HALF: tl.constexpr = D // 2
+            NB: tl.constexpr = D // 32  # blocks per half
+            page = tl.load(bt_ptr + wp).to(tl.int64)  # the table is contiguous [B, W]
+            base = cache_ptr + page * stride_cp + kv * stride_ckv + hd * stride_ch
+            r = tl.arange(0, PAGE)
+            c = tl.arange(0, HALF)
+            blk = tl.arange(0, NB)
+            code = tl.load(base + r[:, None] * HALF + c[None, :]).to(tl.int32)
+            if kv == 0:  # row-major scale bytes
+                s_idx = r[:, None] * (2 * NB) + blk[None, :]
+                s_step = NB
+            else:  # block-major (kv_formats.layout.scale_slot)
+                slot = 16 * ((r >> 1) & 3) + (r & 1) + 2 * (r >> 3)
+                s_idx = blk[None, :] * PAGE + slot[:, None]
+                s_step = NB * PAGE
+            s_lo = tl.load(base + SCALE_OFF + s_idx).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            s_hi = tl.load(base + SCALE_OFF + s_idx + s_step).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            s_lo = tl.reshape(tl.broadcast_to(s_lo[:, :, None], [PAGE, NB, 16]), [PAGE, HALF])
+            s_hi = tl.reshape(tl.broadcast_to(s_hi[:, :, None], [PAGE, NB, 16]), [PAGE, HALF])
+            lo = ((code & 0x8E) << 8).to(tl.int16).to(tl.float16, bitcast=True) * s_lo
+            hi = (((code & 0x70) << 5) | ((code & 1) << 15)).to(tl.int16).to(tl.float16, bitcast=True) * s_hi
+            out = ws_ptr + wp.to(tl.int64) * stride_wp + kv * stride_wkv + hd * stride_wh + r[:, None] * D + c[None, :]
+            tl.store(out, lo)
+            tl.store(out + HALF, hi)
 
 
 def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -66,6 +78,7 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
     dequant_kernel[(b * w, layout.num_kv_heads, 2)](
         cache, ws, block_tables, context_lens, w,
         cache.stride(0), cache.stride(1), cache.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
-        D=layout.head_dim, SCALE_OFF=layout.scale_offset, PAGE=layout.page_size, num_warps=4,
+        D=layout.head_dim, SCALE_OFF=layout.scale_offset, PAGE=layout.page_size, FP8=layout.fmt is KVFormat.FP8,
+        num_warps=4,
     )
     return workspace

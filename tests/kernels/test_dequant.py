@@ -1,4 +1,4 @@
-"""nvfp4 pages -> fp16 workspace (``kernels.kv_dequant``): Triton bytes == reference bytes,
+"""nvfp4 / fp8 pages -> fp16 workspace (``kernels.kv_dequant``): Triton bytes == reference bytes,
 the workspace's values == the cache's dequantized values, and prefill over the workspace ==
 prefill over the packed pages to fp32 rounding (the backend's path for long chunks), split or whole
 batches."""
@@ -20,11 +20,12 @@ from tests.kernels.helpers import build_case, rel_l2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("d,h", [(64, 3), (256, 1)])
-def test_triton_workspace_bytes_equal_reference_and_dequantized_cache(d, h):
+def test_triton_workspace_bytes_equal_reference_and_dequantized_cache(d, h, fmt):
     # fragmented tables, a sequence shorter than the table (its tail entries are not written),
     # poisoned bytes past each context (the last page's tail rows decode whatever they hold)
-    case = build_case(KVLayout.make("nvfp4", h, d), [130, 40, 0], seed=d, device=DEV, magnitude=3.0)
+    case = build_case(KVLayout.make(fmt, h, d), [130, 40, 0], seed=d, device=DEV, magnitude=3.0)
     tables, lens = case.block_tables, case.context_lens
     a = dq_ref.allocate(case.layout, tables).fill_(0x5A)
     b = dq_ref.allocate(case.layout, tables).fill_(0x5A)
@@ -42,8 +43,9 @@ def test_triton_workspace_bytes_equal_reference_and_dequantized_cache(d, h):
         assert bool((untouched == 0x5A).all())  # pages past the context are not written
 
 
-def test_prefill_over_the_workspace_equals_the_packed_pages():
-    layout = KVLayout.make("nvfp4", 2, 64)
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_prefill_over_the_workspace_equals_the_packed_pages(fmt):
+    layout = KVLayout.make(fmt, 2, 64)
     case = build_case(layout, [150, 70], seed=3, device=DEV)
     gen = torch.Generator().manual_seed(4)
     ql = [40, 70]  # the second chunk is its whole context (no prefix)
@@ -192,8 +194,8 @@ def test_bad_input_is_refused():
     case = build_case(layout, [70], seed=1)
     tables, lens = case.block_tables, case.context_lens
     ws = dq_ref.allocate(layout, tables)
-    with pytest.raises(ValueError, match="only nvfp4"):
-        dq_ref.workspace_layout(KVLayout.make("fp8", 2, 64))
+    with pytest.raises(ValueError, match="only nvfp4 and fp8"):
+        dq_ref.workspace_layout(KVLayout.make("int8", 2, 64))
     with pytest.raises(ValueError, match="workspace must be"):
         dq_ref.dequantize(case.cache, layout, tables, lens, ws[:1])
     with pytest.raises(ValueError, match="block_tables must be int32"):
@@ -209,12 +211,13 @@ def test_bad_input_is_refused():
 
 
 @pytest.mark.gpu
-def test_full_size_workspace_bytes_and_prefill_on_the_gpu():
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_full_size_workspace_bytes_and_prefill_on_the_gpu(fmt):
     """27B layout: a 4k chunk over a 33k prefix and a 1000-token chunk over nothing, through the
     backend's workspace path (bytes equal to the reference's; attention within 1e-3 of fp64)."""
     from tests.kernels.test_gpu_large import _oracle_gpu
 
-    layout = KVLayout.make("nvfp4", 4, 256)
+    layout = KVLayout.make(fmt, 4, 256)
     case = build_case(layout, [32768 + 4096, 1000], seed=13, device="cuda")
     tables, lens = case.block_tables, case.context_lens
     a = dq_ref.dequantize(case.cache, layout, tables, lens, dq_ref.allocate(layout, tables).zero_())
