@@ -15,7 +15,7 @@ heads, 4 KV heads, d = 256):
   Triton decode kernel (T = 1, graph replays);
 - ``kv_append``: one layer's append of a 64-sequence nvfp4 decode step (K centered, block
   scales counted; nearest rounding and query-weighted rounding of K);
-- ``gluon_append``: the same through the Gluon nvfp4 append's ``launch`` directly (so a base
+- ``gluon_append``: the same through the Gluon append's ``launch`` directly (so a base
   copy of that module is what runs), at one, two and four warps per program.
 
 Caches hold random valid codes and both versions read the same bytes, so when the page
@@ -45,7 +45,7 @@ MODULES = {
     "gluon_decode": "kernels.paged_attention.gluon_decode",
     "triton_kernel": "kernels.paged_attention.triton_kernel",
     "kv_append": "kernels.kv_append.triton_kernel",
-    "gluon_append": "kernels.kv_append.gluon_nvfp4",
+    "gluon_append": "kernels.kv_append.gluon_append",
 }
 DECODE_CASES = [(1, 64, 16384), (1, 1, 131072), (1, 8, 131072), (1, 64, 131072), (2, 8, 131072), (2, 64, 131072),
                 (4, 1, 16384), (4, 64, 16384), (4, 8, 131072), (4, 64, 131072)]

@@ -249,14 +249,27 @@ def nvfp4_feedback(xb, inv_g, g, sv, rows):
 
 
 @triton.jit
+def scale_flags(sv):
+    """The zero / subnormal / saturated flags of scale inputs ``sv`` (``kernels.calibration``
+    definitions) packed in 10-bit fields of an int32 (sums of under 1024 inputs stay apart)."""
+    flags = (sv == 0.0).to(tl.int32) + ((sv > 0.0) & (sv < 0.015625)).to(tl.int32) * 1024
+    return flags + (sv > 448.0).to(tl.int32) * 1048576
+
+
+@triton.jit
 def _count_scales(cnt_ptr, sv, ok):
     """Add the zero / subnormal / saturated counts of the scale inputs ``sv`` (where ``ok``)
-    to ``cnt_ptr[0:3]`` (int64; ``kernels.calibration`` definitions): one int32 reduction of
-    the three flags packed in 10-bit fields (``append`` keeps a program under 1024 inputs),
-    then an atomic only for a kind that occurred (relaxed: nothing is ordered after the counts; the
-    default acquire-release order puts a GPU-wide fence and an L1 invalidation behind each)."""
-    flags = (sv == 0.0).to(tl.int32) + ((sv > 0.0) & (sv < 0.015625)).to(tl.int32) * 1024
-    flags += (sv > 448.0).to(tl.int32) * 1048576
+    to ``cnt_ptr[0:3]`` (int64): ``count_flags`` of their ``scale_flags`` (``append`` keeps a
+    program under 1024 inputs)."""
+    count_flags(cnt_ptr, scale_flags(sv), ok)
+
+
+@triton.jit
+def count_flags(cnt_ptr, flags, ok):
+    """Add packed ``scale_flags`` (where ``ok``; their total per field under 1024) to
+    ``cnt_ptr[0:3]``: one int32 reduction, then an atomic only for a kind that occurred
+    (relaxed: nothing is ordered after the counts; the default acquire-release order puts a
+    GPU-wide fence and an L1 invalidation behind each)."""
     packed = tl.sum(tl.where(ok, flags, 0))
     if packed != 0:
         n_zero = packed & 1023
@@ -394,20 +407,21 @@ def kv_append_fwd_kernel(
 
 
 def _gluon_serves(layout: KVLayout, device: torch.device) -> bool:
-    """Whether ``gluon_nvfp4`` serves this layout on this device."""
-    if layout.fmt is not KVFormat.NVFP4 or INTERPRET or device.type != "cuda":
+    """Whether ``gluon_append`` (nvfp4 and fp8) serves this layout on this device."""
+    if layout.fmt not in (KVFormat.NVFP4, KVFormat.FP8) or INTERPRET or device.type != "cuda":
         return False
     try:
-        from kernels.kv_append import gluon_nvfp4
+        from kernels.kv_append import gluon_append
     except ImportError:  # a Triton without Gluon
         return False
-    return gluon_nvfp4.supported(layout) and gluon_nvfp4.available(device)
+    return gluon_append.supported(layout) and gluon_append.available(device)
 
 
 def append_kernel(layout: KVLayout, device: torch.device, *, impl: str = "auto", block_t: int | None = None) -> str:
-    """The kernel ``append`` runs, "gluon" or "triton". "auto": the Gluon kernel for nvfp4 where
-    it applies (H200, 64-sequence step, launched with PDL: 2.64 against the Triton kernel's ~3.2
-    us per layer with nearest rounding, 4.31 against ~5.05 with K feedback; docs/kernels.md). ValueError for an
+    """The kernel ``append`` runs, "gluon" or "triton". "auto": the Gluon kernel for nvfp4 and fp8
+    where it applies (H200, 64-sequence step, launched with PDL: nvfp4 2.64 against the Triton
+    kernel's ~3.2 us per layer with nearest rounding, 4.31 against ~5.05 with K feedback; fp8 1.54
+    against 1.84, 3.84 against 4.04; docs/kernels.md). ValueError for an
     unknown ``impl`` and for "gluon" where the Gluon kernel does not apply."""
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'gluon', got {impl!r}")
@@ -416,7 +430,7 @@ def append_kernel(layout: KVLayout, device: torch.device, *, impl: str = "auto",
     if block_t is None and _gluon_serves(layout, device):
         return "gluon"
     if impl == "gluon":
-        raise ValueError(f"the Gluon append needs nvfp4 with head_dim in (64, 128, 256) on a Hopper GPU and no "
+        raise ValueError(f"the Gluon append needs nvfp4 or fp8 with head_dim in (64, 128, 256) on a Hopper GPU and no "
                          f"block_t; got {layout.fmt.value}, d={layout.head_dim} on {device}, block_t={block_t}")
     return "triton"
 
@@ -438,8 +452,8 @@ def append(
     impl: str = "auto",
 ) -> None:
     """Same contract as ``reference.append``; ``validate=False`` skips host-side checks
-    (for CUDA-graph capture: they read scales back to the host). ``impl``: "auto" runs nvfp4
-    through the Gluon kernel (``gluon_nvfp4``) where it applies (Hopper, head_dim 64-256) and
+    (for CUDA-graph capture: they read scales back to the host). ``impl``: "auto" runs nvfp4 and
+    fp8 through the Gluon kernel (``gluon_append``) where it applies (Hopper, head_dim 64-256) and
     everything else here; "triton" always here; "gluon" insists on the
     Gluon kernel (ValueError where it does not apply). Both write the same bytes."""
     kernel = append_kernel(layout, k.device, impl=impl, block_t=block_t)
@@ -473,12 +487,14 @@ def append(
     if count is not None and (count.dtype != torch.int64 or not count.is_contiguous()):
         raise ValueError("scale_counts must be contiguous int64 [2, num_kv_heads, 3]")
     if kernel == "gluon":
-        from kernels.kv_append import gluon_nvfp4
+        from kernels.kv_append import gluon_append
 
-        gluon_nvfp4.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
-                           # K feedback: four rows share one copy of the feedback matrices (H200: 4.31
-                           # against 4.50 us at two warps); nearest rounding: one row per program
-                           num_warps=num_warps or (4 if k_feedback is not None else 1))
+        # nvfp4 with K feedback: four rows share one copy of the feedback matrices (H200: 4.31
+        # against 4.50 us at two warps); fp8 with it: two (counting its elements needs under 1024
+        # per program); nearest rounding: one row per program
+        fed_warps = 4 if layout.fmt is KVFormat.NVFP4 else 2
+        gluon_append.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
+                           num_warps=num_warps or (fed_warps if k_feedback is not None else 1))
         return
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)

@@ -277,22 +277,25 @@ def test_triton_append_with_k_feedback_byte_identical_full_size(fmt, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("impl", ["triton", "gluon"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("fed", [False, True])
-def test_nvfp4_append_kernels_byte_identical_full_size(impl, d, fed):
-    # both nvfp4 kernels on the GPU (``auto`` picks Gluon on Hopper): >= 1e6 blocks, K offset,
-    # with and without K feedback; without the rotation at d = 128
+def test_gluon_and_triton_append_kernels_byte_identical_full_size(fmt, impl, d, fed):
+    # both nvfp4 / fp8 kernels on the GPU (``auto`` picks Gluon on Hopper): >= 1e6 blocks, K
+    # offset, with and without K feedback; without the rotation at d = 128
     n = (1 << 20) * 16 // (3 * d) + 1
-    _parity("nvfp4", d, d != 128, n, seed=300 + d + fed, device="cuda", k_offset=True, k_feedback=fed, impl=impl)
+    _parity(fmt, d, d != 128, n, seed=300 + d + fed, device="cuda", k_offset=True, k_feedback=fed, impl=impl)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 65])
-def test_gluon_nvfp4_append_any_token_count(n):
-    # partial programs (rows past N) at every head dim
+def test_gluon_append_any_token_count(fmt, n):
+    # partial programs (rows past N) at every head dim, with and without K feedback
     for d in (64, 128, 256):
-        _parity("nvfp4", d, True, n, seed=400 + n + d, device="cuda", impl="gluon")
+        _parity(fmt, d, True, n, seed=400 + n + d, device="cuda", impl="gluon")
+        _parity(fmt, d, True, n, seed=500 + n + d, device="cuda", impl="gluon", k_offset=True, k_feedback=True)
 
 
 def test_append_impl_is_checked():
@@ -303,7 +306,7 @@ def test_append_impl_is_checked():
     with pytest.raises(ValueError, match="impl must be"):
         triton_kernel.append(lay.allocate(1), lay, k, k, torch.zeros(1, dtype=torch.long), lay.default_scales(),
                              impl="cuda")
-    with pytest.raises(ValueError, match="Gluon append needs nvfp4"):
+    with pytest.raises(ValueError, match="Gluon append needs nvfp4 or fp8"):
         triton_kernel.append(lay.allocate(1), lay, k, k, torch.zeros(1, dtype=torch.long), lay.default_scales(),
                              impl="gluon")
     nv = KVLayout.make("nvfp4", 1, 64)
