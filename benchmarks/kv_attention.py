@@ -7,9 +7,9 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
    and its fraction of the H200's 4.8 TB/s, for contexts 2k..1M and batch 1..64;
 2. nvfp4 / fp8 / int8 vs bf16 decode time at 128k; verify T=4 vs T=1 time at >= 16k;
 3. prefill attention TFLOP/s for a 4k chunk over a 64k nvfp4 prefix (causal FLOPs:
-   4 * d * Hq * sum over queries of visible keys): the engine's call (nvfp4, fp8: through an
+   4 * d * Hq * sum over queries of visible keys): the engine's call (quantized formats: through an
    fp16 workspace of the context, ``kv_dequant``) and the kernel over the packed pages; shorter
-   chunks both ways; the same for fp8 (``prefill_fp8``);
+   chunks both ways; the same for fp8 and int8 (``prefill_fp8``, ``prefill_int8``);
 4. fused append time per layer for a 64-sequence decode step (CUDA-graph replay);
 5. the engine's decode call (``TritonBackend.decode_attention``: Q rotation, attention,
    split merge) captured in a CUDA graph, against the attention kernel alone;
@@ -232,7 +232,7 @@ def prefill_case(fmt: str, prefix: int, chunk: int):
 
 def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) -> list[dict]:
     """The prefill of ``chunk`` tokens over a ``prefix``: the engine's call
-    (``TritonBackend.prefill_attention``: Q rotation, then for nvfp4 / fp8 chunks of >= 1024 query rows
+    (``TritonBackend.prefill_attention``: Q rotation, then for nvfp4 / fp8 / int8 chunks of >= 1024 query rows
     the context unpacked once into an fp16 workspace and attention over it; Q rotation and the
     dequantization included), the attention kernel over the packed pages in three
     configurations (Q already rotated; the first is the backend's for short chunks), and the
@@ -267,12 +267,13 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
                   flush=True)
             continue
         report(f"packed pages: bm={bm} warps={warps} stages={stages}", sec, block_m=bm, warps=warps, stages=stages)
-    if fmt in ("nvfp4", "fp8"):
+    if fmt in ("nvfp4", "fp8", "int8"):
         ws = dq_ref.allocate(layout, tables)
+        ws_scales = dq_ref.workspace_scales(layout, scales)
         wl, wt = dq_ref.workspace_layout(layout), dq_ref.workspace_tables(tables)
         work = attn_tk.work_items([chunk], HQ // HKV, 128, q.device)
         deq = lambda: dq_tk.dequantize(cache, layout, tables, ctx_lens, ws)  # noqa: E731
-        att = lambda: attn_tk.paged_attention(q, ws, wl, scales, wt, ctx_lens, q_start, q_len, D**-0.5,  # noqa: E731
+        att = lambda: attn_tk.paged_attention(q, ws, wl, ws_scales, wt, ctx_lens, q_start, q_len, D**-0.5,  # noqa: E731
                                               q_lens_host=[chunk], num_splits=1, block_m=128, out=out, work=work,
                                               num_warps=8, num_stages=2, pages_per_tile=1, page_max=False,
                                               dequantized=True)
@@ -457,7 +458,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="sweep decode warps/stages at 128k first")
     ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (append, sweep_FMT, decode, verify, "
-                                                 "prefill, prefill_fp8, step, pdl)")
+                                                 "prefill, prefill_fp8, prefill_int8, step, pdl)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -469,7 +470,8 @@ def main() -> int:
         for fmt in ("nvfp4", "bf16", "fp8", "int8"):
             sections.append((f"sweep_{fmt}", lambda fmt=fmt: sweep(fmt, 8, 131072)))
     sections += [("decode", lambda: decode_table(args.quick)), ("verify", verify_table), ("prefill", prefill_table),
-                 ("prefill_fp8", lambda: prefill_table("fp8")), ("step", step_table), ("pdl", pdl_table)]
+                 ("prefill_fp8", lambda: prefill_table("fp8")), ("prefill_int8", lambda: prefill_table("int8")),
+                 ("step", step_table), ("pdl", pdl_table)]
     if args.only:
         keep = set(args.only.split(","))
         sections = [(n, f) for n, f in sections if n in keep]

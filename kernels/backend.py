@@ -32,7 +32,7 @@ Contract:
 - Both backends write identical cache bytes (the Triton append is bit-exact); attention
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
 - ``prefill_attention`` (Triton) splits the keys of short chunks over long prefixes
-  (``prefill_splits``) and reads long nvfp4 / fp8 chunks' context from an fp16 workspace
+  (``prefill_splits``) and reads long quantized chunks' context from an fp16 workspace
   (``kernels.kv_dequant``; ``PREFILL_DEQUANT_MIN_ROWS``, ``PREFILL_WORKSPACE_BYTES``), a
   context longer than the workspace allows in segments of its pages (``_prefill_segments``:
   this path reads the context length back to the host once per call).
@@ -153,13 +153,14 @@ class ReferenceBackend:
 # decode / verify with up to this many tokens per sequence runs the Gluon kernel on Hopper (nvfp4,
 # fp8, int8 where tokens x query heads per KV head <= 32, ``gluon_decode.supported``)
 GLUON_MAX_TOKENS = 16
-# nvfp4 / fp8 prefill whose longest chunk has at least this many query rows (tokens x query
+# a quantized prefill whose longest chunk has at least this many query rows (tokens x query
 # heads of a KV head) unpacks the context once into an fp16 workspace (``kv_dequant``) and
 # attends over that: every row block otherwise unpacks every page again (H200, 27B layout, 64k
-# prefix, both split: nvfp4 a 4k chunk 297 -> 356 TFLOP/s, 512 tokens = 3072 rows 222 -> 253;
-# 128 tokens = 768 rows 229 -> 220, so the line lies between; fp8 4k 318 -> 418, 512 tokens
-# 258 -> 289, 128 tokens 299 -> 320; docs/kernels.md)
-PREFILL_DEQUANT_MIN_ROWS = 1024
+# prefix, both split: nvfp4 a 4k chunk 297 -> 356 TFLOP/s, 512 tokens = 3072 rows 222 -> 253,
+# 128 tokens = 768 rows 229 -> 220, so its line lies between; fp8 4k 318 -> 418, 512 tokens
+# 258 -> 289, 128 tokens 299 -> 320; int8 4k 238 -> 415, 512 tokens 188 -> 290, 128 tokens
+# 222 -> 322, 32 tokens = 192 rows 196 -> 134; docs/kernels.md)
+PREFILL_DEQUANT_MIN_ROWS = {KVFormat.NVFP4: 1024, KVFormat.FP8: 768, KVFormat.INT8: 768}
 # the most bytes such a workspace may take (per call, freed after it: the caching allocator
 # keeps it), and at most half of the device memory free at the first long prefill
 # (``_workspace_budget``);
@@ -182,9 +183,9 @@ class TritonBackend:
     name = "triton"
 
     def __init__(self, max_splits: int = 64, gluon_max_tokens: int = GLUON_MAX_TOKENS,
-                 prefill_dequant_min_rows: int = PREFILL_DEQUANT_MIN_ROWS,
+                 prefill_dequant_min_rows: int | None = None,
                  prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES) -> None:
-        if prefill_dequant_min_rows < 1 or prefill_workspace_bytes < 0:
+        if (prefill_dequant_min_rows is not None and prefill_dequant_min_rows < 1) or prefill_workspace_bytes < 0:
             raise ValueError(f"prefill_dequant_min_rows must be >= 1 and prefill_workspace_bytes >= 0, got "
                              f"{prefill_dequant_min_rows}, {prefill_workspace_bytes}")
         self.max_splits = max_splits
@@ -283,7 +284,7 @@ class TritonBackend:
             if n == 0:
                 continue
             one = (block_tables[i : i + 1], context_lens[i : i + 1])
-            if n * group < self.prefill_dequant_min_rows:
+            if n * group < self._min_rows(layer.layout.fmt):
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False)
             elif w * page <= budget:
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True)
@@ -330,6 +331,7 @@ class TritonBackend:
         ws = torch.empty(min(seg, pages), 2, lay.num_kv_heads, ws_lay.head_page_bytes, dtype=torch.uint8, device=dev)
         starts, q_len = _seq_rows([n], dev)
         ws_table = torch.zeros_like(block_table)
+        ws_scales = dq_ref.workspace_scales(lay, layer.scales)
         for lo in range(0, max(pages, 1), seg):
             hi = min(lo + seg, pages)
             seg_ctx = (context_len - lo * lay.page_size).clamp(0, (hi - lo) * lay.page_size).to(torch.int32)
@@ -337,7 +339,7 @@ class TritonBackend:
             ws_table.zero_()
             ws_table[0, lo:hi] = torch.arange(hi - lo, dtype=torch.int32, device=dev)
             triton_kernel.paged_attention(
-                qr, ws, ws_lay, layer.scales, ws_table, context_len, starts, q_len, sm_scale, q_lens_host=[n],
+                qr, ws, ws_lay, ws_scales, ws_table, context_len, starts, q_len, sm_scale, q_lens_host=[n],
                 dequantized=True, key_pages=(lo, hi), partial=(o_new, lse_new), num_splits=splits,
                 work=work, block_m=128, num_warps=8, num_stages=2, pages_per_tile=1, page_max=False)
             triton_kernel.merge_partials(o_run, lse_run, o_new, lse_new)
@@ -358,9 +360,18 @@ class TritonBackend:
             self._budgets[key] = min(self.prefill_workspace_bytes, (free + cached) // 2)
         return self._budgets[key]
 
+    def _min_rows(self, fmt: KVFormat) -> int:
+        """The fewest query rows of a chunk that go through a workspace: the constructor's
+        ``prefill_dequant_min_rows``, else the format's ``PREFILL_DEQUANT_MIN_ROWS``."""
+        if self.prefill_dequant_min_rows is not None:
+            return self.prefill_dequant_min_rows
+        return PREFILL_DEQUANT_MIN_ROWS.get(fmt, 1 << 62)
+
     def _dequantizes(self, layout: KVLayout, rows: int) -> bool:
         """Whether a prefill with ``rows`` query rows (longest chunk) may go through a workspace."""
-        return (layout.fmt in (KVFormat.NVFP4, KVFormat.FP8) and rows >= self.prefill_dequant_min_rows
+        from kernels.kv_dequant.reference import FORMATS
+
+        return (layout.fmt in FORMATS and rows >= self._min_rows(layout.fmt)
                 and self.prefill_workspace_bytes > 0)
 
     def prefill_splits(self, row_blocks: int, num_kv_heads: int, table_width: int, q_rows: int, head_dim: int,
@@ -405,7 +416,7 @@ class TritonBackend:
 
         tables = block_tables.contiguous()
         ws = dq.dequantize(layer.data, lay, tables, context_lens, dq_ref.allocate(lay, tables))
-        return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay), layer.scales,
+        return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay), dq_ref.workspace_scales(lay, layer.scales),
                                              dq_ref.workspace_tables(tables), context_lens, starts, q_len, sm_scale,
                                              dequantized=True, **kw)
 

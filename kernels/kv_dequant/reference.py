@@ -1,7 +1,7 @@
-"""nvfp4 / fp8 pages -> an fp16 workspace: the dequantization a long prefill chunk reads instead.
+"""nvfp4 / fp8 / int8 pages -> an fp16 workspace: the dequantization a long prefill chunk reads instead.
 
 A prefill chunk of many query rows reads every cached page once per 64-row block, so the
-Triton attention kernel would unpack each nvfp4 / fp8 page that many times; for a long chunk it is
+Triton attention kernel would unpack each quantized page that many times; for a long chunk it is
 cheaper to unpack every page once into an fp16 **workspace** and let the attention read plain
 fp16 (``paged_attention.triton_kernel.paged_attention(..., dequantized=True)``).
 
@@ -19,6 +19,11 @@ multiples of ``2**-9`` with at most 4 significant bits, so their ``2**-14`` mult
 fp16 numbers, subnormal below ``2**-14``), so the attention reads both the same way. Rows
 past the context inside the last page hold whatever their bytes decode to (finite for pages
 written by the append or zero-allocated; an fp8 NaN byte stays NaN, its bits unspecified).
+
+int8: a value is its code times its token's fp32 scale rounded to fp16 (``value_shift`` 1; not
+exact — the path's one rounding, at most 2**-11 relative, against the packed path's bf16 Q),
+and the attention reads the workspace with global scales of ``2**-14`` (``workspace_scales``:
+int8 ignores its global scales, and the attention's ``2**14`` for a workspace cancels).
 """
 
 from __future__ import annotations
@@ -29,13 +34,24 @@ from kernels.kv_append.reference import _regions, _scale_index
 from kernels.kv_formats.layout import KVFormat, KVLayout
 
 VALUE_SHIFT = 2.0**-14  # workspace value = nvfp4 / fp8 value / g * VALUE_SHIFT
-FORMATS = (KVFormat.NVFP4, KVFormat.FP8)
+FORMATS = (KVFormat.NVFP4, KVFormat.FP8, KVFormat.INT8)
+
+
+def value_shift(layout: KVLayout) -> float:
+    """Workspace value / dequantized value (before the global scale): ``VALUE_SHIFT``, int8 1."""
+    return 1.0 if layout.fmt is KVFormat.INT8 else VALUE_SHIFT
+
+
+def workspace_scales(layout: KVLayout, scales: torch.Tensor) -> torch.Tensor:
+    """The global scales the attention reads a workspace of ``layout``'s pages with: the cache's
+    own, or for int8 ``2**-14`` everywhere (module doc)."""
+    return torch.full_like(scales, VALUE_SHIFT) if layout.fmt is KVFormat.INT8 else scales
 
 
 def workspace_layout(layout: KVLayout) -> KVLayout:
     """The workspace's page geometry: bf16's for the same heads (64 rows of 2d bytes)."""
     if layout.fmt not in FORMATS:
-        raise ValueError(f"only nvfp4 and fp8 caches are dequantized into a workspace, got {layout.fmt.value}")
+        raise ValueError(f"only nvfp4, fp8 and int8 caches are dequantized into a workspace, got {layout.fmt.value}")
     return KVLayout.make("bf16", layout.num_kv_heads, layout.head_dim, hadamard=layout.hadamard)
 
 
@@ -89,5 +105,5 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
         scales = scales_r[_scale_index(layout, kv, pages, offs)]  # [n * ps, H, sb]
         rows = dst.numel() * ps * h  # (fp8 has no scale bytes: a [rows, 0] tensor)
         vals = layout.codec.decode(codes.reshape(rows, codes.shape[-1]), scales.reshape(rows, scales.shape[-1]), ones)
-        out[dst, kv] = (vals * VALUE_SHIFT).to(torch.float16).view(dst.numel(), ps, h, d).transpose(1, 2)
+        out[dst, kv] = (vals * value_shift(layout)).to(torch.float16).view(dst.numel(), ps, h, d).transpose(1, 2)
     return workspace

@@ -4,7 +4,8 @@ Grid ``[B * W, Hkv, 2]``: a program unpacks one (page, K|V, head) block of 64 ro
 nvfp4 element becomes the fp16 pattern ``sign << 15 | index << 9`` (its E2M1 value times
 ``2**-14``, page layout 3: low element sign bit 7 and index bits 1-3, high element index bits
 4-6 and sign bit 0) times its E4M3 block scale in fp16 (exact), as in the attention kernels;
-an fp8 byte its E4M3 value (hardware conversion) times ``2**-14`` (exact).
+an fp8 byte its E4M3 value (hardware conversion) times ``2**-14`` (exact); an int8 code its
+value times its token's fp32 scale, rounded to fp16 (``reference.value_shift``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ VALUE_SHIFT = tl.constexpr(reference.VALUE_SHIFT)
 @triton.jit
 def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, W,
                    stride_cp, stride_ckv, stride_ch, stride_wp, stride_wkv, stride_wh,
-                   D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr):
+                   D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr):
     wp = tl.program_id(0)
     hd = tl.program_id(1)
     kv = tl.program_id(2)
@@ -30,14 +31,18 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, W,
     i = wp % W
     ctx = tl.load(ctx_ptr + b)
     if i * PAGE < ctx:
-        if FP8:
+        if FMT != 0:  # fp8 (1) / int8 (2): one code byte per element
             page = tl.load(bt_ptr + wp).to(tl.int64)
             base = cache_ptr + page * stride_cp + kv * stride_ckv + hd * stride_ch
             r = tl.arange(0, PAGE)
             c = tl.arange(0, D)
-            e = tl.load(base + r[:, None] * D + c[None, :]).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            code = tl.load(base + r[:, None] * D + c[None, :])
             out = ws_ptr + wp.to(tl.int64) * stride_wp + kv * stride_wkv + hd * stride_wh + r[:, None] * D + c[None, :]
-            tl.store(out, (e * VALUE_SHIFT).to(tl.float16))
+            if FMT == 1:
+                tl.store(out, (code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * VALUE_SHIFT).to(tl.float16))
+            else:
+                s = tl.load((base + SCALE_OFF).to(tl.pointer_type(tl.float32)) + r)
+                tl.store(out, (code.to(tl.int8, bitcast=True).to(tl.float32) * s[:, None]).to(tl.float16))
         else:
             HALF: tl.constexpr = D // 2
             NB: tl.constexpr = D // 32  # blocks per half
@@ -78,7 +83,8 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
     dequant_kernel[(b * w, layout.num_kv_heads, 2)](
         cache, ws, block_tables, context_lens, w,
         cache.stride(0), cache.stride(1), cache.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
-        D=layout.head_dim, SCALE_OFF=layout.scale_offset, PAGE=layout.page_size, FP8=layout.fmt is KVFormat.FP8,
+        D=layout.head_dim, SCALE_OFF=layout.scale_offset, PAGE=layout.page_size,
+        FMT={KVFormat.NVFP4: 0, KVFormat.FP8: 1, KVFormat.INT8: 2}[layout.fmt],
         num_warps=4,
     )
     return workspace

@@ -1,4 +1,4 @@
-"""nvfp4 / fp8 pages -> fp16 workspace (``kernels.kv_dequant``): Triton bytes == reference bytes,
+"""nvfp4 / fp8 / int8 pages -> fp16 workspace (``kernels.kv_dequant``): Triton bytes == reference bytes,
 the workspace's values == the cache's dequantized values, and prefill over the workspace ==
 prefill over the packed pages to fp32 rounding (the backend's path for long chunks), split or whole
 batches."""
@@ -20,7 +20,7 @@ from tests.kernels.helpers import build_case, rel_l2
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 @pytest.mark.parametrize("d,h", [(64, 3), (256, 1)])
 def test_triton_workspace_bytes_equal_reference_and_dequantized_cache(d, h, fmt):
     # fragmented tables, a sequence shorter than the table (its tail entries are not written),
@@ -38,12 +38,15 @@ def test_triton_workspace_bytes_equal_reference_and_dequantized_cache(d, h, fmt)
         k, v = append_ref.gather(case.cache, case.layout, tables[seq], max(n, 1), case.scales)
         for kv, want in ((0, k[:n]), (1, v[:n])):
             got = vals[seq, :, kv].permute(0, 2, 1, 3).reshape(w * 64, h, d)[:n].float()
-            assert torch.equal(got * case.scales[kv][None, :, None] / dq_ref.VALUE_SHIFT, want)
+            if fmt == "int8":  # code x token scale rounded to fp16 (the global scales are ignored)
+                assert torch.equal(got, want.to(torch.float16).float())
+            else:  # exact
+                assert torch.equal(got * case.scales[kv][None, :, None] / dq_ref.VALUE_SHIFT, want)
         untouched = vals[seq, (n + 63) // 64 :].reshape(-1).view(torch.uint8)
         assert bool((untouched == 0x5A).all())  # pages past the context are not written
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_prefill_over_the_workspace_equals_the_packed_pages(fmt):
     layout = KVLayout.make(fmt, 2, 64)
     case = build_case(layout, [150, 70], seed=3, device=DEV)
@@ -62,7 +65,8 @@ def test_prefill_over_the_workspace_equals_the_packed_pages(fmt):
     for be in (TritonBackend(prefill_dequant_min_rows=1),  # the whole batch in one workspace
                TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=w * page)):  # one sequence at a time
         got = be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, **fp32_out())
-        assert rel_l2(got.cpu(), want.cpu()) <= 1e-6  # same fp16 values; row blocks of 128 vs 64
+        # same fp16 values (int8: rounded to fp16 in the workspace); row blocks of 128 vs 64
+        assert rel_l2(got.cpu(), want.cpu()) <= (5e-4 if fmt == "int8" else 1e-6)
     # and both agree with the fp64 evaluation over the dequantized cache
     from tests.kernels.test_attention import _oracle
 
@@ -189,13 +193,27 @@ def test_short_chunk_over_a_long_prefix_is_split(min_rows, monkeypatch):
     assert rel_l2(out.cpu(), ref) <= 1e-3
 
 
+def test_the_workspace_threshold_is_per_format():
+    from kernels.backend import PREFILL_DEQUANT_MIN_ROWS
+    from kernels.kv_formats.layout import KVFormat
+
+    be = TritonBackend()
+    assert be._dequantizes(KVLayout.make("nvfp4", 4, 256), 1024) and not be._dequantizes(KVLayout.make("nvfp4", 4, 256), 768)
+    assert be._dequantizes(KVLayout.make("int8", 4, 256), 768) and be._dequantizes(KVLayout.make("fp8", 4, 256), 768)
+    assert not be._dequantizes(KVLayout.make("fp8", 4, 256), 767) and not be._dequantizes(KVLayout.make("bf16", 4, 256), 1 << 20)
+    assert set(PREFILL_DEQUANT_MIN_ROWS) == {KVFormat.NVFP4, KVFormat.FP8, KVFormat.INT8}
+    one = TritonBackend(prefill_dequant_min_rows=5)  # one threshold for every format
+    assert one._dequantizes(KVLayout.make("nvfp4", 4, 256), 5) and not one._dequantizes(KVLayout.make("int8", 4, 256), 4)
+    assert not TritonBackend(prefill_workspace_bytes=0)._dequantizes(KVLayout.make("int8", 4, 256), 1 << 20)
+
+
 def test_bad_input_is_refused():
     layout = KVLayout.make("nvfp4", 2, 64)
     case = build_case(layout, [70], seed=1)
     tables, lens = case.block_tables, case.context_lens
     ws = dq_ref.allocate(layout, tables)
-    with pytest.raises(ValueError, match="only nvfp4 and fp8"):
-        dq_ref.workspace_layout(KVLayout.make("int8", 2, 64))
+    with pytest.raises(ValueError, match="only nvfp4, fp8 and int8"):
+        dq_ref.workspace_layout(KVLayout.make("bf16", 2, 64))
     with pytest.raises(ValueError, match="workspace must be"):
         dq_ref.dequantize(case.cache, layout, tables, lens, ws[:1])
     with pytest.raises(ValueError, match="block_tables must be int32"):
@@ -208,10 +226,12 @@ def test_bad_input_is_refused():
                                 torch.full((1,), 4, dtype=torch.int32), 0.125, dequantized=True)
     with pytest.raises(ValueError, match="prefill_workspace_bytes"):
         TritonBackend(prefill_workspace_bytes=-1)
+    with pytest.raises(ValueError, match="prefill_dequant_min_rows"):
+        TritonBackend(prefill_dequant_min_rows=0)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_full_size_workspace_bytes_and_prefill_on_the_gpu(fmt):
     """27B layout: a 4k chunk over a 33k prefix and a 1000-token chunk over nothing, through the
     backend's workspace path (bytes equal to the reference's; attention within 1e-3 of fp64)."""
