@@ -2,7 +2,7 @@
 
 Same bytes as ``reference.append`` (and ``triton_kernel``) for nvfp4 and fp8 caches with head_dim
 64, 128 or 256, with or without the Hadamard rotation, K offset, block-scale counts and K error
-feedback (fp8: ``fp8_append_kernel``, the same layout without the scale search, below). A program encodes ``R`` token rows of one KV head of K or V (grid ``[cdiv(N, R),
+feedback (fp8: ``_store_fp8``, the same layout without the scale search, below). A program encodes ``R`` token rows of one KV head of K or V (grid ``[cdiv(N, R),
 num_kv_heads, 2]``); every thread holds eight consecutive values of a row (an "octet"), so a
 16-value block lives in two neighbouring lanes and a row of ``d`` values in ``d / 8`` lanes
 (lane ``= row_in_warp * d/8 + octet``). The layout is what the Triton kernel cannot state,
@@ -52,9 +52,9 @@ from the bits, the threshold tree) or exact equivalents (the fp16 pairs), the fi
 ties keeping the earlier candidate; the feedback launch disables FMA contraction. Hopper only, like the
 attention kernel in ``paged_attention.gluon_decode`` (the only GPU it has been run on).
 
-fp8 (``fp8_append_kernel``): the K row's offset and rotation as above (``_load_k``), each element
-rounded by ``e4m3_encode`` (or, for K with feedback, the recursion of ``_feedback_nibbles`` with
-E4M3 rounding), eight code bytes per thread stored as two words; every element's ``|x| / g``
+fp8 (``append_kernel`` with ``FP8``, ``_store_fp8``): the K row's offset and rotation as above
+(``_load_k``), each element rounded by ``e4m3_encode`` (or, for K with feedback, the recursion of
+``_feedback_codes`` with E4M3 rounding), eight code bytes per thread stored as two words; every element's ``|x| / g``
 is counted, so a program holds under 1024 elements (one or two warps). H200, one layer of a
 64-sequence step, graph replay, one run: nearest rounding 1.54 us against the Triton kernel's
 1.84 (counted), with K feedback (two warps) 3.84 against 4.04 (one warp 4.43).
@@ -338,13 +338,31 @@ def _unbind16(x, l2: gl.constexpr):
 
 
 @gluon.jit
-def _feedback_nibbles(x, half, inv_g, g, sv, f_s, l2: gl.constexpr, l3f: gl.constexpr):
-    """The eight nibbles of this thread's values, the block rounded with error feedback
-    (``kv_formats.feedback``, as ``triton_kernel.nvfp4_feedback``): both lanes of a block run the
-    recursion on all sixteen columns, so nothing crosses lanes inside it. ``f_s`` (shared memory
-    [16 O, 16]): row ``i`` of the 16 x 16 matrix of octet ``o``'s block at row ``i O + o``, copied
-    at the program's start. Products and differences are rounded one by one (the launch disables
-    FMA contraction)."""
+def _rounded(col, inv_g, g, sv, FP8: gl.constexpr):
+    """(code, error) of value ``col``: fp8 its signed E4M3 code (sign at bit 7); nvfp4 its E2M1
+    nibble (sign at bit 3) under scale value ``sv``. The error is ``col`` minus the code's exact
+    value (times ``g``), as the reference computes it."""
+    if FP8:
+        c, mag = e4m3_encode(gl.abs(col) * inv_g)
+        neg = (col < 0) & (c != 0)
+        val = mag * g
+        return c | (neg.to(gl.int32) << 7), col - gl.where(neg, -val, val)
+    else:
+        nib = _nibble(col, gl.abs(col) * inv_g, sv)
+        idx = nib & 7
+        h = gl.where(idx < 4, idx, gl.where(idx < 6, 2 * idx - 4, 4 * idx - 16))
+        mag = (h.to(gl.float32) * 0.5) * sv * g
+        return nib, col - gl.where(col < 0, -mag, mag)
+
+
+@gluon.jit
+def _feedback_codes(x, half, inv_g, g, sv, f_s, l2: gl.constexpr, l3f: gl.constexpr, FP8: gl.constexpr):
+    """The eight codes of this thread's values (``_rounded``), the block rounded with error
+    feedback (``kv_formats.feedback``, as ``triton_kernel.nvfp4_feedback`` / ``fp8_feedback``):
+    both lanes of a block run the recursion on all sixteen columns, so nothing crosses lanes
+    inside it. ``f_s`` (shared memory [16 O, 16]): row ``i`` of the 16 x 16 matrix of octet
+    ``o``'s block at row ``i O + o``, copied at the program's start (``_copy_feedback``).
+    Products and differences are rounded one by one (the launch disables FMA contraction)."""
     lo = half == 0
     w = ()
     for e in gl.static_range(8):  # columns 0-7 of the block, then 8-15, in both of its lanes
@@ -356,16 +374,11 @@ def _feedback_nibbles(x, half, inv_g, g, sv, f_s, l2: gl.constexpr, l3f: gl.cons
     rows0 = gl.zeros([R, O, 16], gl.float32, layout=l3f)
     async_copy.wait_group(0)
     gl.thread_barrier()
-    nibs = ()
+    codes = ()
     for i in gl.static_range(16):
-        col = w[i]
-        nib = _nibble(col, gl.abs(col) * inv_g, sv)
-        nibs = nibs + (nib,)
+        code, err = _rounded(w[i], inv_g, g, sv, FP8)
+        codes = codes + (code,)
         if i < 15:
-            idx = nib & 7
-            h = gl.where(idx < 4, idx, gl.where(idx < 6, 2 * idx - 4, 4 * idx - 16))
-            mag = (h.to(gl.float32) * 0.5) * sv * g
-            err = col - gl.where(col < 0, -mag, mag)
             f = _unbind16(gl.expand_dims(f_s.slice(i * O, O).load(gl.SliceLayout(0, l3f)), 0) + rows0, l2)  # F[i, :]
             nw = ()
             for k in gl.static_range(16):
@@ -376,12 +389,12 @@ def _feedback_nibbles(x, half, inv_g, g, sv, f_s, l2: gl.constexpr, l3f: gl.cons
             w = nw
     out = ()
     for e in gl.static_range(8):
-        out = out + (gl.where(lo, nibs[e], nibs[e + 8]),)
+        out = out + (gl.where(lo, codes[e], codes[e + 8]),)
     return out
 
 
 @gluon.jit
-def nvfp4_append_kernel(
+def append_kernel(
     cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr, cnt_ptr, fb_ptr,
     N, NUM_HEADS,
     stride_kn, stride_kh, stride_vn, stride_vh,
@@ -389,8 +402,10 @@ def nvfp4_append_kernel(
     D: gl.constexpr, HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr,
     COUNT: gl.constexpr, FEEDBACK: gl.constexpr, SCALE_OFF: gl.constexpr,
     SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr, UP_SPAN: gl.constexpr, ERR_BITS: gl.constexpr,
-    ERR_EXP_FLOOR: gl.constexpr, PDL: gl.constexpr,
+    ERR_EXP_FLOOR: gl.constexpr, PDL: gl.constexpr, FP8: gl.constexpr,
 ):
+    """nvfp4 (``FP8`` False: the block-scale search, E2M1 nibbles, page layout 3) or fp8 (each
+    element E4M3-rounded; ``_store_fp8``) rows of one KV head of K or V."""
     pdl.enter(PDL)
     O: gl.constexpr = D // 8
     W: gl.constexpr = gl.num_warps()
@@ -413,6 +428,8 @@ def nvfp4_append_kernel(
     if FEEDBACK:
         f_s = gl.allocate_shared_memory(gl.float32, [16 * O, 16], gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4,
                                                                                            order=[1, 0]))
+    else:
+        f_s = g_ptr  # a placeholder (unused)
     if kv == 0:
         if FEEDBACK:  # the K feedback matrices of the head's blocks, one per octet, copied while the search runs
             _copy_feedback(f_s, fb_ptr, hd, D, W)
@@ -420,6 +437,25 @@ def nvfp4_append_kernel(
                     HAS_OFFSET, l2, l3)
     else:
         x = _load_octets(v_ptr + hd * stride_vh, rows, in_range, stride_vn, R, O, l2, l3)
+    if FP8:
+        _store_fp8(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_ptr, cnt_ptr,
+                   stride_cp, stride_ckv, stride_ch, NUM_HEADS, D, COUNT, FEEDBACK, l2, W)
+    else:
+        _store_nvfp4(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_ptr, cnt_ptr,
+                     stride_cp, stride_ckv, stride_ch, NUM_HEADS, D, SCALE_OFF, COUNT, FEEDBACK,
+                     SEARCH_DOWN, SEARCH_UP, UP_SPAN, ERR_BITS, ERR_EXP_FLOOR, l2, W)
+
+
+@gluon.jit
+def _store_nvfp4(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_ptr, cnt_ptr,
+                 stride_cp, stride_ckv, stride_ch, NUM_HEADS, D: gl.constexpr, SCALE_OFF: gl.constexpr,
+                 COUNT: gl.constexpr, FEEDBACK: gl.constexpr, SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr,
+                 UP_SPAN: gl.constexpr, ERR_BITS: gl.constexpr, ERR_EXP_FLOOR: gl.constexpr, l2: gl.constexpr,
+                 W: gl.constexpr):
+    """nvfp4 codes and block scales of the rows ``x`` (``kv_formats.nvfp4``): the block scale's
+    search, the elements rounded to nearest or, for K with ``FEEDBACK``, with error feedback,
+    then page layout 3's code words and the scale bytes."""
+    O: gl.constexpr = D // 8
     # block scale (kv_formats.nvfp4 steps 1-4)
     enc = inv_g * 0.1666666716337204  # fp32(1/6), see nvfp4.INV_6
     amax = gl.abs(x[0])
@@ -462,7 +498,7 @@ def nvfp4_append_kernel(
     # element codes
     if FEEDBACK:
         if kv == 0:
-            nib = _feedback_nibbles(x, half, inv_g, g, s_best, f_s, l2, _octets_layout(O, W, 16))
+            nib = _feedback_codes(x, half, inv_g, g, s_best, f_s, l2, _octets_layout(O, W, 16), False)
         else:
             nib = _nearest_nibbles(x, a, s_best)
     else:
@@ -498,94 +534,26 @@ def nvfp4_append_kernel(
 
 
 @gluon.jit
-def _fp8_code(col, inv_g):
-    """(signed E4M3 code, its magnitude / g) of value ``col`` (nearest: ``triton_kernel.fp8_codes``)."""
-    c, mag = e4m3_encode(gl.abs(col * inv_g))
-    return c | (((col < 0) & (c != 0)).to(gl.int32) << 7), mag
+def _nearest_fp8(x, inv_g):
+    """The eight signed E4M3 codes of this thread's values, rounded to nearest (as
+    ``triton_kernel.fp8_codes``)."""
+    code = ()
+    for e in gl.static_range(8):
+        c, _ = e4m3_encode(gl.abs(x[e] * inv_g))
+        code = code + (c | (((x[e] < 0) & (c != 0)).to(gl.int32) << 7),)
+    return code
 
 
 @gluon.jit
-def _fp8_feedback_codes(x, half, inv_g, g, f_s, l2: gl.constexpr, l3f: gl.constexpr):
-    """The eight signed E4M3 codes of this thread's values, the block rounded with error
-    feedback (``kv_formats.feedback``, as ``triton_kernel.fp8_feedback``): the recursion of
-    ``_feedback_nibbles`` with E4M3 rounding, both lanes of a block running all sixteen columns."""
-    lo = half == 0
-    w = ()
-    for e in gl.static_range(8):
-        w = w + (gl.where(lo, x[e], _bfly_f(x[e], 1)),)
-    for e in gl.static_range(8):
-        w = w + (gl.where(lo, _bfly_f(x[e], 1), x[e]),)
-    R: gl.constexpr = l3f.warps_per_cta[0] * l3f.threads_per_warp[0]
-    O: gl.constexpr = l3f.threads_per_warp[1]
-    rows0 = gl.zeros([R, O, 16], gl.float32, layout=l3f)
-    async_copy.wait_group(0)
-    gl.thread_barrier()
-    codes = ()
-    for i in gl.static_range(16):
-        col = w[i]
-        c, mag = e4m3_encode(gl.abs(col) * inv_g)
-        neg = (col < 0) & (c != 0)
-        codes = codes + (c | (neg.to(gl.int32) << 7),)
-        if i < 15:
-            val = mag * g
-            err = col - gl.where(neg, -val, val)
-            f = _unbind16(gl.expand_dims(f_s.slice(i * O, O).load(gl.SliceLayout(0, l3f)), 0) + rows0, l2)  # F[i, :]
-            nw = ()
-            for k in gl.static_range(16):
-                if k > i:
-                    nw = nw + (w[k] - err * f[k],)
-                else:
-                    nw = nw + (w[k],)
-            w = nw
-    out = ()
-    for e in gl.static_range(8):
-        out = out + (gl.where(lo, codes[e], codes[e + 8]),)
-    return out
-
-
-@gluon.jit
-def fp8_append_kernel(
-    cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr, cnt_ptr, fb_ptr,
-    N, NUM_HEADS,
-    stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_cp, stride_ckv, stride_ch,
-    D: gl.constexpr, HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr,
-    COUNT: gl.constexpr, FEEDBACK: gl.constexpr, PDL: gl.constexpr,
-):
-    """fp8 append (``kv_formats.fp8``, ``triton_kernel``'s ``FMT == 1``) in the octet layout:
-    the K row's offset and rotation as for nvfp4 (``_load_k``), each element E4M3-rounded on its
-    own or, for K with ``FEEDBACK``, block by block with error feedback; eight code bytes per
-    thread stored as two words. ``COUNT``: every element's ``|x| / g`` is a scale input (fp8
-    counts elements), so a program holds under 1024 of them (``launch``)."""
-    pdl.enter(PDL)
+def _store_fp8(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_ptr, cnt_ptr,
+               stride_cp, stride_ckv, stride_ch, NUM_HEADS, D: gl.constexpr, COUNT: gl.constexpr,
+               FEEDBACK: gl.constexpr, l2: gl.constexpr, W: gl.constexpr):
+    """fp8 (``kv_formats.fp8``, ``triton_kernel``'s ``FMT == 1``) codes of the rows ``x``: each
+    element E4M3-rounded on its own or, for K with ``FEEDBACK``, block by block with error
+    feedback (``_feedback_codes``); eight code bytes per thread stored as two words. ``COUNT``:
+    every element's ``|x| / g`` is a scale input (fp8 counts elements), so a program holds under
+    1024 of them (``launch``)."""
     O: gl.constexpr = D // 8
-    W: gl.constexpr = gl.num_warps()
-    R: gl.constexpr = W * (32 // O)
-    l2: gl.constexpr = _rows_layout(O, W)
-    l3: gl.constexpr = _octets_layout(O, W, 8)
-    pid_t = gl.program_id(0)
-    hd = gl.program_id(1)
-    kv = gl.program_id(2)
-    rows = pid_t * R + gl.arange(0, R, layout=gl.SliceLayout(1, l2))
-    octet = gl.arange(0, O, layout=gl.SliceLayout(0, l2))
-    in_range = rows < N
-    slot = gl.load(slot_ptr + rows, mask=in_range, other=-1).to(gl.int64)
-    valid = slot >= 0
-    g = gl.load(g_ptr + kv * NUM_HEADS + hd)
-    inv_g = gl.div_rn(1.0, g)  # exact: g is a power of two
-    zero2 = gl.zeros([R, O], gl.int32, layout=l2)
-    oct2 = gl.expand_dims(octet, 0) + zero2
-    half = oct2 & 1
-    if FEEDBACK:
-        f_s = gl.allocate_shared_memory(gl.float32, [16 * O, 16], gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4,
-                                                                                           order=[1, 0]))
-    if kv == 0:
-        if FEEDBACK:
-            _copy_feedback(f_s, fb_ptr, hd, D, W)
-        x = _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, D, HSCALE, HADAMARD,
-                    HAS_OFFSET, l2, l3)
-    else:
-        x = _load_octets(v_ptr + hd * stride_vh, rows, in_range, stride_vn, R, O, l2, l3)
     if COUNT:
         flags = zero2
         for e in gl.static_range(8):
@@ -593,15 +561,11 @@ def fp8_append_kernel(
         count_flags(cnt_ptr + (kv * NUM_HEADS + hd) * 3, flags, gl.expand_dims(valid, 1) & (oct2 >= 0))
     if FEEDBACK:
         if kv == 0:
-            code = _fp8_feedback_codes(x, half, inv_g, g, f_s, l2, _octets_layout(O, W, 16))
+            code = _feedback_codes(x, half, inv_g, g, g, f_s, l2, _octets_layout(O, W, 16), True)
         else:
-            code = ()
-            for e in gl.static_range(8):
-                code = code + (_fp8_code(x[e], inv_g)[0],)
+            code = _nearest_fp8(x, inv_g)
     else:
-        code = ()
-        for e in gl.static_range(8):
-            code = code + (_fp8_code(x[e], inv_g)[0],)
+        code = _nearest_fp8(x, inv_g)
     word_a = zero2
     word_b = zero2
     for e in gl.static_range(4):
@@ -641,21 +605,10 @@ def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tens
     d = layout.head_dim
     rows = num_warps * (32 // (d // 8))
     grid = (triton.cdiv(n, rows), layout.num_kv_heads, 2)
-    if layout.fmt is KVFormat.FP8:
-        if scale_counts is not None and rows * d >= 1024:
-            raise ValueError(f"counting fp8 elements needs under 1024 per program; {num_warps} warps hold {rows * d}")
-        fp8_append_kernel[grid](
-            cache, k, v, slots, global_scales, global_scales if k_offset is None else k_offset,
-            slots if scale_counts is None else scale_counts, slots if k_feedback is None else k_feedback,
-            n, layout.num_kv_heads,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cache.stride(0), cache.stride(1), cache.stride(2),
-            D=d, HSCALE=hadamard_scale, HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None,
-            COUNT=scale_counts is not None, FEEDBACK=k_feedback is not None, num_warps=num_warps,
-            enable_fp_fusion=k_feedback is None, **pdl.launch_kwargs(k.device, "append"),
-        )
-        return
-    nvfp4_append_kernel[grid](
+    fp8 = layout.fmt is KVFormat.FP8
+    if fp8 and scale_counts is not None and rows * d >= 1024:
+        raise ValueError(f"counting fp8 elements needs under 1024 per program; {num_warps} warps hold {rows * d}")
+    append_kernel[grid](
         cache, k, v, slots, global_scales, global_scales if k_offset is None else k_offset,
         slots if scale_counts is None else scale_counts, slots if k_feedback is None else k_feedback,
         n, layout.num_kv_heads,
@@ -664,6 +617,6 @@ def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tens
         D=d, HSCALE=hadamard_scale, HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None,
         COUNT=scale_counts is not None, FEEDBACK=k_feedback is not None, SCALE_OFF=layout.scale_offset,
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
-        ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps, enable_fp_fusion=k_feedback is None,
+        ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, FP8=fp8, num_warps=num_warps, enable_fp_fusion=k_feedback is None,
         **pdl.launch_kwargs(k.device, "append"),
     )
