@@ -341,7 +341,7 @@ def _split_pages(ctx, split, NUM_SPLITS: gl.constexpr):
 
 
 @gluon.jit
-def nvfp4_decode_kernel(
+def decode_kernel(
     q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr, bt_ptr, ctx_ptr, perm_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cp, stride_ckv, stride_ch, stride_bt, H,
@@ -802,7 +802,7 @@ def paged_decode(
                              f"and {need} elements for {num_splits} splits, got {opart.numel()} and {lse.numel()}")
     else:
         opart = lse = out
-    nvfp4_decode_kernel[(block_tables.shape[0], h, num_splits)](
+    decode_kernel[(block_tables.shape[0], h, num_splits)](
         q, out, opart, lse, cache, global_scales, block_tables, context_lens, perm,
         sm_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0), h,
