@@ -416,9 +416,9 @@ class TritonBackend:
 
         tables = block_tables.contiguous()
         ws = dq.dequantize(layer.data, lay, tables, context_lens, dq_ref.allocate(lay, tables))
-        return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay), dq_ref.workspace_scales(lay, layer.scales),
-                                             dq_ref.workspace_tables(tables), context_lens, starts, q_len, sm_scale,
-                                             dequantized=True, **kw)
+        return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay),
+                                             dq_ref.workspace_scales(lay, layer.scales), dq_ref.workspace_tables(tables),
+                                             context_lens, starts, q_len, sm_scale, dequantized=True, **kw)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -2,8 +2,8 @@
 
 Same bytes as ``reference.append`` (and ``triton_kernel``) for nvfp4 and fp8 caches with head_dim
 64, 128 or 256, with or without the Hadamard rotation, K offset, block-scale counts and K error
-feedback (fp8: ``_store_fp8``, the same layout without the scale search, below). A program encodes ``R`` token rows of one KV head of K or V (grid ``[cdiv(N, R),
-num_kv_heads, 2]``); every thread holds eight consecutive values of a row (an "octet"), so a
+feedback (fp8: ``_store_fp8``, the same layout without the scale search, below). A program
+encodes ``R`` token rows of one KV head of K or V (grid ``[cdiv(N, R), num_kv_heads, 2]``); every thread holds eight consecutive values of a row (an "octet"), so a
 16-value block lives in two neighbouring lanes and a row of ``d`` values in ``d / 8`` lanes
 (lane ``= row_in_warp * d/8 + octet``). The layout is what the Triton kernel cannot state,
 and it is the point:

@@ -764,7 +764,8 @@ def paged_decode(
     group = hq // h
     t = tokens_per_seq
     if not supported(layout, group, t):
-        raise ValueError(f"gluon decode needs nvfp4, fp8 or int8, head_dim 128/256 and tokens_per_seq * group <= {MAX_COLS}; "
+        raise ValueError(f"gluon decode needs nvfp4, fp8 or int8, head_dim 128/256 and "
+                         f"tokens_per_seq * group <= {MAX_COLS}; "
                          f"got {layout.fmt.value}, d={layout.head_dim}, group={group}, tokens_per_seq={t}")
     if total != block_tables.shape[0] * t:
         raise ValueError(f"q must hold {t} tokens per block-table row ({block_tables.shape[0] * t}), got {total}")

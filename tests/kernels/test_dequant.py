@@ -197,14 +197,15 @@ def test_the_workspace_threshold_is_per_format():
     from kernels.backend import PREFILL_DEQUANT_MIN_ROWS
     from kernels.kv_formats.layout import KVFormat
 
+    nv, f8, i8, bf = (KVLayout.make(f, 4, 256) for f in ("nvfp4", "fp8", "int8", "bf16"))
     be = TritonBackend()
-    assert be._dequantizes(KVLayout.make("nvfp4", 4, 256), 1024) and not be._dequantizes(KVLayout.make("nvfp4", 4, 256), 768)
-    assert be._dequantizes(KVLayout.make("int8", 4, 256), 768) and be._dequantizes(KVLayout.make("fp8", 4, 256), 768)
-    assert not be._dequantizes(KVLayout.make("fp8", 4, 256), 767) and not be._dequantizes(KVLayout.make("bf16", 4, 256), 1 << 20)
+    assert be._dequantizes(nv, 1024) and not be._dequantizes(nv, 768)
+    assert be._dequantizes(i8, 768) and be._dequantizes(f8, 768)
+    assert not be._dequantizes(f8, 767) and not be._dequantizes(bf, 1 << 20)
     assert set(PREFILL_DEQUANT_MIN_ROWS) == {KVFormat.NVFP4, KVFormat.FP8, KVFormat.INT8}
     one = TritonBackend(prefill_dequant_min_rows=5)  # one threshold for every format
-    assert one._dequantizes(KVLayout.make("nvfp4", 4, 256), 5) and not one._dequantizes(KVLayout.make("int8", 4, 256), 4)
-    assert not TritonBackend(prefill_workspace_bytes=0)._dequantizes(KVLayout.make("int8", 4, 256), 1 << 20)
+    assert one._dequantizes(nv, 5) and not one._dequantizes(i8, 4)
+    assert not TritonBackend(prefill_workspace_bytes=0)._dequantizes(i8, 1 << 20)
 
 
 def test_bad_input_is_refused():
