@@ -27,9 +27,10 @@ installs the K centering offsets (fp32 ``[Hkv, d]`` per layer, subtracted from K
 encoding; none by default) and ``set_k_feedback`` K's query-weighted rounding (fp32
 ``[Hkv, d/16, 16, 16]`` per layer, ``kernels.kv_formats.feedback``; fp8 / nvfp4, none by
 default), which ``write`` applies to every token (nvfp4: but a sequence's position 0, rounded to
-nearest: the attention sink; ``position0_nearest``). All are fixed once the pool holds tokens. For fp8 / nvfp4 every
-append also counts its block scales (``scale_counts``: zero / subnormal / saturated of the
-total over every layer, the served counterpart of the calibration's counts).
+nearest: the attention sink; ``position0_nearest``). All are fixed once the pool holds tokens. For fp8 / int8 / nvfp4
+every append also counts its block scales (``scale_counts``: zero / subnormal / saturated of the
+total over every layer, the served counterpart of the calibration's counts; fp8 counts elements,
+int8 token scales, whose saturation clamps values beyond +-1905: ``kv_formats.int8``).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class QuantKVPool:
         self.num_pages = num_pages
         self.backend: KVBackend = get_backend(device)
         self.caches = [KVCacheLayer.allocate(layout, num_pages, device) for _ in range(num_layers)]
-        if layout.fmt.value in SCALED_FORMATS:  # block-scale health of everything appended
+        if counted_per_row(layout) > 0:  # block-scale health of everything appended
             self._counts = torch.zeros(num_layers, 2, layout.num_kv_heads, len(SCALE_COUNT_KINDS), dtype=torch.int64,
                                        device=device)
             for i, c in enumerate(self.caches):
@@ -167,8 +168,8 @@ class QuantKVPool:
 
     def scale_counts(self) -> tuple[ScaleCounts, ScaleCounts] | None:
         """(K, V) totals over every layer of the block scales (fp8: elements) appended so far:
-        zero / subnormal / saturated (counted by the append) of the total; None for int8 (no
-        global scales). A small device-to-host copy."""
+        zero / subnormal / saturated (counted by the append) of the total (int8: token scales);
+        None for bf16. A small device-to-host copy."""
         if self._counts is None:
             return None
         total = self._stored[0] * len(self.caches) * self.layout.num_kv_heads * counted_per_row(self.layout)

@@ -14,9 +14,10 @@ centered per head, 0 when off, and the share of the calibration K's energy it re
 ``deepwell_engine_kv_k_rounding{mode="nearest|feedback"}`` (1 for the rounding of K the cache
 uses, ``--kv-k-rounding``; 0 for the other).
 While serving, ``deepwell_engine_kv_served_scales_total{kv="k|v",kind="zero|subnormal|saturated|total"}``
-counts the block scales (fp8: elements) of every K/V the quantized cache stored (read from
-the device at most once a second): a growing saturated or subnormal share means the
-calibrated global scales do not fit the traffic.
+counts the block scales (fp8: elements, int8: token scales) of every K/V the quantized cache
+stored (read from the device at most once a second): a growing saturated or subnormal share
+means the calibrated global scales do not fit the traffic (int8: saturated rows had values
+beyond +-1905, clamped there).
 """
 
 from __future__ import annotations

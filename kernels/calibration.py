@@ -31,7 +31,8 @@ the rotary dims). ``stationary_channels`` picks those (rotation at most ``max_an
 Powers of two keep quantization exact-arithmetic (``1/g`` is exact) at a cost of at most
 one bit of headroom. ``count_scales`` reports, per K and V, how many block scales (nvfp4)
 or elements (fp8) are zero, subnormal (``0 < scale < 2**-6``, including those that round to
-zero) and saturated (``> 448``); ``ScaleCounter`` accumulates those for metrics.
+zero) and saturated (``> 448``) — int8: token scales that are zero or saturated (above
+``int8.SCALE_MAX``; it has no subnormal range); ``ScaleCounter`` accumulates those for metrics.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.kv_append.reference import stored_rows
-from kernels.kv_formats import nvfp4
+from kernels.kv_formats import int8, nvfp4
 from kernels.kv_formats.e4m3 import E4M3_MAX, E4M3_MIN_NORMAL
 from kernels.kv_formats.layout import KVFormat, KVLayout, pow2_at_least
 
@@ -65,14 +66,15 @@ class ScaleCounts:
 
 def counted_per_row(layout: KVLayout) -> int:
     """Scale inputs counted per token row of one head: nvfp4 block scales (d / 16), fp8
-    elements (d); 0 for formats without global scales."""
+    elements (d), int8 token scales (1); 0 for bf16."""
     if layout.fmt is KVFormat.NVFP4:
         return layout.head_dim // nvfp4.BLOCK
-    return layout.head_dim if layout.fmt is KVFormat.FP8 else 0
+    return {KVFormat.FP8: layout.head_dim, KVFormat.INT8: 1}.get(layout.fmt, 0)
 
 
 def _scale_inputs(layout: KVLayout, x: torch.Tensor, kv: int, g: torch.Tensor) -> torch.Tensor | None:
-    """What E4M3 rounds, shaped [N, H, blocks]: block amax * enc (nvfp4) or |x| / g (fp8)."""
+    """What the scales are made of, shaped [N, H, blocks]: block amax * enc (nvfp4), |x| / g
+    (fp8) or the row's amax / 127 (int8)."""
     return _rotated_scale_inputs(layout, stored_rows(x, layout, kv), g)
 
 
@@ -84,31 +86,38 @@ def _rotated_scale_inputs(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor)
         return amax * (nvfp4.INV_6 * (1.0 / gg))
     if layout.fmt is KVFormat.FP8:
         return rows.abs() * (1.0 / gg)
+    if layout.fmt is KVFormat.INT8:  # the token scale before it saturates (no subnormal range)
+        return rows.abs().amax(-1, keepdim=True) * int8.INV_127
     return None
 
 
-def _counts(s: torch.Tensor | None, rows: int) -> ScaleCounts:
+def _counts(s: torch.Tensor | None, rows: int, fmt: KVFormat) -> ScaleCounts:
     if s is None:
         return ScaleCounts(blocks=rows)
+    if fmt is KVFormat.INT8:
+        tiny, top = 0.0, int8.SCALE_MAX
+    else:
+        tiny, top = E4M3_MIN_NORMAL, E4M3_MAX
     return ScaleCounts(
         blocks=s.numel(),
         zero=int((s == 0).sum()),
-        subnormal=int(((s > 0) & (s < E4M3_MIN_NORMAL)).sum()),
-        saturated=int((s > E4M3_MAX).sum()),
+        subnormal=int(((s > 0) & (s < tiny)).sum()),
+        saturated=int((s > top).sum()),
     )
 
 
 def count_scales(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, global_scales: torch.Tensor) -> dict[str, ScaleCounts]:
     """Zero / subnormal / saturated block scales of encoding ``k``, ``v`` [N, H, d]."""
     return {
-        name: _counts(_scale_inputs(layout, x, kv, global_scales[kv]), x.shape[0] * x.shape[1])
+        name: _counts(_scale_inputs(layout, x, kv, global_scales[kv]), x.shape[0] * x.shape[1], layout.fmt)
         for kv, name, x in ((0, "k", k), (1, "v", v))
     }
 
 
 def count_rows(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> ScaleCounts:
     """``count_scales`` for rows [N, H, d] that are already rotated (K) or never are (V)."""
-    return _counts(_rotated_scale_inputs(layout, rows.to(torch.float32), g), rows.shape[0] * rows.shape[1])
+    return _counts(_rotated_scale_inputs(layout, rows.to(torch.float32), g), rows.shape[0] * rows.shape[1],
+                   layout.fmt)
 
 
 def calibrate(

@@ -9,9 +9,9 @@ documents. Nothing else in the cache changes. ``k_feedback`` (fp8 / nvfp4 only, 
 ``[num_kv_heads, d/16, 16, 16]``) rounds K with error feedback (``kv_formats.feedback``).
 
 ``scale_counts`` (optional int64 [2, num_kv_heads, 3]: K then V, per head) accumulates the
-block-scale health of what was written: zero, subnormal and saturated block scales (fp8: elements), as
-``kernels.calibration.count_rows`` defines them (the total is rows x blocks per row, known
-to the caller); bf16 / int8 add nothing.
+block-scale health of what was written: zero, subnormal and saturated block scales (fp8: elements,
+int8: token scales), as ``kernels.calibration.count_rows`` defines them (the total is rows x
+``counted_per_row``, known to the caller); bf16 adds nothing.
 
 ``read_scales`` reads the block-scale bytes of given tokens (nvfp4's V region is
 block-major: ``kv_formats.layout``).
@@ -147,7 +147,7 @@ def append(
     for kv, x in ((0, k[keep]), (1, v[keep])):
         rows = stored_rows(x, layout, kv, k_offset)
         codes, scales = encode_rows(x, layout, kv, global_scales, rows=rows, k_feedback=k_feedback)
-        if scale_counts is not None and layout.fmt in (KVFormat.FP8, KVFormat.NVFP4):
+        if scale_counts is not None and layout.fmt in (KVFormat.FP8, KVFormat.INT8, KVFormat.NVFP4):
             from kernels.calibration import count_rows
 
             for head in range(layout.num_kv_heads):

@@ -9,12 +9,13 @@ comparisons against exact thresholds (a three-level binary search, the same coun
 reference's seven comparisons) and its block scale by the same candidate search
 (clipping candidates for K only) with the same int32 fixed-point error (``kv_formats.nvfp4`` step 4: power-of-two products,
 truncating conversions, integer sums — no result depends on reduction order or FMA
-contraction), int8 through the correctly rounded ``div_rn``.
+contraction), int8 through the correctly rounded ``div_rn`` (its token scale saturating at
+``int8.SCALE_MAX``).
 Works for prefill chunks and decode steps alike (tokens of many sequences in one call).
 
 K first has the optional ``k_offset`` row of its head subtracted in fp32 (as the reference
-does). With ``scale_counts`` (fp8 / nvfp4) every program adds its zero / subnormal /
-saturated block-scale counts per head (the reference's numbers exactly: the same fp32 scale
+does). With ``scale_counts`` (fp8 / int8 / nvfp4) every program adds its zero / subnormal /
+saturated block-scale (fp8: element, int8: token-scale) counts per head (the reference's numbers exactly: the same fp32 scale
 inputs, compared against the same bounds) with an atomic add only for a kind that occurred;
 always-on int64 atomics measured 4.65 -> 6.35 us (nvfp4) per layer.
 
@@ -42,15 +43,15 @@ from kernels.hadamard.triton_fn import fwht_rows
 from kernels.calibration import counted_per_row
 from kernels.kv_append.reference import check_k_feedback, check_k_offset, check_scale_counts
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
-from kernels.kv_formats.int8 import INV_127
+from kernels.kv_formats.int8 import INV_127, SCALE_MAX
 from kernels.kv_formats import nvfp4
 from kernels.kv_formats.nvfp4 import INV_6
 
 FMT_ID = {KVFormat.BF16: 0, KVFormat.FP8: 1, KVFormat.INT8: 2, KVFormat.NVFP4: 3}
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# the kernel spells int8's fp32(1/127) and nvfp4's fp32(1/6) as literals (jit code cannot
-# read module globals)
-assert INV_127 == 0.007874015718698502
+# the kernel spells int8's fp32(1/127) and SCALE_MAX and nvfp4's fp32(1/6) as literals (jit
+# code cannot read module globals)
+assert INV_127 == 0.007874015718698502 and SCALE_MAX == 15.0
 assert INV_6 == 0.1666666716337204
 
 
@@ -342,7 +343,11 @@ def kv_append_fwd_kernel(
             code = fp8_codes(x, sv)
         tl.store(code_row[:, None] + offs_d[None, :], code.to(tl.uint8), mask=valid[:, None])
     elif FMT == 2:
-        s = tl.max(tl.abs(x), axis=1) * 0.007874015718698502  # fp32(1/127), see int8.INV_127
+        sv = tl.max(tl.abs(x), axis=1) * 0.007874015718698502  # fp32(1/127), see int8.INV_127
+        if COUNT:  # zero and saturated (int8.SCALE_MAX) token scales; there is no subnormal range
+            flags = (sv == 0.0).to(tl.int32) + (sv > 15.0).to(tl.int32) * 1048576
+            count_flags(cnt_ptr + (kv * NUM_HEADS + h) * 3, flags, valid)
+        s = tl.where(sv > 15.0, 15.0, sv)  # int8.SCALE_MAX (NaN stays NaN, as torch's clamp)
         safe = tl.where(s > 0, s, 1.0)
         y = tl.math.div_rn(x, safe[:, None])
         r = (y + 12582912.0) - 12582912.0
@@ -483,7 +488,7 @@ def append(
     if k_feedback is not None and (k_feedback.dtype != torch.float32 or not k_feedback.is_contiguous()):
         raise ValueError("k_feedback must be contiguous float32 [num_kv_heads, head_dim / 16, 16, 16]")
     d = layout.head_dim
-    count = scale_counts if layout.fmt in (KVFormat.FP8, KVFormat.NVFP4) else None
+    count = scale_counts if layout.fmt is not KVFormat.BF16 else None
     if count is not None and (count.dtype != torch.int64 or not count.is_contiguous()):
         raise ValueError("scale_counts must be contiguous int64 [2, num_kv_heads, 3]")
     if kernel == "gluon":

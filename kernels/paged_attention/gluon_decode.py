@@ -70,6 +70,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from kernels import pdl
+from kernels.kv_formats import int8
 from kernels.kv_formats.layout import KVFormat, KVLayout
 from kernels.paged_attention import nvfp4_ptx
 from kernels.paged_attention.reference import check_inputs
@@ -677,9 +678,10 @@ _PERM_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 FORMATS = (KVFormat.NVFP4, KVFormat.FP8, KVFormat.INT8)
 _FMT_CODE = {KVFormat.NVFP4: 0, KVFormat.FP8: 1, KVFormat.INT8: 2}
-# int8's probabilities carry V's token scales, which must stay below 16 (V's magnitudes below
-# 2032) for them to fit fp16 at 2**12 (as ``triton_kernel``'s int8 path)
+# int8's probabilities carry V's token scales, which must stay below 16 for them to fit fp16 at
+# 2**12 (as ``triton_kernel``'s int8 path): the format saturates them at 15 (``int8.SCALE_MAX``)
 P_LOG2_INT8 = 12.0
+assert int8.SCALE_MAX * 2.0**P_LOG2_INT8 < 65504.0
 
 
 def supported(layout: KVLayout, group: int, tokens_per_seq: int = 1) -> bool:

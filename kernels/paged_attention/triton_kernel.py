@@ -36,7 +36,8 @@ Dequantization in registers, tensor cores for both products:
   per-token V scale is folded into them); bf16 V meets the probabilities split into a bf16
   high part and a bf16 residual (two products) so the result stays near fp32 accuracy.
   fp16 probabilities are scaled by 2**15 (int8: 2**12, as they carry V's scale, which must
-  stay below 16; ``P_LOG2``) so that small probabilities do not become fp16 subnormals.
+  stay below 16: ``int8.SCALE_MAX``; ``P_LOG2``) so that small probabilities do not become fp16
+  subnormals.
 - K tiles are fp16 instead for fp8 and nvfp4 (Q is cast to fp16: post-norm queries are
   far inside its range): E4M3 converts to fp16 in hardware, and an nvfp4 element
   becomes the fp16 bit pattern ``sign << 15 | index << 9`` (= value * 2**-14),

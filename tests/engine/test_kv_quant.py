@@ -401,10 +401,11 @@ def test_feedback_leaves_position_zero_nearest_for_nvfp4(smol, kv: str) -> None:
     assert torch.equal(fb.kv.caches[0].data[:, 1], near.kv.caches[0].data[:, 1])  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("kv", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("kv", ["fp8", "int8", "nvfp4"])
 def test_served_block_scales_are_counted(smol, kv: str) -> None:
-    """Every stored K/V row's block scales (fp8: elements) are counted (the kernels' tests
-    check the numbers against the calibration's definitions); the metric follows the totals."""
+    """Every stored K/V row's block scales (fp8: elements, int8: token scales) are counted (the
+    kernels' tests check the numbers against the calibration's definitions); the metric
+    follows the totals."""
     from kernels.calibration import ScaleCounts
 
     base, tok = smol
@@ -413,7 +414,7 @@ def test_served_block_scales_are_counted(smol, kv: str) -> None:
     ids = tok.encode(PROMPT).ids
     greedy(r, ids, 3)  # stores the prompt and two generated tokens
     k, v = r.kv_scale_counts()  # type: ignore[misc]
-    per_row = 64 // 16 if kv == "nvfp4" else 64
+    per_row = {"nvfp4": 64 // 16, "fp8": 64, "int8": 1}[kv]
     assert k.blocks == v.blocks == (len(ids) + 2) * 30 * 3 * per_row
     assert k.saturated == v.saturated == 0 and k.zero + k.subnormal < k.blocks // 100
     per_layer = [c.scale_counts for c in r.kv.caches]  # type: ignore[union-attr]
@@ -424,7 +425,7 @@ def test_served_block_scales_are_counted(smol, kv: str) -> None:
     got = m.registry.get_sample_value
     assert got("deepwell_engine_kv_served_scales_total", {"model": "smol", "kv": "k", "kind": "total"}) == k.blocks
     assert got("deepwell_engine_kv_served_scales_total", {"model": "smol", "kv": "v", "kind": "total"}) == v.blocks
-    assert quant_runner(base, "int8").kv_scale_counts() is None and base.kv_scale_counts() is None
+    assert quant_runner(base, "bf16").kv_scale_counts() is None and base.kv_scale_counts() is None
 
 
 def test_int8_and_float_pools_skip_calibration(smol) -> None:

@@ -69,6 +69,24 @@ def test_triton_matches_fp64_over_dequantized_cache(fmt, d, hq, h, ctx, ql):
             assert rel_l2(out_u.cpu(), ref) <= 1e-3 and rel_l2(out_u, out1) <= 1e-5
 
 
+def test_int8_values_past_the_scale_limit_saturate_instead_of_overflowing():
+    """int8 rows with values beyond 127 * SCALE_MAX (here most rows: magnitude 1000) are stored
+    saturated, so V's scale times the probabilities stays inside fp16 on the GPU (it overflowed
+    to inf before the limit; the interpreter computes them in fp32): the outputs match the
+    fp64 oracle over what the cache holds."""
+    from kernels.kv_formats import int8
+
+    case = build_case(KVLayout.make("int8", 2, 64), [70, 5], seed=3, device=DEV, magnitude=1000.0)
+    v_scales = case.cache[:, 1, :, case.layout.scale_offset:].contiguous().view(torch.float32)
+    assert float(v_scales.max()) == int8.SCALE_MAX
+    q = (torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(1)) * 0.01).to(torch.bfloat16).to(DEV)
+    ref = None
+    for splits, uniform in ((1, 0), (2, 2)):
+        out, starts, lens = _run(case, q, [2, 2], splits, uniform_t=uniform)
+        ref = _oracle(case, q, starts, lens) if ref is None else ref
+        assert bool(torch.isfinite(out).all()) and rel_l2(out.cpu(), ref) <= 1e-3
+
+
 def test_rows_without_visible_keys_are_zero_split_or_not():
     """q_len > context_len is a caller bug (the reference raises); the Triton kernel, which
     cannot check without a device sync, gives such rows zeros with or without splits (never

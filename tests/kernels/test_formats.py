@@ -282,6 +282,26 @@ def test_int8_codec():
     assert float((back[1] - x[1]).abs().max()) <= float(s[1]) / 2 * 1.0001
 
 
+def test_int8_scale_saturates_where_the_decode_kernels_need_it():
+    """Token scales stop at SCALE_MAX = 15 (fp16 probabilities x scale x 2**12 < 65504): a row
+    whose amax passes 127 * 15 keeps its smaller values and clamps the larger ones; the
+    calibration counts it as saturated, a row just below does not."""
+    from kernels.calibration import count_scales
+
+    top = 127 * int8.SCALE_MAX  # 1905
+    x = torch.zeros(3, 64)
+    x[0, :3] = torch.tensor([5000.0, -2000.0, 30.0])
+    x[1, :2] = torch.tensor([top, -1.0])
+    codes, scales = int8.encode(x, torch.ones(3))
+    assert scales.view(torch.float32)[:, 0].tolist() == [15.0, float(torch.tensor(top) * int8.INV_127), 0.0]
+    back = int8.decode(codes, scales, torch.ones(3))
+    assert back[0, :3].tolist() == [top, -top, 30.0] and back[1, 0].item() == top
+    assert 2.0**12 * int8.SCALE_MAX < 65504
+    lay = KVLayout.make("int8", 1, 64)
+    c = count_scales(lay, x.view(3, 1, 64), x.view(3, 1, 64), lay.default_scales())
+    assert (c["k"].blocks, c["k"].zero, c["k"].subnormal, c["k"].saturated) == (3, 1, 0, 1)
+
+
 def test_bf16_codec_round_half_even():
     x = torch.tensor([[1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-8 + 2.0**-20] + [0.0] * 61])
     codes, _ = bf16.encode(x, torch.ones(1))

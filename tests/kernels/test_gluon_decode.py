@@ -163,6 +163,24 @@ def test_gluon_matches_fp64_and_splits_agree(fmt, d, hq, h, ctx, t):
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4])
+def test_int8_rows_past_the_scale_limit_stay_finite(t):
+    """int8 V rows beyond 127 * SCALE_MAX are stored saturated, so the fp16 probabilities times
+    V's token scale (times 2**12) stay finite (inf before the limit, V magnitudes >= 2032)."""
+    from kernels.kv_formats import int8
+
+    case = build_case(KVLayout.make("int8", 4, 256), [700, 65, 1 + t], seed=9 + t, device="cuda", magnitude=3000.0)
+    assert float(case.cache[:, 1, :, case.layout.scale_offset:].contiguous().view(torch.float32).max()) == int8.SCALE_MAX
+    q = (torch.randn(3 * t, 24, 256, device="cuda") * 0.01).to(torch.bfloat16)
+    ref = _oracle(case, q, t)
+    for splits in (1, 3):
+        out = gd.paged_decode(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens,
+                              256 ** -0.5, tokens_per_seq=t, num_splits=splits)
+        assert bool(torch.isfinite(out).all()) and rel_l2(out, ref) <= 1e-3
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_verify_equals_sequential_decodes(fmt):
     """T = 4 query tokens in one call == four decode steps with growing context lengths."""
