@@ -336,7 +336,7 @@ def append_case(fmt: str, counted: bool, fed: bool):
 
 def append_table() -> list[dict]:
     """One layer's append of a 64-sequence decode step (K centered and block scales counted,
-    as the engine does for fp8/nvfp4), per kernel, tokens-per-program and warps; the first of
+    as the engine does for fp8/nvfp4; int8's token scales counted as the engine does), per kernel, tokens-per-program and warps; the first of
     each format is the default (nvfp4 and fp8 on Hopper: the Gluon kernel, with or without K feedback)."""
     rows = []
     cases = [("nvfp4", "auto", None, None, True, False), ("nvfp4", "auto", None, None, False, False),
@@ -348,7 +348,8 @@ def append_table() -> list[dict]:
               ("fp8", "auto", None, None, False, False), ("fp8", "auto", None, 2, True, False),
               ("fp8", "triton", None, None, True, False), ("fp8", "triton", 4, None, False, False),
               ("fp8", "auto", None, None, True, True), ("fp8", "auto", None, 1, True, True),
-              ("fp8", "triton", None, None, True, True), ("int8", "auto", None, None, False, False)]
+              ("fp8", "triton", None, None, True, True), ("int8", "auto", None, None, True, False),
+              ("int8", "auto", None, None, False, False)]
     for fmt, impl, bt, warps, counted, fed in cases:
         layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, counted, fed)
 

@@ -344,9 +344,12 @@ def kv_append_fwd_kernel(
         tl.store(code_row[:, None] + offs_d[None, :], code.to(tl.uint8), mask=valid[:, None])
     elif FMT == 2:
         sv = tl.max(tl.abs(x), axis=1) * 0.007874015718698502  # fp32(1/127), see int8.INV_127
-        if COUNT:  # zero and saturated (int8.SCALE_MAX) token scales; there is no subnormal range
-            flags = (sv == 0.0).to(tl.int32) + (sv > 15.0).to(tl.int32) * 1048576
-            count_flags(cnt_ptr + (kv * NUM_HEADS + h) * 3, flags, valid)
+        if COUNT:  # zero and saturated (int8.SCALE_MAX) token scales; there is no subnormal range.
+            # One predicated atomic per row that has either (rare): no reduction, no barrier
+            cnt = cnt_ptr + (kv * NUM_HEADS + h) * 3 + tl.zeros([BLOCK_T], tl.int32)
+            one = tl.full([BLOCK_T], 1, tl.int64)
+            tl.atomic_add(cnt, one, mask=valid & (sv == 0.0), sem="relaxed")
+            tl.atomic_add(cnt + 2, one, mask=valid & (sv > 15.0), sem="relaxed")
         s = tl.where(sv > 15.0, 15.0, sv)  # int8.SCALE_MAX (NaN stays NaN, as torch's clamp)
         safe = tl.where(s > 0, s, 1.0)
         y = tl.math.div_rn(x, safe[:, None])
@@ -503,8 +506,8 @@ def append(
         return
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
-    bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or k_feedback is not None or (count is not None and d > 128)
-                     else 4)
+    bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or k_feedback is not None
+                     or (count is not None and 4 * counted_per_row(layout) >= 1024) else 4)
     if block_t is None and INTERPRET:  # the interpreter pays per program: fewer, larger ones (same bytes;
         bt = 16                        # nvfp4 70 tokens x 3 heads at d = 64: 32.8 s at 2 tokens, 4.6 s at 16)
         while count is not None and bt > 1 and bt * counted_per_row(layout) >= 1024:

@@ -110,6 +110,8 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_
     slots[torch.rand(n, generator=gen) < 0.05] = -1
     k = _edge_rows(n * 3, d, gen).view(n, 3, d).to(torch.bfloat16)
     v = _edge_rows(n * 3, d, gen).view(n, 3, d).to(torch.bfloat16)
+    k[:2, 0] = 0.0  # whole zero rows (int8's zero token scales)
+    v[2:4, 1] = 0.0
     scales = torch.exp2(torch.randint(-4, 4, (2, 3), generator=gen).float())
     if fmt in ("bf16", "int8"):
         scales = lay.default_scales()

@@ -174,8 +174,9 @@ def test_int8_rows_past_the_scale_limit_stay_finite(t):
     q = (torch.randn(3 * t, 24, 256, device="cuda") * 0.01).to(torch.bfloat16)
     ref = _oracle(case, q, t)
     for splits in (1, 3):
-        out = gd.paged_decode(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens,
-                              256 ** -0.5, tokens_per_seq=t, num_splits=splits)
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device="cuda")
+        gd.paged_decode(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens,
+                        256 ** -0.5, tokens_per_seq=t, num_splits=splits, out=out)
         assert bool(torch.isfinite(out).all()) and rel_l2(out, ref) <= 1e-3
 
 
