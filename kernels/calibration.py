@@ -91,19 +91,32 @@ def _rotated_scale_inputs(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor)
     return None
 
 
+def _bounds(fmt: KVFormat) -> tuple[float, float]:
+    """(the smallest normal scale, the largest unsaturated one) of a scaled format."""
+    return (0.0, int8.SCALE_MAX) if fmt is KVFormat.INT8 else (E4M3_MIN_NORMAL, E4M3_MAX)
+
+
 def _counts(s: torch.Tensor | None, rows: int, fmt: KVFormat) -> ScaleCounts:
     if s is None:
         return ScaleCounts(blocks=rows)
-    if fmt is KVFormat.INT8:
-        tiny, top = 0.0, int8.SCALE_MAX
-    else:
-        tiny, top = E4M3_MIN_NORMAL, E4M3_MAX
+    tiny, top = _bounds(fmt)
     return ScaleCounts(
         blocks=s.numel(),
         zero=int((s == 0).sum()),
         subnormal=int(((s > 0) & (s < tiny)).sum()),
         saturated=int((s > top).sum()),
     )
+
+
+def head_counts(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    """``count_rows`` per KV head, on the rows' device without a host copy: int64 [H, 3] (zero,
+    subnormal, saturated) for rows [N, H, d] (rotated K or V) under global scales ``g`` [H];
+    None for bf16."""
+    s = _rotated_scale_inputs(layout, rows.to(torch.float32), g)
+    if s is None:
+        return None
+    tiny, top = _bounds(layout.fmt)
+    return torch.stack([(s == 0).sum((0, 2)), ((s > 0) & (s < tiny)).sum((0, 2)), (s > top).sum((0, 2))], -1)
 
 
 def count_scales(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, global_scales: torch.Tensor) -> dict[str, ScaleCounts]:

@@ -10,8 +10,8 @@ documents. Nothing else in the cache changes. ``k_feedback`` (fp8 / nvfp4 only, 
 
 ``scale_counts`` (optional int64 [2, num_kv_heads, 3]: K then V, per head) accumulates the
 block-scale health of what was written: zero, subnormal and saturated block scales (fp8: elements,
-int8: token scales), as ``kernels.calibration.count_rows`` defines them (the total is rows x
-``counted_per_row``, known to the caller); bf16 adds nothing.
+int8: token scales), as ``kernels.calibration.count_rows`` defines them (``head_counts``; the
+total is rows x ``counted_per_row``, known to the caller); bf16 adds nothing.
 
 ``read_scales`` reads the block-scale bytes of given tokens (nvfp4's V region is
 block-major: ``kv_formats.layout``).
@@ -147,13 +147,10 @@ def append(
     for kv, x in ((0, k[keep]), (1, v[keep])):
         rows = stored_rows(x, layout, kv, k_offset)
         codes, scales = encode_rows(x, layout, kv, global_scales, rows=rows, k_feedback=k_feedback)
-        if scale_counts is not None and layout.fmt in (KVFormat.FP8, KVFormat.INT8, KVFormat.NVFP4):
-            from kernels.calibration import count_rows
+        if scale_counts is not None and layout.fmt is not KVFormat.BF16:
+            from kernels.calibration import head_counts
 
-            for head in range(layout.num_kv_heads):
-                c = count_rows(layout, rows[:, head : head + 1], global_scales[kv, head : head + 1])
-                scale_counts[kv, head] += torch.tensor([c.zero, c.subnormal, c.saturated], dtype=torch.int64,
-                                                       device=scale_counts.device)
+            scale_counts[kv] += head_counts(layout, rows, global_scales[kv]).to(scale_counts.device)
         codes_r[page, kv, :, off] = codes
         if layout.scale_bytes:
             scales_r[_scale_index(layout, kv, page, off)] = scales

@@ -509,7 +509,7 @@ def append(
     bt = block_t or (2 if layout.fmt is KVFormat.NVFP4 or k_feedback is not None
                      or (count is not None and 4 * counted_per_row(layout) >= 1024) else 4)
     if block_t is None and INTERPRET:  # the interpreter pays per program: fewer, larger ones (same bytes;
-        bt = 16                        # nvfp4 70 tokens x 3 heads at d = 64: 32.8 s at 2 tokens, 4.6 s at 16)
+        bt = 64                        # nvfp4 70 tokens x 3 heads at d = 64: 32.8 s at 2 tokens, 4.6 s at 16)
         while count is not None and bt > 1 and bt * counted_per_row(layout) >= 1024:
             bt //= 2
     if count is not None and bt * counted_per_row(layout) >= 1024:

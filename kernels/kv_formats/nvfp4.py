@@ -92,6 +92,8 @@ UP_SPAN = 7
 ERR_BITS = 12  # fixed-point fraction bits of the error: unit = 2**(exponent(amax) - 12)
 ERR_EXP_FLOOR = -20  # exponent(amax) is clamped here (zero / tiny blocks: no int32 overflow)
 _HALVES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # 2 * E2M1 value
+_THRESHOLD_VALUES = torch.tensor([t for t, _ in THRESHOLDS], dtype=torch.float32)
+_THRESHOLD_INCLUSIVE = torch.tensor([inc for _, inc in THRESHOLDS])
 
 
 def code_bytes(d: int) -> int:
@@ -114,11 +116,11 @@ def e2m1_index(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E2M1 magnitude index (0..7) of ``a >= 0`` under block scale value ``s`` (broadcast):
     the number of exact thresholds ``t * s`` passed (round-half-even, saturating); 0 where
     ``s == 0``."""
-    idx = torch.zeros(torch.broadcast_shapes(a.shape, s.shape), dtype=torch.int32, device=a.device)
-    for t, inclusive in THRESHOLDS:
-        passed = a >= t * s if inclusive else a > t * s
-        idx += passed.to(torch.int32)
-    return torch.where(s > 0, idx, torch.zeros_like(idx))
+    thr = s.unsqueeze(-1) * _THRESHOLD_VALUES.to(s.device)  # exact: t has at most 3 significant bits
+    x = a.unsqueeze(-1)
+    passed = torch.where(_THRESHOLD_INCLUSIVE.to(a.device), x >= thr, x > thr)
+    idx = passed.sum(-1, dtype=torch.int32)
+    return torch.where(s > 0, idx, 0)
 
 
 def encode_with_scales(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -549,9 +549,10 @@ def merge_splits(out: torch.Tensor, opart: torch.Tensor, lse: torch.Tensor, num_
     """``out`` [tokens, heads, d] from the split-K partials ``opart`` / ``lse`` (``merge_kernel``).
     Fewer than 1024 (token, head) rows (small batches, many splits): a program per 32 head-dim
     values, so the partials are read by many SMs at once (H200, 128k x 1, 99 splits, d = 256:
-    the whole-row merge took 3.2 of the call's 52.5 us); otherwise a program per row."""
+    the whole-row merge took 3.2 of the call's 52.5 us); otherwise a program per row, as always
+    under the interpreter, which pays per program (the same values: each is its own sum)."""
     total, hq, d = out.shape
-    block_d = d if total * hq >= 1024 else 32
+    block_d = d if total * hq >= 1024 or INTERPRET else 32
     merge_kernel[(total, hq, d // block_d)](
         out, opart, lse, hq, out.stride(0), out.stride(1),
         D=d, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d,

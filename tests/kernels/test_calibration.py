@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.calibration import ScaleCounter, calibrate, count_rows, count_scales, k_offset, stationary_channels
+from kernels.calibration import (ScaleCounter, calibrate, count_rows, count_scales, head_counts, k_offset,
+                                 stationary_channels)
 from kernels.hadamard import fwht
 from kernels.kv_formats import KVLayout
 
@@ -73,6 +74,13 @@ def test_counter_accumulates_and_rows_variant_matches():
     one = count_scales(lay, k, v, lay.default_scales())
     assert count_rows(lay, fwht(k), lay.default_scales()[0]) == one["k"]
     assert count_rows(lay, v, lay.default_scales()[1]) == one["v"]
+    for fmt in ("fp8", "int8", "nvfp4"):  # head_counts: count_rows of each head, as a tensor
+        f = KVLayout.make(fmt, 2, 64, False)
+        per_head = head_counts(f, v, f.default_scales()[1])
+        for h in range(2):
+            c = count_rows(f, v[:, h:h + 1], f.default_scales()[1, h:h + 1])
+            assert per_head[h].tolist() == [c.zero, c.subnormal, c.saturated]
+    assert head_counts(KVLayout.make("bf16", 2, 64), v, torch.ones(2)) is None
 
 
 def test_calibrate_rejects_bad_arguments():
