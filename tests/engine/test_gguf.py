@@ -1,8 +1,9 @@
 """GGUF loading: config mapping, tensor names, dequantization, Q/K unpermutation.
 
 The real SmolLM2-135M-Instruct Q4_1 GGUF is compared tensor by tensor with transformers
-loading the same file; tiny GGUFs written here with ``gguf.GGUFWriter`` cover what that file
-does not (qwen2/qwen3, biases, Q8_0/F16 round trips, errors).
+loading the same file in ``test_smollm2.py`` (which loads transformers' model once for all its
+comparisons); tiny GGUFs written here with ``gguf.GGUFWriter`` cover what that file does not
+(qwen2/qwen3, biases, Q8_0/F16 round trips, errors).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 from engine_service.loading.gguf import GGUFError, hf_tensor_name, open_gguf, unpermute_qk
-from tests.engine.fixtures_smollm2 import hf_smollm2_model, release_hf_smollm2_model, smollm2_source
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -260,46 +260,3 @@ def test_errors_are_clear(tmp_path):
     w.close()
     with pytest.raises(GGUFError, match=r"GGUF metadata 'llama.embedding_length' is missing"):
         open_gguf(tmp_path / "nohidden.gguf")
-
-
-# --- the real SmolLM2 file vs transformers -----------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def smol():
-    return smollm2_source()
-
-
-@pytest.fixture(scope="module")
-def hf_state_dict():
-    model = hf_smollm2_model()
-    yield model.state_dict(), model.config
-    del model
-    release_hf_smollm2_model()
-
-
-def test_smollm2_config(smol, hf_state_dict):
-    _, hf_cfg = hf_state_dict
-    cfg = smol.config
-    for key in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-        "bos_token_id", "eos_token_id", "pad_token_id",
-    ):  # fmt: skip
-        assert cfg[key] == getattr(hf_cfg, key), key
-    assert cfg["rope_parameters"] == hf_cfg.rope_parameters
-    assert cfg["rms_norm_eps"] == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-7)  # f32 1e-5 vs 1e-05
-    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
-
-
-def test_smollm2_tensors_equal_transformers(smol, hf_state_dict):
-    theirs, _ = hf_state_dict
-    seen = set()
-    for name, tensor in smol.iter_tensors():
-        assert name in theirs, name
-        assert tensor.shape == theirs[name].shape, name
-        assert torch.equal(tensor, theirs[name]), name
-        seen.add(name)
-    # the only HF parameter without a GGUF tensor is the tied lm_head
-    assert set(theirs) - seen == {"lm_head.weight"}
-    assert torch.equal(theirs["lm_head.weight"], theirs["model.embed_tokens.weight"])

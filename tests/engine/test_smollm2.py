@@ -1,7 +1,8 @@
 """Real model: SmolLM2-135M-Instruct (GGUF Q4_1) through our loader + runner vs transformers.
 
 fp32 on CPU: logits within 1e-4 x max|logit| at every step, 32 greedy tokens identical, and
-asked "What is the capital of France?" through its own chat template it answers "Paris".
+asked "What is the capital of France?" through its own chat template it answers "Paris"; the
+loader's config and every tensor equal transformers' loading of the same GGUF.
 """
 
 from __future__ import annotations
@@ -112,3 +113,32 @@ def test_answers_paris_through_its_own_chat_template(ours, hf_model):
     _assert_logits_close(our_logits, hf_logits)
     answer = tok.decode(our_ids, skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+# --- the loader's config and tensors vs transformers' loading of the same file -------------
+
+
+def test_smollm2_config(ours, hf_model):
+    cfg, hf_cfg = ours[0].config, hf_model.config
+    for key in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+        "bos_token_id", "eos_token_id", "pad_token_id",
+    ):  # fmt: skip
+        assert cfg[key] == getattr(hf_cfg, key), key
+    assert cfg["rope_parameters"] == hf_cfg.rope_parameters
+    assert cfg["rms_norm_eps"] == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-7)  # f32 1e-5 vs 1e-05
+    assert cfg["model_type"] == "llama" and cfg["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_smollm2_tensors_equal_transformers(ours, hf_model):
+    theirs = hf_model.state_dict()
+    seen = set()
+    for name, tensor in ours[0].iter_tensors():
+        assert name in theirs, name
+        assert tensor.shape == theirs[name].shape, name
+        assert torch.equal(tensor, theirs[name]), name
+        seen.add(name)
+    # the only HF parameter without a GGUF tensor is the tied lm_head
+    assert set(theirs) - seen == {"lm_head.weight"}
+    assert torch.equal(theirs["lm_head.weight"], theirs["model.embed_tokens.weight"])
