@@ -336,7 +336,8 @@ def append_case(fmt: str, counted: bool, fed: bool):
 
 def append_table() -> list[dict]:
     """One layer's append of a 64-sequence decode step (K centered and block scales counted,
-    as the engine does for fp8/nvfp4; int8's token scales counted as the engine does), per kernel, tokens-per-program and warps; the first of
+    as the engine does for fp8/nvfp4; int8's token scales counted as the engine does), per
+    kernel, tokens-per-program and warps; the first of
     each format is the default (nvfp4 and fp8 on Hopper: the Gluon kernel, with or without K feedback)."""
     rows = []
     cases = [("nvfp4", "auto", None, None, True, False), ("nvfp4", "auto", None, None, False, False),

@@ -11,8 +11,9 @@ Saturation: the decode kernels multiply each fp16 probability (at most 1) by V's
 and 2**12 (``paged_attention``'s ``P_LOG2_INT8``), which must stay below fp16's 65504, so
 the scale saturates at ``SCALE_MAX`` = 15 and a row's values beyond +-127 * 15 = +-1905 clamp
 there (K's rows too: one rule for the format). Such rows are counted as saturated scales
-(``kernels.calibration``) and served as the ``deepwell_engine_kv_scale_blocks`` metric;
-real models' K and V stay orders of magnitude below it.
+(``kernels.calibration``; the engine serves the counts as
+``deepwell_engine_kv_served_scales_total{kind="saturated"}``), so a model whose K or V reach
+that far shows it.
 """
 
 from __future__ import annotations
