@@ -96,21 +96,9 @@ def _bounds(fmt: KVFormat) -> tuple[float, float]:
     return (0.0, int8.SCALE_MAX) if fmt is KVFormat.INT8 else (E4M3_MIN_NORMAL, E4M3_MAX)
 
 
-def _counts(s: torch.Tensor | None, rows: int, fmt: KVFormat) -> ScaleCounts:
-    if s is None:
-        return ScaleCounts(blocks=rows)
-    tiny, top = _bounds(fmt)
-    return ScaleCounts(
-        blocks=s.numel(),
-        zero=int((s == 0).sum()),
-        subnormal=int(((s > 0) & (s < tiny)).sum()),
-        saturated=int((s > top).sum()),
-    )
-
-
 def head_counts(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
-    """``count_rows`` per KV head, on the rows' device without a host copy: int64 [H, 3] (zero,
-    subnormal, saturated) for rows [N, H, d] (rotated K or V) under global scales ``g`` [H];
+    """Zero / subnormal / saturated scale inputs per KV head, on the rows' device without a
+    host copy: int64 [H, 3] for rows [N, H, d] (rotated K or V) under global scales ``g`` [H];
     None for bf16."""
     s = _rotated_scale_inputs(layout, rows.to(torch.float32), g)
     if s is None:
@@ -119,18 +107,20 @@ def head_counts(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> torch.
     return torch.stack([(s == 0).sum((0, 2)), ((s > 0) & (s < tiny)).sum((0, 2)), (s > top).sum((0, 2))], -1)
 
 
-def count_scales(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, global_scales: torch.Tensor) -> dict[str, ScaleCounts]:
-    """Zero / subnormal / saturated block scales of encoding ``k``, ``v`` [N, H, d]."""
-    return {
-        name: _counts(_scale_inputs(layout, x, kv, global_scales[kv]), x.shape[0] * x.shape[1], layout.fmt)
-        for kv, name, x in ((0, "k", k), (1, "v", v))
-    }
-
-
 def count_rows(layout: KVLayout, rows: torch.Tensor, g: torch.Tensor) -> ScaleCounts:
     """``count_scales`` for rows [N, H, d] that are already rotated (K) or never are (V)."""
-    return _counts(_rotated_scale_inputs(layout, rows.to(torch.float32), g), rows.shape[0] * rows.shape[1],
-                   layout.fmt)
+    n, h, _ = rows.shape
+    per_head = head_counts(layout, rows, g)
+    if per_head is None:
+        return ScaleCounts(blocks=n * h)
+    zero, subnormal, saturated = per_head.sum(0).tolist()
+    return ScaleCounts(n * h * counted_per_row(layout), zero, subnormal, saturated)
+
+
+def count_scales(layout: KVLayout, k: torch.Tensor, v: torch.Tensor, global_scales: torch.Tensor) -> dict[str, ScaleCounts]:
+    """Zero / subnormal / saturated block scales of encoding ``k``, ``v`` [N, H, d]."""
+    return {name: count_rows(layout, stored_rows(x, layout, kv), global_scales[kv])
+            for kv, name, x in ((0, "k", k), (1, "v", v))}
 
 
 def calibrate(
