@@ -64,12 +64,14 @@ def main() -> int:
         for splits in (8, 2, 64):
             for stages in (2, 3, 4):
                 out = torch.empty(batch * HKV * splits, dtype=torch.int32, device="cuda")
-                run = lambda: copy_kernel[(batch, HKV, splits)](out, cache, tables, ctx_lens, cache.stride(0), cache.stride(1), cache.stride(2), tables.stride(0),
-                                                                D=D, SCALE_OFF=layout.scale_offset, NUM_SPLITS=splits, STAGES=stages, num_warps=4)
+                def run(out=out, cache=cache, splits=splits, stages=stages):
+                    copy_kernel[(batch, HKV, splits)](out, cache, tables, ctx_lens, cache.stride(0), cache.stride(1),
+                                                      cache.stride(2), tables.stride(0), D=D, SCALE_OFF=layout.scale_offset,
+                                                      NUM_SPLITS=splits, STAGES=stages, num_warps=4)
                 sec = bench_graph(run)
                 nbytes = batch * ctx * HKV * 2 * layout.token_bytes
                 print(f"copy B={batch} ctx={ctx} splits={splits} stages={stages} {sec*1e6:8.1f} us {nbytes/sec/4.8e12:6.1%}", flush=True)
-        del cache
+        del cache, run  # the next case's cache is allocated without this one
     return 0
 
 
