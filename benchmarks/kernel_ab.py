@@ -15,8 +15,9 @@ heads, 4 KV heads, d = 256):
   Triton decode kernel (T = 1, graph replays);
 - ``kv_append``: one layer's append of a 64-sequence nvfp4 decode step (K centered, block
   scales counted; nearest rounding and query-weighted rounding of K);
-- ``gluon_append``: the same through the Gluon append's ``launch`` directly (so a base
-  copy of that module is what runs), at one, two and four warps per program.
+- ``gluon_append``: the same, and fp8's, through the Gluon append's ``launch`` directly (so a
+  base copy of that module is what runs), at one, two and four warps per program (fp8: one
+  and two, as counting its elements allows).
 
 Caches hold random valid codes and both versions read the same bytes, so when the page
 layout differs between them only the timing is comparable, not the outputs.
@@ -125,15 +126,20 @@ def append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
 
 
 def gluon_append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
-    layout, cache, k, v, slots, scales, offset, counts, fb = append_case("nvfp4", True, True)
-    for label, feedback in (("nearest", None), ("feedback", fb)):
-        for warps in (1, 2, 4):
-            fns = {}
-            for name, m in mods.items():
-                call = (lambda m=m, feedback=feedback, warps=warps: m.launch(
-                    cache, layout, k, v, slots, scales, offset, counts, feedback, hadamard_scale(D), num_warps=warps))
-                fns[name] = lambda call=call: graph_time(call, 100)
-            yield (f"gluon append 64 x {HKV}, {label}, {warps} warps", fns, lambda sec: f"{sec * 1e6:7.2f} us")
+    # counted fp8 needs under 1024 elements per program: one or two warps
+    for fmt, warp_counts in (("nvfp4", (1, 2, 4)), ("fp8", (1, 2))):
+        layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, True, True)
+        for label, feedback in (("nearest", None), ("feedback", fb)):
+            for warps in warp_counts:
+                fns = {}
+                for name, m in mods.items():
+                    call = (lambda m=m, feedback=feedback, warps=warps, layout=layout, cache=cache, k=k, v=v,
+                            slots=slots, scales=scales, offset=offset, counts=counts: m.launch(
+                                cache, layout, k, v, slots, scales, offset, counts, feedback, hadamard_scale(D),
+                                num_warps=warps))
+                    fns[name] = lambda call=call: graph_time(call, 100)
+                yield (f"gluon append {fmt} 64 x {HKV}, {label}, {warps} warps", fns,
+                       lambda sec: f"{sec * 1e6:7.2f} us")
 
 
 CASES = {"gluon_decode": gluon_cases, "triton_kernel": triton_cases, "kv_append": append_cases,

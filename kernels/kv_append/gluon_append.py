@@ -39,16 +39,19 @@ and, with K feedback at two warps, 4.78 against 5.05 (three runs on one machine 
 one process against the fp32 tree, minimum of five rounds, same bytes): nearest rounding 2.85
 -> 2.64 us (one warp; two: 2.81 -> 2.72), K feedback 4.76 -> 4.50 (two warps), 4.61 -> 4.31
 (four warps: the default for K feedback since, as four rows share one copy of the head's
-feedback matrices). Before it (Nsight Compute, fp32 tree): one warp per scheduler, ~2,100
+feedback matrices). Before that search (Nsight Compute, fp32 tree): one warp per scheduler, ~2,100
 instructions per K warp of which the ten-candidate search was ~1,300 (about 14 per value and
 candidate: three comparisons, three threshold selects, the grid value's selects, the error's
 multiply-adds), and 22% of the stalls were instruction-cache misses of the unrolled code — yet
 the search as a loop measured slower (3.13 -> 3.37 us: the unrolled candidates overlap). The
 kernel's static sm_90 code: 2,072 -> 1,896 instructions (nearest), 3,096 -> 2,912 (feedback).
+Then the recursion's cuts (``_feedback_codes``: its broadcasts add no zeros, and ``_grid``): K
+feedback 4.29 -> 4.03 us at four warps (fp8 3.71 -> 3.67 at two), 2,984 -> 2,808 instructions.
 
 The arithmetic is the reference's step for step, through the Triton kernel's own element-wise
 helpers (``triton_kernel.e4m3_encode``, ``e4m3_value``, ``nvfp4_tree``: exact E4M3 rounding
-from the bits, the threshold tree) or exact equivalents (the fp16 pairs), the fixed-point error,
+from the bits, the threshold tree) or exact equivalents (the fp16 pairs; the recursion's
+thresholds and values in K's units, ``_grid``), the fixed-point error,
 ties keeping the earlier candidate; the feedback launch disables FMA contraction. Hopper only, like the
 attention kernel in ``paged_attention.gluon_decode`` (the only GPU it has been run on).
 
@@ -57,7 +60,8 @@ fp8 (``append_kernel`` with ``FP8``, ``_store_fp8``): the K row's offset and rot
 ``_feedback_codes`` with E4M3 rounding), eight code bytes per thread stored as two words; every element's ``|x| / g``
 is counted, so a program holds under 1024 elements (one or two warps). H200, one layer of a
 64-sequence step, graph replay, one run: nearest rounding 1.54 us against the Triton kernel's
-1.84 (counted), with K feedback (two warps) 3.84 against 4.04 (one warp 4.43).
+1.84 (counted), with K feedback (two warps) 3.84 against 4.04 (one warp 4.43); 3.67 since the
+recursion's broadcasts add no zeros (A/B, docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -338,20 +342,53 @@ def _unbind16(x, l2: gl.constexpr):
 
 
 @gluon.jit
-def _rounded(col, inv_g, g, sv, FP8: gl.constexpr):
+def _grid(sv, g):
+    """nvfp4 under scale values ``sv`` [R, O], in K's own units (times ``g``) for the recursion:
+    the seven thresholds ``(t * s) * g`` in ``nvfp4_tree``'s order, then the eight magnitudes
+    ``((h / 2) * s) * g`` of indices 0..7 (``h`` the doubled grid value). Every product is
+    exact (``t`` and ``h / 2`` have at most three significant bits, ``s`` four, ``g`` is a power
+    of two), so ``|w| >= (t * s) * g`` iff ``|w| / g >= t * s`` — the reference's comparison
+    on ``a = |w| / g`` — and a magnitude is the value the reference's error subtracts."""
+    tg = ()
+    for t in gl.static_range(7):
+        tg = tg + ((_tree_threshold(t) * sv) * g,)
+    mg = ()
+    for k in gl.static_range(8):
+        mg = mg + (((_half_grid(k) * 0.5) * sv) * g,)
+    return tg, mg
+
+
+@gluon.constexpr_function
+def _tree_threshold(t):
+    return _TREE_ORDER[t]
+
+
+@gluon.constexpr_function
+def _half_grid(k):
+    return float(int(2 * nvfp4.E2M1_VALUES[k]))
+
+
+@gluon.jit
+def _rounded(col, inv_g, g, sv, tg, mg, FP8: gl.constexpr):
     """(code, error) of value ``col``: fp8 its signed E4M3 code (sign at bit 7); nvfp4 its E2M1
-    nibble (sign at bit 3) under scale value ``sv``. The error is ``col`` minus the code's exact
-    value (times ``g``), as the reference computes it."""
+    nibble (sign at bit 3) under scale values ``sv`` with ``(tg, mg) = _grid(sv, g)``. The error is
+    ``col`` minus the code's exact value (times ``g``), as the reference computes it. nvfp4's
+    error takes the tree's three comparisons and three selects among the magnitudes (the
+    recursion's critical path); the nibble is built beside it."""
     if FP8:
         c, mag = e4m3_encode(gl.abs(col) * inv_g)
         neg = (col < 0) & (c != 0)
         val = mag * g
         return c | (neg.to(gl.int32) << 7), col - gl.where(neg, -val, val)
     else:
-        nib = _nibble(col, gl.abs(col) * inv_g, sv)
-        idx = nib & 7
-        h = gl.where(idx < 4, idx, gl.where(idx < 6, 2 * idx - 4, 4 * idx - 16))
-        mag = (h.to(gl.float32) * 0.5) * sv * g
+        ac = gl.abs(col)
+        b2 = ac >= tg[0]
+        b1 = ac >= gl.where(b2, tg[1], tg[2])
+        b0 = ac > gl.where(b2, gl.where(b1, tg[3], tg[4]), gl.where(b1, tg[5], tg[6]))
+        mag = gl.where(b2, gl.where(b1, gl.where(b0, mg[7], mg[6]), gl.where(b0, mg[5], mg[4])),
+                       gl.where(b1, gl.where(b0, mg[3], mg[2]), gl.where(b0, mg[1], mg[0])))
+        idx = gl.where(sv > 0, 4 * b2.to(gl.int32) + 2 * b1.to(gl.int32) + b0.to(gl.int32), 0)
+        nib = idx | (((col < 0) & (idx > 0)).to(gl.int32) << 3)
         return nib, col - gl.where(col < 0, -mag, mag)
 
 
@@ -374,12 +411,18 @@ def _feedback_codes(x, half, inv_g, g, sv, f_s, l2: gl.constexpr, l3f: gl.conste
     rows0 = gl.zeros([R, O, 16], gl.float32, layout=l3f)
     async_copy.wait_group(0)
     gl.thread_barrier()
+    if FP8:
+        tg = ()
+        mg = ()
+    else:
+        tg, mg = _grid(sv, g)
     codes = ()
     for i in gl.static_range(16):
-        code, err = _rounded(w[i], inv_g, g, sv, FP8)
+        code, err = _rounded(w[i], inv_g, g, sv, tg, mg, FP8)
         codes = codes + (code,)
         if i < 15:
-            f = _unbind16(gl.expand_dims(f_s.slice(i * O, O).load(gl.SliceLayout(0, l3f)), 0) + rows0, l2)  # F[i, :]
+            fi = gl.expand_dims(f_s.slice(i * O, O).load(gl.SliceLayout(0, l3f)), 0)  # F[i, :]
+            f = _unbind16(gl.broadcast(fi, rows0)[0], l2)  # [R, O, 16] without arithmetic (x + 0.0: an FADD)
             nw = ()
             for k in gl.static_range(16):
                 if k > i:

@@ -429,8 +429,8 @@ def _gluon_serves(layout: KVLayout, device: torch.device) -> bool:
 def append_kernel(layout: KVLayout, device: torch.device, *, impl: str = "auto", block_t: int | None = None) -> str:
     """The kernel ``append`` runs, "gluon" or "triton". "auto": the Gluon kernel for nvfp4 and fp8
     where it applies (H200, 64-sequence step, launched with PDL: nvfp4 2.64 against the Triton
-    kernel's ~3.2 us per layer with nearest rounding, 4.31 against ~5.05 with K feedback; fp8 1.54
-    against 1.84, 3.84 against 4.04; docs/kernels.md). ValueError for an
+    kernel's ~3.2 us per layer with nearest rounding, 4.03 against ~5.05 with K feedback; fp8 1.54
+    against 1.84, 3.67 against 4.04; docs/kernels.md). ValueError for an
     unknown ``impl`` and for "gluon" where the Gluon kernel does not apply."""
     if impl not in ("auto", "triton", "gluon"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'gluon', got {impl!r}")
@@ -498,8 +498,8 @@ def append(
     if kernel == "gluon":
         from kernels.kv_append import gluon_append
 
-        # nvfp4 with K feedback: four rows share one copy of the feedback matrices (H200: 4.31
-        # against 4.50 us at two warps); fp8 with it: two (counting its elements needs under 1024
+        # nvfp4 with K feedback: four rows share one copy of the feedback matrices (H200: 4.03
+        # against 4.15 us at two warps); fp8 with it: two (counting its elements needs under 1024
         # per program); nearest rounding: one row per program
         fed_warps = 4 if layout.fmt is KVFormat.NVFP4 else 2
         gluon_append.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
