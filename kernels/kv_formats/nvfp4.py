@@ -72,6 +72,8 @@ fp16, so attention kernels dequantize in registers and apply ``g`` after the dot
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.kv_formats import e4m3
@@ -96,6 +98,12 @@ _THRESHOLD_VALUES = torch.tensor([t for t, _ in THRESHOLDS], dtype=torch.float32
 _THRESHOLD_INCLUSIVE = torch.tensor([inc for _, inc in THRESHOLDS])
 
 
+@functools.lru_cache(maxsize=None)
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(halves, threshold values, inclusive flags) on ``device``, copied there once."""
+    return _HALVES.to(device), _THRESHOLD_VALUES.to(device), _THRESHOLD_INCLUSIVE.to(device)
+
+
 def code_bytes(d: int) -> int:
     return d // 2
 
@@ -116,9 +124,10 @@ def e2m1_index(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E2M1 magnitude index (0..7) of ``a >= 0`` under block scale value ``s`` (broadcast):
     the number of exact thresholds ``t * s`` passed (round-half-even, saturating); 0 where
     ``s == 0``."""
-    thr = s.unsqueeze(-1) * _THRESHOLD_VALUES.to(s.device)  # exact: t has at most 3 significant bits
+    _, values, inclusive = _constants(a.device)
+    thr = s.unsqueeze(-1) * values  # exact: t has at most 3 significant bits
     x = a.unsqueeze(-1)
-    passed = torch.where(_THRESHOLD_INCLUSIVE.to(a.device), x >= thr, x > thr)
+    passed = torch.where(inclusive, x >= thr, x > thr)
     idx = passed.sum(-1, dtype=torch.int32)
     return torch.where(s > 0, idx, 0)
 
@@ -163,7 +172,7 @@ def block_error(a: torch.Tensor, unit: torch.Tensor, s: torch.Tensor) -> tuple[t
     idx = e2m1_index(a, s[..., None])
     big_a = (a * unit[..., None]).to(torch.int32)
     half_step = (s * (unit * 0.5)).to(torch.int32)
-    q = _HALVES.to(a.device)[idx] * half_step[..., None]
+    q = _constants(a.device)[0][idx] * half_step[..., None]
     dd = big_a - q
     return (dd * dd).sum(-1, dtype=torch.int32), idx
 
