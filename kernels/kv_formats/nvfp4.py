@@ -94,14 +94,12 @@ UP_SPAN = 7
 ERR_BITS = 12  # fixed-point fraction bits of the error: unit = 2**(exponent(amax) - 12)
 ERR_EXP_FLOOR = -20  # exponent(amax) is clamped here (zero / tiny blocks: no int32 overflow)
 _HALVES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # 2 * E2M1 value
-_THRESHOLD_VALUES = torch.tensor([t for t, _ in THRESHOLDS], dtype=torch.float32)
-_THRESHOLD_INCLUSIVE = torch.tensor([inc for _, inc in THRESHOLDS])
 
 
 @functools.lru_cache(maxsize=None)
-def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(halves, threshold values, inclusive flags) on ``device``, copied there once."""
-    return _HALVES.to(device), _THRESHOLD_VALUES.to(device), _THRESHOLD_INCLUSIVE.to(device)
+def _halves_on(device: torch.device) -> torch.Tensor:
+    """``_HALVES`` on ``device``, copied there once."""
+    return _HALVES.to(device)
 
 
 def code_bytes(d: int) -> int:
@@ -124,11 +122,11 @@ def e2m1_index(a: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """E2M1 magnitude index (0..7) of ``a >= 0`` under block scale value ``s`` (broadcast):
     the number of exact thresholds ``t * s`` passed (round-half-even, saturating); 0 where
     ``s == 0``."""
-    _, values, inclusive = _constants(a.device)
-    thr = s.unsqueeze(-1) * values  # exact: t has at most 3 significant bits
-    x = a.unsqueeze(-1)
-    passed = torch.where(inclusive, x >= thr, x > thr)
-    idx = passed.sum(-1, dtype=torch.int32)
+    idx = None
+    for t, inclusive in THRESHOLDS:  # one comparison per threshold, counted (no 7-wide reduction)
+        thr = s * t  # exact: t has at most 3 significant bits
+        passed = a >= thr if inclusive else a > thr
+        idx = passed.to(torch.int32) if idx is None else idx.add_(passed)
     return torch.where(s > 0, idx, 0)
 
 
@@ -172,7 +170,7 @@ def block_error(a: torch.Tensor, unit: torch.Tensor, s: torch.Tensor) -> tuple[t
     idx = e2m1_index(a, s[..., None])
     big_a = (a * unit[..., None]).to(torch.int32)
     half_step = (s * (unit * 0.5)).to(torch.int32)
-    q = _constants(a.device)[0][idx] * half_step[..., None]
+    q = _halves_on(a.device)[idx] * half_step[..., None]
     dd = big_a - q
     return (dd * dd).sum(-1, dtype=torch.int32), idx
 
