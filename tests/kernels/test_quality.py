@@ -116,3 +116,32 @@ def test_engine_quality_orderings():
     kl = {k: v[1] for k, v in rows.items()}
     assert kl["bf16"] == 0.0 < kl["int8"] < kl["fp8"] < kl["nvfp4"] <= 0.7 * kl["nvfp4:hadamard=off"]
     assert rows["int8"][0] <= rows["bf16"][0] * 1.002
+
+
+def test_page_centering_screening_option():
+    """``center=page`` (screening): keys turned by RoPE from a shared pre-RoPE mean lose it on
+    the channels that turn by at most pi/4 over half a page, whatever their position, while
+    a fixed offset would double it where RoPE has turned it around."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from benchmarks.kv_quality import parse_config, rope_turn
+    from kernels.calibration import stationary_channels
+
+    assert parse_config("nvfp4+H:center=page").center == "page"
+    gen = torch.Generator().manual_seed(0)
+    d, n = 64, 4096
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    mu = torch.randn(1, 1, d, generator=gen) * 4.0
+    pos = torch.arange(n, dtype=torch.float64) * 211 % 1_000_000  # far positions too
+    k = rope_turn(mu.expand(n, 1, d) + 0.01 * torch.randn(n, 1, d, generator=gen), pos, inv_freq, 1.0)
+    assert torch.allclose(rope_turn(k, pos, inv_freq, -1.0).mean(0), mu[0], atol=1e-2)  # the pre-RoPE mean back
+    keep = stationary_channels(inv_freq, d, 32)
+    assert 0 < int(keep.sum()) < d
+    centered = k - rope_turn(torch.where(keep, mu, 0.0).expand(n, 1, d), (pos // 64 * 64 + 32), inv_freq, 1.0)
+    half = d // 2  # a pair's residual: its mean turned by at most 32 * theta, |R(a) - R(b)| = 2 sin(|a - b| / 2)
+    pair = mu.view(d)[:half].double().hypot(mu.view(d)[half:].double()) * 2 * torch.sin(inv_freq.double() * 16)
+    bound = torch.cat([pair, pair]) + 0.1
+    assert bool((centered[:, 0, keep].abs() <= bound[keep].float()).all())
+    fixed = k - mu  # a fixed offset: far from the mean at positions where RoPE turned the slow channels
+    assert float(fixed[:, 0, keep].abs().max()) > 2 * float(centered[:, 0, keep].abs().max())
