@@ -101,6 +101,7 @@ import torch  # noqa: E402
 from kernels.calibration import ScaleCounter, calibrate, count_rows, k_offset, stationary_channels  # noqa: E402
 from kernels.hadamard import fwht  # noqa: E402
 from kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4  # noqa: E402
+from kernels.kv_formats.layout import PAGE_SIZE  # noqa: E402
 
 # +H and K centering: the cache defaults for fp8 and nvfp4
 DEFAULT_CONFIGS = "bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4"
@@ -477,7 +478,7 @@ class KVRoundTrip:
         vr = v.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         if cfg.center in ("first", "firstst"):  # this window's first key (screening)
             st["offsets"][layer] = k_offset(kr[:1], None if cfg.center == "first" else self.center_keep)
-        elif self.calibrating and cfg.center != "off":
+        elif self.calibrating and cfg.center not in ("off", "page"):
             src = kr[1:] if cfg.center == "nosink" else kr
             st["offsets"][layer] = k_offset(src, None if cfg.center == "all" else self.center_keep)
         if cfg.center == "page":
@@ -485,7 +486,7 @@ class KVRoundTrip:
             if self.calibrating:
                 pre = rope_turn(kr, pos.double(), self.inv_freq, -1.0).mean(0)  # pre-RoPE mean [h, d]
                 st["offsets"][layer] = torch.where(self.page_keep, pre, torch.zeros(()))
-            mid = (pos // 64 * 64 + 32).double()
+            mid = (pos // PAGE_SIZE * PAGE_SIZE + PAGE_SIZE // 2).double()
             mu = rope_turn(st["offsets"][layer].expand(b * t, h, d), mid, self.inv_freq, 1.0)
         else:
             mu = st["offsets"].get(layer)
@@ -601,6 +602,8 @@ def main() -> int:
                     help="positions K centering (center=on) is calibrated for (default: --ctx; the engine uses the "
                          "model's context)")
     args = ap.parse_args()
+    if args.served_context is not None and args.served_context < 1:
+        ap.error(f"--served-context must be >= 1, got {args.served_context}")
     try:
         configs = [parse_config(c) for c in _split_specs(args.configs)]
         sweep = parse_config(args.sweep_layers) if args.sweep_layers else None
@@ -618,7 +621,7 @@ def main() -> int:
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     hook.inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
     hook.center_keep = stationary_channels(hook.inv_freq, head_dim, args.served_context or args.ctx)
-    hook.page_keep = stationary_channels(hook.inv_freq, head_dim, 32)
+    hook.page_keep = stationary_channels(hook.inv_freq, head_dim, PAGE_SIZE // 2)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         key, value = hook.apply(module.layer_idx, query, key, value)
