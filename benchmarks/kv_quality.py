@@ -435,17 +435,15 @@ def balance(q: torch.Tensor, k: torch.Tensor, p: float, rotary_dims: int) -> tor
     return torch.exp(la).float()
 
 
-def rope_turn(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, sign: float) -> torch.Tensor:
-    """``x`` [N, H, d] turned by RoPE (NeoX half-split pairs over the first ``2 * len(inv_freq)``
-    channels) to positions ``pos`` [N] (``sign`` 1), or back from them (-1)."""
-    half = inv_freq.numel()
-    ang = pos[:, None] * inv_freq.double()[None, :]
-    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
-    a, b = x[..., :half], x[..., half:2 * half]
-    out = x.clone()
-    out[..., :half] = a * cos - sign * b * sin
-    out[..., half:2 * half] = b * cos + sign * a * sin
-    return out
+def rope_turn(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``x`` [N, H, d] turned by the engine's RoPE (``engine_service.layers.rope.apply_rope``,
+    NeoX half-split over the first ``2 * len(inv_freq)`` channels) to positions ``pos`` [N]
+    (angles in fp64, so far positions stay exact enough); negative positions turn back."""
+    from engine_service.layers.rope import apply_rope
+
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]
+    emb = torch.cat([ang, ang], dim=-1)
+    return apply_rope(x, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
 
 
 class KVRoundTrip:
@@ -484,10 +482,10 @@ class KVRoundTrip:
         if cfg.center == "page":
             pos = torch.arange(t).repeat(b)
             if self.calibrating:
-                pre = rope_turn(kr, pos.double(), self.inv_freq, -1.0).mean(0)  # pre-RoPE mean [h, d]
+                pre = rope_turn(kr, -pos, self.inv_freq).mean(0)  # pre-RoPE mean [h, d]
                 st["offsets"][layer] = torch.where(self.page_keep, pre, torch.zeros(()))
-            mid = (pos // PAGE_SIZE * PAGE_SIZE + PAGE_SIZE // 2).double()
-            mu = rope_turn(st["offsets"][layer].expand(b * t, h, d), mid, self.inv_freq, 1.0)
+            mid = pos // PAGE_SIZE * PAGE_SIZE + PAGE_SIZE // 2
+            mu = rope_turn(st["offsets"][layer].expand(b * t, h, d), mid, self.inv_freq)
         else:
             mu = st["offsets"].get(layer)
         if mu is not None:

@@ -134,11 +134,11 @@ def test_page_centering_screening_option():
     inv_freq = 1.0 / (100000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     mu = torch.randn(1, 1, d, generator=gen) * 4.0
     pos = torch.arange(n, dtype=torch.float64) * 211 % 1_000_000  # far positions too
-    k = rope_turn(mu.expand(n, 1, d) + 0.01 * torch.randn(n, 1, d, generator=gen), pos, inv_freq, 1.0)
-    assert torch.allclose(rope_turn(k, pos, inv_freq, -1.0).mean(0), mu[0], atol=1e-2)  # the pre-RoPE mean back
+    k = rope_turn(mu.expand(n, 1, d) + 0.01 * torch.randn(n, 1, d, generator=gen), pos, inv_freq)
+    assert torch.allclose(rope_turn(k, -pos, inv_freq).mean(0), mu[0], atol=1e-2)  # the pre-RoPE mean back
     keep = stationary_channels(inv_freq, d, 32)
     assert 0 < int(keep.sum()) < d
-    centered = k - rope_turn(torch.where(keep, mu, 0.0).expand(n, 1, d), (pos // 64 * 64 + 32), inv_freq, 1.0)
+    centered = k - rope_turn(torch.where(keep, mu, 0.0).expand(n, 1, d), pos // 64 * 64 + 32, inv_freq)
     half = d // 2  # a pair's residual: its mean turned by at most 32 * theta, |R(a) - R(b)| = 2 sin(|a - b| / 2)
     pair = mu.view(d)[:half].double().hypot(mu.view(d)[half:].double()) * 2 * torch.sin(inv_freq.double() * 16)
     bound = torch.cat([pair, pair]) + 0.1
