@@ -51,17 +51,22 @@ feedback 4.29 -> 4.03 us at four warps (fp8 3.71 -> 3.67 at two), 2,984 -> 2,808
 The arithmetic is the reference's step for step, through the Triton kernel's own element-wise
 helpers (``triton_kernel.e4m3_encode``, ``e4m3_value``, ``nvfp4_tree``: exact E4M3 rounding
 from the bits, the threshold tree) or exact equivalents (the fp16 pairs; the recursion's
-thresholds and values in K's units, ``_grid``), the fixed-point error,
+thresholds and values in K's units, ``_grid``; fp8's elements by the hardware conversion, below),
+the fixed-point error,
 ties keeping the earlier candidate; the feedback launch disables FMA contraction. Hopper only, like the
 attention kernel in ``paged_attention.gluon_decode`` (the only GPU it has been run on).
 
 fp8 (``append_kernel`` with ``FP8``, ``_store_fp8``): the K row's offset and rotation as above
-(``_load_k``), each element rounded by ``e4m3_encode`` (or, for K with feedback, the recursion of
-``_feedback_codes`` with E4M3 rounding), eight code bytes per thread stored as two words; every element's ``|x| / g``
-is counted, so a program holds under 1024 elements (one or two warps). H200, one layer of a
-64-sequence step, graph replay, one run: nearest rounding 1.54 us against the Triton kernel's
-1.84 (counted), with K feedback (two warps) 3.84 against 4.04 (one warp 4.43); 3.67 since the
-recursion's broadcasts add no zeros (A/B, docs/kernels.md).
+(``_load_k``), each element rounded by the hardware's E4M3 conversion (``_e4m3_word``: four values
+per word, ``cvt.rn.satfinite.e4m3x2.f32``, the codec's round-half-even with saturation; negative
+zero cleared) or, for K with feedback, the recursion of ``_feedback_codes`` with ``_e4m3_hw`` (the
+conversion there and back: two instructions where ``e4m3_encode``'s exact steps took about ten;
+equal to the codec on every finite fp32, ``tests/kernels/test_gluon_e4m3.py``), eight code bytes
+per thread stored as two words; every element's ``|x| / g`` is counted (programs of 1024 elements
+or more sum their counts in 21-bit fields, ``_count_flags_wide``). H200, one layer of a
+64-sequence step, graph replay: nearest rounding 1.54 us against the Triton kernel's 1.84
+(counted), with K feedback (two warps) 3.84 against 4.04; 3.67 since the recursion's broadcasts
+add no zeros, 3.29 with the hardware conversion (A/B, 1.54 -> 1.46 nearest; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -368,6 +373,51 @@ def _half_grid(k):
     return float(int(2 * nvfp4.E2M1_VALUES[k]))
 
 
+# E4M3 by the hardware (sm_89+): ``cvt.rn.satfinite`` is round-half-even with saturation at 448,
+# the codec's rule (``kv_formats.e4m3``) for every finite input; the code comes back to fp16 by
+# ``cvt.rn.f16x2.e4m3x2`` (every E4M3 value is an fp16 number) and to fp32 exactly.
+_E4M3_ASM = gl.constexpr(
+    "{ .reg .b16 c; .reg .b32 h, k; .reg .f16 l, u; "
+    "cvt.rn.satfinite.e4m3x2.f32 c, $2, $2; "
+    "cvt.rn.f16x2.e4m3x2 h, c; "
+    "mov.b32 {l, u}, h; "
+    "cvt.f32.f16 $1, l; "
+    "cvt.u32.u16 k, c; "
+    "and.b32 $0, k, 0xff; }"
+)
+
+
+@gluon.jit
+def _e4m3_hw(y):
+    """(signed E4M3 code, its fp32 value) of fp32 ``y``: the same as ``e4m3_encode(|y|)`` with
+    the sign at bit 7 (``kv_formats.e4m3.encode_signed``), by two conversions instead of ~10
+    operations. A value that rounds to zero gets code 0 (the hardware's negative zero, 0x80, is
+    cleared; its value -0.0 subtracts like +0.0)."""
+    c, val = gl.inline_asm_elementwise(_E4M3_ASM, "=r,=f,f", [y], dtype=(gl.int32, gl.float32), is_pure=True,
+                                       pack=1)
+    return gl.where(c == 0x80, 0, c), val
+
+
+# four values' E4M3 codes as one word (byte e = value e; ``a`` goes to the upper byte of a pair)
+_E4M3_WORD_ASM = gl.constexpr(
+    "{ .reg .b16 lo, hi; "
+    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+    "mov.b32 $0, {lo, hi}; }"
+)
+
+
+@gluon.jit
+def _e4m3_word(y0, y1, y2, y3):
+    """The signed E4M3 codes of ``y0..y3`` in bytes 0..3 of an int32, as ``_e4m3_hw``: bytes of
+    negative zero (0x80) cleared word-wide (a byte's low seven bits are zero iff adding 0x7f
+    leaves its bit 7 clear)."""
+    w = gl.inline_asm_elementwise(_E4M3_WORD_ASM, "=r,f,f,f,f", [y0, y1, y2, y3], dtype=gl.int32, is_pure=True,
+                                  pack=1)
+    nonzero = ((w & 0x7F7F7F7F) + 0x7F7F7F7F) & -0x7F7F7F80  # & 0x80808080 as an int32
+    return w & (nonzero | 0x7F7F7F7F)
+
+
 @gluon.jit
 def _rounded(col, inv_g, g, sv, tg, mg, FP8: gl.constexpr):
     """(code, error) of value ``col``: fp8 its signed E4M3 code (sign at bit 7); nvfp4 its E2M1
@@ -376,10 +426,8 @@ def _rounded(col, inv_g, g, sv, tg, mg, FP8: gl.constexpr):
     error takes the tree's three comparisons and three selects among the magnitudes (the
     recursion's critical path); the nibble is built beside it."""
     if FP8:
-        c, mag = e4m3_encode(gl.abs(col) * inv_g)
-        neg = (col < 0) & (c != 0)
-        val = mag * g
-        return c | (neg.to(gl.int32) << 7), col - gl.where(neg, -val, val)
+        c, val = _e4m3_hw(col * inv_g)
+        return c, col - val * g
     else:
         ac = gl.abs(col)
         b2 = ac >= tg[0]
@@ -577,14 +625,42 @@ def _store_nvfp4(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache
 
 
 @gluon.jit
-def _nearest_fp8(x, inv_g):
-    """The eight signed E4M3 codes of this thread's values, rounded to nearest (as
-    ``triton_kernel.fp8_codes``)."""
-    code = ()
-    for e in gl.static_range(8):
-        c, _ = e4m3_encode(gl.abs(x[e] * inv_g))
-        code = code + (c | (((x[e] < 0) & (c != 0)).to(gl.int32) << 7),)
-    return code
+def _nearest_fp8_words(x, inv_g):
+    """This thread's eight values rounded to nearest (``triton_kernel.fp8_codes``) as two code words
+    (``_e4m3_word``: elements 0-3, 4-7)."""
+    return (_e4m3_word(x[0] * inv_g, x[1] * inv_g, x[2] * inv_g, x[3] * inv_g),
+            _e4m3_word(x[4] * inv_g, x[5] * inv_g, x[6] * inv_g, x[7] * inv_g))
+
+
+@gluon.jit
+def _code_words(code, zero2):
+    """Eight code bytes as two words (elements 0-3, 4-7)."""
+    word_a = zero2
+    word_b = zero2
+    for e in gl.static_range(4):
+        word_a = word_a | ((code[e] & 0xFF) << (8 * e))
+        word_b = word_b | ((code[e + 4] & 0xFF) << (8 * e))
+    return word_a, word_b
+
+
+@gluon.jit
+def _count_flags_wide(cnt_ptr, flags, ok):
+    """``count_flags`` for a program of 1024 or more elements: each thread's packed 10-bit fields
+    (a sum of eight flags) widened to 21-bit fields of an int64 before the one reduction."""
+    f = gl.where(ok, flags, 0)
+    wide = ((f & 1023).to(gl.int64) | (((f >> 10) & 1023).to(gl.int64) << 21)
+            | ((f >> 20).to(gl.int64) << 42))
+    packed = gl.sum(gl.sum(wide, axis=1), axis=0)
+    if packed != 0:
+        n_zero = packed & 2097151
+        n_sub = (packed >> 21) & 2097151
+        n_sat = packed >> 42
+        if n_zero != 0:
+            gl.atomic_add(cnt_ptr + 0, n_zero, sem="relaxed")
+        if n_sub != 0:
+            gl.atomic_add(cnt_ptr + 1, n_sub, sem="relaxed")
+        if n_sat != 0:
+            gl.atomic_add(cnt_ptr + 2, n_sat, sem="relaxed")
 
 
 @gluon.jit
@@ -601,19 +677,19 @@ def _store_fp8(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_p
         flags = zero2
         for e in gl.static_range(8):
             flags = flags + scale_flags(gl.abs(x[e] * inv_g))
-        count_flags(cnt_ptr + (kv * NUM_HEADS + hd) * 3, flags, gl.expand_dims(valid, 1) & (oct2 >= 0))
+        ok = gl.expand_dims(valid, 1) & (oct2 >= 0)
+        if W * (32 // O) * D < 1024:
+            count_flags(cnt_ptr + (kv * NUM_HEADS + hd) * 3, flags, ok)
+        else:
+            _count_flags_wide(cnt_ptr + (kv * NUM_HEADS + hd) * 3, flags, ok)
     if FEEDBACK:
         if kv == 0:
             code = _feedback_codes(x, half, inv_g, g, g, f_s, l2, _octets_layout(O, W, 16), True)
+            word_a, word_b = _code_words(code, zero2)
         else:
-            code = _nearest_fp8(x, inv_g)
+            word_a, word_b = _nearest_fp8_words(x, inv_g)
     else:
-        code = _nearest_fp8(x, inv_g)
-    word_a = zero2
-    word_b = zero2
-    for e in gl.static_range(4):
-        word_a = word_a | ((code[e] & 0xFF) << (8 * e))
-        word_b = word_b | ((code[e + 4] & 0xFF) << (8 * e))
+        word_a, word_b = _nearest_fp8_words(x, inv_g)
     page = gl.where(valid, slot // 64, 0)
     off = gl.where(valid, slot % 64, 0)
     base = cache_ptr + page * stride_cp + kv * stride_ckv + hd * stride_ch  # [R]
@@ -649,8 +725,6 @@ def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tens
     rows = num_warps * (32 // (d // 8))
     grid = (triton.cdiv(n, rows), layout.num_kv_heads, 2)
     fp8 = layout.fmt is KVFormat.FP8
-    if fp8 and scale_counts is not None and rows * d >= 1024:
-        raise ValueError(f"counting fp8 elements needs under 1024 per program; {num_warps} warps hold {rows * d}")
     append_kernel[grid](
         cache, k, v, slots, global_scales, global_scales if k_offset is None else k_offset,
         slots if scale_counts is None else scale_counts, slots if k_feedback is None else k_feedback,

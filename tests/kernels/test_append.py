@@ -100,18 +100,23 @@ def _random_feedback(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_offset: bool = False,
-            k_feedback: bool = False, block_t: int | None = None, impl: str = "auto") -> None:
+            k_feedback: bool = False, block_t: int | None = None, impl: str = "auto", num_warps: int | None = None,
+            zero_rows: int = 0) -> None:
     from kernels.kv_append import triton_kernel
 
     lay = KVLayout.make(fmt, 3, d, hadamard)
     gen = torch.Generator().manual_seed(seed)
     pages = (n + 63) // 64 + 2
-    slots = torch.randperm(pages * 64, generator=gen)[:n]
+    perm = torch.randperm(pages * 64, generator=gen)[:n]
+    slots = perm.clone()
     slots[torch.rand(n, generator=gen) < 0.05] = -1
     k = _edge_rows(n * 3, d, gen).view(n, 3, d).to(torch.bfloat16)
     v = _edge_rows(n * 3, d, gen).view(n, 3, d).to(torch.bfloat16)
     k[:2, 0] = 0.0  # whole zero rows (int8's zero token scales)
     v[2:4, 1] = 0.0
+    k[:zero_rows] = 0.0  # whole programs of zeros (their counts must not overflow a packed field)
+    v[:zero_rows] = 0.0
+    slots[:zero_rows] = perm[:zero_rows]  # all kept
     scales = torch.exp2(torch.randint(-4, 4, (2, 3), generator=gen).float())
     if fmt in ("bf16", "int8"):
         scales = lay.default_scales()
@@ -124,7 +129,7 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_
     n_tri = torch.full((2, 3, 3), 5, dtype=torch.int64, device=device)  # counts add to what is there
     triton_kernel.append(c_tri, lay, k.to(device), v.to(device), slots.to(device), scales.to(device),
                          None if off is None else off.to(device), n_tri, None if fb is None else fb.to(device),
-                         block_t=block_t, impl=impl)
+                         block_t=block_t, impl=impl, num_warps=num_warps)
     diff = (c_tri.cpu() != c_ref).nonzero()
     assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:5].tolist()}"
     if fmt != "bf16":  # block-scale health counts: the reference's numbers exactly
@@ -298,6 +303,15 @@ def test_gluon_append_any_token_count(fmt, n):
     for d in (64, 128, 256):
         _parity(fmt, d, True, n, seed=400 + n + d, device="cuda", impl="gluon")
         _parity(fmt, d, True, n, seed=500 + n + d, device="cuda", impl="gluon", k_offset=True, k_feedback=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fed", [False, True])
+def test_gluon_fp8_append_counts_any_program_size(fed):
+    # four warps hold 1024 fp8 elements per program (the wide counts), the first programs all zeros
+    for d in (64, 128, 256):
+        _parity("fp8", d, True, 300, seed=600 + d + fed, device="cuda", impl="gluon", k_offset=True, k_feedback=fed,
+                num_warps=4, zero_rows=32)
 
 
 def test_append_impl_is_checked():
