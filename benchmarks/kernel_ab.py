@@ -16,8 +16,9 @@ heads, 4 KV heads, d = 256):
 - ``kv_append``: one layer's append of a 64-sequence nvfp4 decode step (K centered, block
   scales counted; nearest rounding and query-weighted rounding of K);
 - ``gluon_append``: the same, and fp8's, through the Gluon append's ``launch`` directly (so a
-  base copy of that module is what runs), at one, two and four warps per program (fp8: one
-  and two, as counting its elements allows).
+  base copy of that module is what runs), at one, two and four warps per program (a case that
+  one version refuses with ValueError, e.g. fp8 at four warps before its counts were widened,
+  is reported as skipped).
 
 Caches hold random valid codes and both versions read the same bytes, so when the page
 layout differs between them only the timing is comparable, not the outputs.
@@ -126,8 +127,7 @@ def append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
 
 
 def gluon_append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
-    # counted fp8 needs under 1024 elements per program: one or two warps
-    for fmt, warp_counts in (("nvfp4", (1, 2, 4)), ("fp8", (1, 2))):
+    for fmt, warp_counts in (("nvfp4", (1, 2, 4)), ("fp8", (1, 2, 4))):
         layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, True, True)
         for label, feedback in (("nearest", None), ("feedback", fb)):
             for warps in warp_counts:
@@ -165,9 +165,18 @@ def main() -> int:
     rows = []
     for label, fns, fmt in CASES[args.module](mods):
         best = {name: float("inf") for name in fns}
+        refused = {}
         for _ in range(args.rounds):
             for name, fn in fns.items():
-                best[name] = min(best[name], fn())
+                if name in refused:
+                    continue
+                try:
+                    best[name] = min(best[name], fn())
+                except ValueError as e:  # a case one version does not support (e.g. more warps)
+                    refused[name] = str(e)
+        if refused:
+            print(f"{label:40s} skipped: {refused}", flush=True)
+            continue
         ratio = best["new"] / best["base"]
         print(f"{label:40s} base {fmt(best['base'])}  new {fmt(best['new'])}  new/base {ratio:.3f}", flush=True)
         rows.append(dict(case=label, base_s=best["base"], new_s=best["new"], ratio=ratio))

@@ -63,10 +63,11 @@ zero cleared) or, for K with feedback, the recursion of ``_feedback_codes`` with
 conversion there and back: two instructions where ``e4m3_encode``'s exact steps took about ten;
 equal to the codec on every finite fp32, ``tests/kernels/test_gluon_e4m3.py``), eight code bytes
 per thread stored as two words; every element's ``|x| / g`` is counted (programs of 1024 elements
-or more sum their counts in 21-bit fields, ``_count_flags_wide``). H200, one layer of a
-64-sequence step, graph replay: nearest rounding 1.54 us against the Triton kernel's 1.84
-(counted), with K feedback (two warps) 3.84 against 4.04; 3.67 since the recursion's broadcasts
-add no zeros, 3.29 with the hardware conversion (A/B, 1.54 -> 1.46 nearest; docs/kernels.md).
+or more sum their counts in 21-bit fields, ``_count_flags_wide``, so K feedback runs four warps
+like nvfp4's). H200, one layer of a 64-sequence step, graph replay: nearest rounding 1.54 us
+against the Triton kernel's 1.84 (counted), with K feedback (two warps) 3.84 against 4.04; 3.67
+since the recursion's broadcasts add no zeros, 3.29 with the hardware conversion (A/B, 1.54 ->
+1.46 nearest), 2.71 at four warps with the feedback matrices' swizzle below (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -517,7 +518,10 @@ def append_kernel(
     oct2 = gl.expand_dims(octet, 0) + zero2
     half = oct2 & 1
     if FEEDBACK:
-        f_s = gl.allocate_shared_memory(gl.float32, [16 * O, 16], gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4,
+        # a quarter-warp's eight 16-byte reads (rows i O + o, eight octets) land in eight distinct
+        # bank groups when the swizzle phase steps every two 64-byte rows (one wavefront instead of
+        # two with a phase per row: K feedback 4.03 -> 3.89 us nvfp4, 3.13 -> 2.71 fp8, four warps)
+        f_s = gl.allocate_shared_memory(gl.float32, [16 * O, 16], gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4,
                                                                                            order=[1, 0]))
     else:
         f_s = g_ptr  # a placeholder (unused)

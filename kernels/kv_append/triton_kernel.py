@@ -498,12 +498,10 @@ def append(
     if kernel == "gluon":
         from kernels.kv_append import gluon_append
 
-        # nvfp4 with K feedback: four rows share one copy of the feedback matrices (H200: 4.03
-        # against 4.15 us at two warps); fp8 with it: two (counting its elements needs under 1024
-        # per program); nearest rounding: one row per program
-        fed_warps = 4 if layout.fmt is KVFormat.NVFP4 else 2
+        # with K feedback four rows share one copy of the feedback matrices (H200: nvfp4 3.89
+        # against 4.12 us at two warps, fp8 2.71 against 2.97); nearest rounding: one row per program
         gluon_append.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
-                           num_warps=num_warps or (fed_warps if k_feedback is not None else 1))
+                           num_warps=num_warps or (4 if k_feedback is not None else 1))
         return
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
