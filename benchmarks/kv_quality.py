@@ -59,6 +59,9 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   with the rounding — every candidate of the codec's list rounded with feedback, the one whose
   error has the smallest query-weighted energy kept (the codec picks it by plain squared error
   before rounding);
+- ``kscale=RULE`` (screening, nvfp4) with ``round=feedback``: K's block scales chosen by an
+  ``enc=`` rule (e.g. ``six``, ``4o6``: a shorter search for the append) before the feedback
+  rounding, V's by the codec;
 - ``fbsink=1`` with ``round=feedback``: the window's first token (the attention sink: with
   ``--prefix "<|im_start|>"``, a chat template's first token) rounded to nearest, as the
   engine does for position 0;
@@ -130,6 +133,7 @@ class Config:
     fbsink: bool = False  # fbsink=1: round=feedback except the first token (nearest), as the engine
     fbspan: int = 16  # fbspan=8 (screening): round=feedback's errors pushed only within 8-element halves
     fbsearch: bool = False  # fbsearch=1 (screening): nvfp4 K's block scale chosen by the feedback-rounded weighted error
+    kscale: str = ""  # kscale=RULE (screening): nvfp4 K's block scales by an ENCODERS rule, then round=feedback
     vrot: bool = False  # vrot=1: V Hadamard-rotated in the cache, the output rotated back (screening)
 
     def quantizes(self, layer: int, kv: int) -> bool:
@@ -184,6 +188,8 @@ def parse_config(spec: str) -> Config:
             kw["fbsearch"] = choice(key, val, ("0", "1")) == "1"
         elif key == "fbspan":
             kw["fbspan"] = int(choice(key, val, ("4", "8", "16")))
+        elif key == "kscale":
+            kw["kscale"] = choice(key, val, tuple(k for k in ENCODERS if k not in ("default", *CLIP_AWARE)))
         elif key == "fbsink":
             kw["fbsink"] = choice(key, val, ("0", "1")) == "1"
         elif key == "vround":
@@ -202,6 +208,8 @@ def parse_config(spec: str) -> Config:
         raise ValueError(f"enc= applies to nvfp4 only (and not with kfmt=): {spec!r}")
     if (kw.get("fbspan", 16) != 16 or kw.get("fbsearch")) and not kw.get("feedback"):
         raise ValueError(f"fbspan= and fbsearch= need round=feedback: {spec!r}")
+    if kw.get("kscale") and (fmt != "nvfp4" or "kfmt" in kw or not kw.get("feedback") or kw.get("fbsearch")):
+        raise ValueError(f"kscale= applies to nvfp4 K with round=feedback (not with fbsearch=): {spec!r}")
     if kw.get("fbsearch") and (fmt != "nvfp4" or "kfmt" in kw):
         raise ValueError(f"fbsearch= applies to nvfp4 K: {spec!r}")
     if kw.get("vrot") and kw.get("vround"):
@@ -564,6 +572,9 @@ class KVRoundTrip:
                         cb = block_diagonal(cb, cfg.fbspan).expand(b * t, *cb.shape[:1], d // 16, 16, 16)
                         codes, sc = joint_feedback_encode(rows.reshape(-1, d), gg, extra["feedback"],
                                                           cb.reshape(b * t * h, d // 16, 16, 16))
+                    elif kv == 0 and cfg.kscale:
+                        _, sc = ENCODERS[cfg.kscale](rows.reshape(-1, d), gg)
+                        codes, sc = nvfp4.encode_with_feedback(rows.reshape(-1, d), gg, sc, extra["feedback"])
                     else:
                         codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
