@@ -54,6 +54,7 @@ from kernels.kv_append import reference as append_ref
 from kernels.kv_append.reference import slots_from_positions
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 from kernels.paged_attention import reference as attn_ref
+from kernels.page_center import PageCenter
 from kernels.paged_attention.reference import rotate_q
 
 __all__ = ["KVCacheLayer", "ReferenceBackend", "TritonBackend", "get_backend", "slots_from_positions"]
@@ -76,6 +77,7 @@ class KVCacheLayer:
     k_offset: torch.Tensor | None = None
     scale_counts: torch.Tensor | None = None
     k_feedback: torch.Tensor | None = None
+    page_center: PageCenter | None = None
 
     @classmethod
     def allocate(cls, layout: KVLayout, num_pages: int, device: torch.device | str = "cpu") -> KVCacheLayer:
@@ -88,6 +90,28 @@ class KVCacheLayer:
             append_ref.check_k_offset(self.k_offset, self.layout)
         if self.k_feedback is not None:
             append_ref.check_k_feedback(self.k_feedback, self.layout)
+        if self.page_center is not None:
+            pc = self.page_center
+            if self.k_offset is not None:
+                raise ValueError("a layer centers K either by one offset (k_offset) or per page (page_center), not both")
+            if tuple(pc.mu.shape) != (self.layout.num_kv_heads, self.layout.head_dim):
+                raise ValueError(f"page_center.mu must be [{self.layout.num_kv_heads}, {self.layout.head_dim}], got "
+                                 f"{list(pc.mu.shape)}")
+            if pc.mu.device != self.data.device:
+                raise ValueError(f"page_center is on {pc.mu.device} but the cache on {self.data.device}")
+
+    def append_offset(self, n: int, positions: Tensor | None, validate: bool = True) -> Tensor | None:
+        """What the append subtracts from K: ``k_offset``, or per token ``page_center.offsets`` of
+        ``positions`` (required then: int [n] token positions; ``validate`` checks their range,
+        which reads it back to the host)."""
+        if self.page_center is None:
+            return self.k_offset
+        if positions is None or tuple(positions.shape) != (n,):
+            raise ValueError(f"this layer centers K per page: the append needs positions [{n}], got "
+                             f"{None if positions is None else list(positions.shape)}")
+        if validate:
+            self.page_center.check_positions(positions)
+        return self.page_center.offsets(positions)
 
 
 def _check_q(q: torch.Tensor, layer: KVCacheLayer) -> None:
@@ -120,9 +144,10 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, layer.scale_counts,
-                          layer.k_feedback)
+    def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor | None = None) -> None:
+        append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales,
+                          layer.append_offset(k.shape[0], positions), layer.scale_counts, layer.k_feedback)
 
     def _attend(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
                 q_lens: list[int], sm_scale: float, out: Tensor | None) -> Tensor:
@@ -133,6 +158,7 @@ class ReferenceBackend:
         starts, lens = _seq_rows(q_lens, q.device)
         res = attn_ref.paged_attention(
             qr, layer.data, layer.layout, layer.scales, block_tables, context_lens, starts, lens, sm_scale,
+            page_center=layer.page_center,
         )
         if out is None:
             return res.to(q.dtype)
@@ -194,10 +220,12 @@ class TritonBackend:
         self.prefill_workspace_bytes = prefill_workspace_bytes
         self._budgets: dict[int, int] = {}  # CUDA device index -> workspace bytes (``_workspace_budget``)
 
-    def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, *, validate: bool = True) -> None:
+    def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               positions: torch.Tensor | None = None, *, validate: bool = True) -> None:
         from kernels.kv_append import triton_kernel
 
-        triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales, layer.k_offset, layer.scale_counts,
+        triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales,
+                             layer.append_offset(k.shape[0], positions, validate), layer.scale_counts,
                              layer.k_feedback, validate=validate)
 
     def default_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -240,7 +268,8 @@ class TritonBackend:
         if validate and (q.shape[0] != b * t or not 1 <= t <= 16):
             raise ValueError(f"decode needs q [B * T, Hq, d] with 1 <= T <= 16; got {list(q.shape)} for B={b}, T={t}")
         h = layer.layout.num_kv_heads
-        if self.uses_gluon(layer.layout, q.shape[1] // h, t, q.device):
+        pc = _page_terms(q, layer, context_lens, validate)
+        if pc is None and self.uses_gluon(layer.layout, q.shape[1] // h, t, q.device):
             from kernels.paged_attention import gluon_decode
 
             per_sm = gluon_decode.programs_per_sm(t, q.shape[1] // h, layer.layout.head_dim, layer.layout.fmt)
@@ -253,7 +282,7 @@ class TritonBackend:
         # blocks are derived in-kernel, so nothing else runs and a step is graph-capturable
         return triton_kernel.paged_attention(
             _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
-            None, None, sm_scale, num_splits=splits, out=out, uniform_t=t,
+            None, None, sm_scale, num_splits=splits, out=out, uniform_t=t, page_center=pc,
         )
 
     def prefill_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
@@ -265,16 +294,17 @@ class TritonBackend:
         if out is None:
             out = torch.empty_like(q)
         qr = _rotate_q(q, layer.layout)
+        pc = _page_terms(q, layer, context_lens, True)
         group = q.shape[1] // layer.layout.num_kv_heads
         if not self._dequantizes(layer.layout, max(lens, default=0) * group):
-            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False)
+            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False, pc)
         from kernels.kv_dequant.reference import workspace_layout
 
         page = workspace_layout(layer.layout).page_bytes
         b, w = block_tables.shape
         budget = self._workspace_budget(q.device)
         if b * w * page <= budget:
-            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True)
+            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True, pc)
         # one sequence at a time (within the budget: the table's width bounds its pages), a
         # longer one in segments of its pages, each through the workspace
         start = 0
@@ -284,16 +314,18 @@ class TritonBackend:
             if n == 0:
                 continue
             one = (block_tables[i : i + 1], context_lens[i : i + 1])
+            pci = None if pc is None else (pc[0][rows], pc[1])
             if n * group < self._min_rows(layer.layout.fmt):
-                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False)
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, pci)
             elif w * page <= budget:
-                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True)
-            elif not self._prefill_segments(qr[rows], layer, *one, sm_scale, out[rows], budget):
-                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False)
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True, pci)
+            elif not self._prefill_segments(qr[rows], layer, *one, sm_scale, out[rows], budget, pci):
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, pci)
         return out
 
     def _prefill_segments(self, qr: Tensor, layer: KVCacheLayer, block_table: Tensor, context_len: Tensor,
-                          sm_scale: float, out: Tensor, budget: int) -> bool:
+                          sm_scale: float, out: Tensor, budget: int,
+                          pc: tuple[Tensor, Tensor] | None = None) -> bool:
         """One sequence's chunk ``qr`` (rotated) over a context whose workspace exceeds
         ``budget``: its pages in segments that fit (after the fp32 partial results of the chunk:
         a running one and one per split), each dequantized into the workspace and attended alone
@@ -314,7 +346,7 @@ class TritonBackend:
         pages = min(block_table.shape[1], -(-int(context_len[0]) // lay.page_size))
         if pages * ws_lay.page_bytes <= budget:  # only the table is wider: one workspace of its pages
             self._prefill(qr, layer, block_table[:, : max(pages, 1)].contiguous(), context_len, [n], sm_scale, out,
-                          True)
+                          True, pc)
             return True
         # fastest measured over the workspace (``_prefill``): 128-row blocks, 8 warps, 2 stages,
         # one program per SM; a chunk of few row blocks splits each segment's keys as well
@@ -341,7 +373,7 @@ class TritonBackend:
             triton_kernel.paged_attention(
                 qr, ws, ws_lay, ws_scales, ws_table, context_len, starts, q_len, sm_scale, q_lens_host=[n],
                 dequantized=True, key_pages=(lo, hi), partial=(o_new, lse_new), num_splits=splits,
-                work=work, block_m=128, num_warps=8, num_stages=2, pages_per_tile=1, page_max=False)
+                work=work, block_m=128, num_warps=8, num_stages=2, pages_per_tile=1, page_max=False, page_center=pc)
             triton_kernel.merge_partials(o_run, lse_run, o_new, lse_new)
         out.copy_(o_run)
         return True
@@ -389,7 +421,7 @@ class TritonBackend:
         return max(1, min(self.max_splits, want, table_width // PREFILL_SPLIT_MIN_PAGES, scratch))
 
     def _prefill(self, qr: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor, lens: list[int],
-                 sm_scale: float, out: Tensor, dequantize: bool) -> Tensor:
+                 sm_scale: float, out: Tensor, dequantize: bool, pc: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One prefill launch over the cache's pages, or (``dequantize``) over an fp16 workspace
         of them: the same fp16 values meet the same products (outputs equal up to fp32
         summation order, 128-row blocks instead of 64); split-K where the row blocks alone
@@ -407,7 +439,7 @@ class TritonBackend:
         splits = self.prefill_splits(work[0].numel(), lay.num_kv_heads, block_tables.shape[1],
                                      qr.shape[0] * qr.shape[1], lay.head_dim, _sm_count(dev), per_sm)
         kw = dict(q_lens_host=lens, num_splits=splits, out=out, work=work, block_m=bm, num_warps=warps, num_stages=2,
-                  pages_per_tile=1, page_max=False)
+                  pages_per_tile=1, page_max=False, page_center=pc)
         if not dequantize:
             return triton_kernel.paged_attention(qr, layer.data, lay, layer.scales, block_tables, context_lens, starts,
                                                  q_len, sm_scale, **kw)
@@ -425,6 +457,19 @@ def _sm_count(device: torch.device) -> int:
     """SMs to plan split counts for; 1 off CUDA (the interpreter runs one program at a time, so
     splitting would only add work)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _page_terms(q: Tensor, layer: KVCacheLayer, context_lens: Tensor, validate: bool) -> tuple[Tensor, Tensor] | None:
+    """The Triton kernel's ``page_center=(query terms, table)`` of a layer whose K is centered per
+    page (``kernels.page_center``), from the unrotated ``q``; ``validate`` checks that the table
+    covers every context (reads the longest back to the host)."""
+    pc = layer.page_center
+    if pc is None:
+        return None
+    if validate and context_lens.numel() and int(context_lens.max()) > pc.max_positions:
+        raise ValueError(f"a context of {int(context_lens.max())} tokens is longer than the page-centering table "
+                         f"({pc.max_positions} positions)")
+    return pc.query_terms(q), pc.table
 
 
 def _rotate_q(q: Tensor, layout: KVLayout) -> Tensor:

@@ -160,15 +160,16 @@ def _load_octets(ptr, rows, mask, stride, R: gl.constexpr, O: gl.constexpr, l2: 
 
 
 @gluon.jit
-def _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, D: gl.constexpr, HSCALE: gl.constexpr,
-            HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr, l2: gl.constexpr, l3: gl.constexpr):
+def _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, stride_on, D: gl.constexpr,
+            HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr, l2: gl.constexpr, l3: gl.constexpr):
     """K rows as stored before rounding (``reference.stored_rows``): loaded as octets, minus the
-    head's K offset, Hadamard-rotated (butterflies of span 1-4 in the thread, 8 .. d/2 by shuffles)."""
+    K offset (the head's, ``stride_on`` 0, or the token's), Hadamard-rotated (butterflies of span
+    1-4 in the thread, 8 .. d/2 by shuffles)."""
     O: gl.constexpr = D // 8
     R: gl.constexpr = l2.warps_per_cta[0] * l2.threads_per_warp[0]
     x = _load_octets(k_ptr + hd * stride_kh, rows, in_range, stride_kn, R, O, l2, l3)
     if HAS_OFFSET:
-        koff = _load_octets(koff_ptr + hd * D, rows * 0, in_range, 0, R, O, l2, l3)
+        koff = _load_octets(koff_ptr + hd * D, rows, in_range, stride_on, R, O, l2, l3)
         y = ()
         for e in gl.static_range(8):
             y = y + (x[e] - koff[e],)
@@ -490,7 +491,7 @@ def append_kernel(
     cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr, cnt_ptr, fb_ptr,
     N, NUM_HEADS,
     stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_cp, stride_ckv, stride_ch,
+    stride_cp, stride_ckv, stride_ch, stride_on,
     D: gl.constexpr, HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr,
     COUNT: gl.constexpr, FEEDBACK: gl.constexpr, SCALE_OFF: gl.constexpr,
     SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr, UP_SPAN: gl.constexpr, ERR_BITS: gl.constexpr,
@@ -528,8 +529,8 @@ def append_kernel(
     if kv == 0:
         if FEEDBACK:  # the K feedback matrices of the head's blocks, one per octet, copied while the search runs
             _copy_feedback(f_s, fb_ptr, hd, D, W)
-        x = _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, D, HSCALE, HADAMARD,
-                    HAS_OFFSET, l2, l3)
+        x = _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, stride_on, D, HSCALE,
+                    HADAMARD, HAS_OFFSET, l2, l3)
     else:
         x = _load_octets(v_ptr + hd * stride_vh, rows, in_range, stride_vn, R, O, l2, l3)
     if FP8:
@@ -735,6 +736,7 @@ def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tens
         n, layout.num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2),
+        k_offset.stride(0) if k_offset is not None and k_offset.dim() == 3 else 0,
         D=d, HSCALE=hadamard_scale, HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None,
         COUNT=scale_counts is not None, FEEDBACK=k_feedback is not None, SCALE_OFF=layout.scale_offset,
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,

@@ -8,6 +8,10 @@ offset``; ``-1`` skips the token). K is rotated by ``hadamard.fwht`` first when
 documents. Nothing else in the cache changes. ``k_feedback`` (fp8 / nvfp4 only, fp32
 ``[num_kv_heads, d/16, 16, 16]``) rounds K with error feedback (``kv_formats.feedback``).
 
+``k_offset`` (optional fp32) is subtracted from K before the rotation: ``[num_kv_heads, d]``, one
+offset per head (K centering), or ``[N, num_kv_heads, d]``, one per token (K centered per page,
+``kernels.page_center.PageCenter.offsets``).
+
 ``scale_counts`` (optional int64 [2, num_kv_heads, 3]: K then V, per head) accumulates the
 block-scale health of what was written: zero, subnormal and saturated block scales (fp8: elements,
 int8: token scales), as ``kernels.calibration.count_rows`` defines them (``head_counts``; the
@@ -57,11 +61,15 @@ def read_scales(cache: torch.Tensor, layout: KVLayout, kv: int, page: torch.Tens
     return _regions(cache, layout)[1][_scale_index(layout, kv, page, off)]
 
 
-def check_k_offset(k_offset: torch.Tensor, layout: KVLayout) -> None:
-    """``k_offset`` must be finite fp32 [num_kv_heads, head_dim]; ValueError saying why not."""
+def check_k_offset(k_offset: torch.Tensor, layout: KVLayout, tokens: int | None = None) -> None:
+    """``k_offset`` must be finite fp32 [num_kv_heads, head_dim] (one offset per head) or, given
+    the append's ``tokens``, [tokens, num_kv_heads, head_dim] (one per token: K centered per page,
+    ``kernels.page_center``); ValueError saying why not."""
     want = (layout.num_kv_heads, layout.head_dim)
-    if k_offset.dtype != torch.float32 or tuple(k_offset.shape) != want or not k_offset.is_contiguous():
-        raise ValueError(f"k_offset must be contiguous float32 {list(want)}, got {k_offset.dtype} {list(k_offset.shape)}")
+    shapes = [want] if tokens is None else [want, (tokens, *want)]
+    if k_offset.dtype != torch.float32 or tuple(k_offset.shape) not in shapes or not k_offset.is_contiguous():
+        wanted = " or ".join(str(list(w)) for w in shapes)
+        raise ValueError(f"k_offset must be contiguous float32 {wanted}, got {k_offset.dtype} {list(k_offset.shape)}")
     if not bool(torch.isfinite(k_offset).all()):
         raise ValueError("k_offset must be finite")
 
@@ -125,7 +133,7 @@ def append(
     layout.check_cache(cache)
     check_global_scales(global_scales, layout)
     if k_offset is not None:
-        check_k_offset(k_offset, layout)
+        check_k_offset(k_offset, layout, k.shape[0])
     if k_feedback is not None:
         check_k_feedback(k_feedback, layout)
     if scale_counts is not None:
@@ -144,6 +152,8 @@ def append(
         raise ValueError(f"slot {int(slots.max())} is outside the cache ({cache.shape[0]} pages)")
     page, off = slots // layout.page_size, slots % layout.page_size
     codes_r, scales_r = _regions(cache, layout)
+    if k_offset is not None and k_offset.dim() == 3:  # one offset per token: the kept tokens'
+        k_offset = k_offset[keep.to(k_offset.device)]
     for kv, x in ((0, k[keep]), (1, v[keep])):
         rows = stored_rows(x, layout, kv, k_offset)
         codes, scales = encode_rows(x, layout, kv, global_scales, rows=rows, k_feedback=k_feedback)

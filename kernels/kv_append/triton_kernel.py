@@ -13,7 +13,7 @@ contraction), int8 through the correctly rounded ``div_rn`` (its token scale sat
 ``int8.SCALE_MAX``).
 Works for prefill chunks and decode steps alike (tokens of many sequences in one call).
 
-K first has the optional ``k_offset`` row of its head subtracted in fp32 (as the reference
+K first has the optional ``k_offset`` row of its head (or of its token) subtracted in fp32 (as the reference
 does). With ``scale_counts`` (fp8 / int8 / nvfp4) every program adds its zero / subnormal /
 saturated block-scale (fp8: element, int8: token-scale) counts per head (the reference's
 numbers exactly: the same fp32 scale inputs, compared against the same bounds) with an atomic
@@ -290,7 +290,7 @@ def kv_append_fwd_kernel(
     cache_ptr, k_ptr, v_ptr, slot_ptr, g_ptr, koff_ptr, cnt_ptr, fb_ptr,
     N, NUM_HEADS,
     stride_kn, stride_kh, stride_vn, stride_vh,
-    stride_cp, stride_ckv, stride_ch,
+    stride_cp, stride_ckv, stride_ch, stride_on,
     FMT: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr, HSCALE: tl.constexpr,
     HADAMARD: tl.constexpr, HAS_OFFSET: tl.constexpr, COUNT: tl.constexpr, FEEDBACK: tl.constexpr,
     PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
@@ -314,8 +314,8 @@ def kv_append_fwd_kernel(
     row = offs_t.to(tl.int64)[:, None]
     if kv == 0:
         x = tl.load(k_ptr + row * stride_kn + h * stride_kh + offs_d[None, :], mask=in_range[:, None], other=0.0).to(tl.float32)
-        if HAS_OFFSET:
-            x = x - tl.load(koff_ptr + h * D + offs_d)[None, :]
+        if HAS_OFFSET:  # one row per head (stride_on 0) or per token
+            x = x - tl.load(koff_ptr + row * stride_on + h * D + offs_d[None, :], mask=in_range[:, None], other=0.0)
         if HADAMARD:
             x = fwht_rows(x, BLOCK_T, D, LOG2D, HSCALE)
     else:
@@ -476,7 +476,7 @@ def append(
         if tuple(slots.shape) != (n,):
             raise ValueError(f"slots must be [{n}], got {list(slots.shape)}")
         if k_offset is not None:
-            check_k_offset(k_offset, layout)
+            check_k_offset(k_offset, layout, n)
         if scale_counts is not None:
             check_scale_counts(scale_counts, layout)
         if k_feedback is not None:
@@ -487,8 +487,10 @@ def append(
         raise ValueError("k and v must be contiguous in the last dimension")
     if global_scales.dtype != torch.float32 or not global_scales.is_contiguous():
         raise ValueError("global scales must be contiguous float32 [2, num_kv_heads]")
-    if k_offset is not None and (k_offset.dtype != torch.float32 or not k_offset.is_contiguous()):
-        raise ValueError("k_offset must be contiguous float32 [num_kv_heads, head_dim]")
+    if k_offset is not None and (k_offset.dtype != torch.float32 or not k_offset.is_contiguous()
+                                 or k_offset.dim() not in (2, 3) or (k_offset.dim() == 3 and k_offset.shape[0] != n)):
+        raise ValueError(f"k_offset must be contiguous float32 [num_kv_heads, head_dim] or [{n}, num_kv_heads, head_dim]")
+    stride_on = k_offset.stride(0) if k_offset is not None and k_offset.dim() == 3 else 0
     if k_feedback is not None and (k_feedback.dtype != torch.float32 or not k_feedback.is_contiguous()):
         raise ValueError("k_feedback must be contiguous float32 [num_kv_heads, head_dim / 16, 16, 16]")
     d = layout.head_dim
@@ -501,7 +503,7 @@ def append(
         # with K feedback four rows share one copy of the feedback matrices (H200: nvfp4 3.89
         # against 4.12 us at two warps, fp8 2.71 against 2.97); nearest rounding: one row per program
         gluon_append.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
-                           num_warps=num_warps or (4 if k_feedback is not None else 1))
+                            num_warps=num_warps or (4 if k_feedback is not None else 1))
         return
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
     # counting fp8 elements needs < 1024 per program (10-bit fields in _count_scales)
@@ -521,7 +523,7 @@ def append(
         slots if count is None else count, slots if k_feedback is None else k_feedback,
         n, layout.num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cache.stride(0), cache.stride(1), cache.stride(2),
+        cache.stride(0), cache.stride(1), cache.stride(2), stride_on,
         FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(d)), HSCALE=hadamard_scale(d),
         HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, COUNT=count is not None,
         FEEDBACK=k_feedback is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,

@@ -23,6 +23,7 @@ import torch
 from kernels.hadamard.reference import fwht
 from kernels.kv_append.reference import gather
 from kernels.kv_formats.layout import KVLayout
+from kernels.page_center import PageCenter
 
 
 def rotate_q(q: torch.Tensor, layout: KVLayout) -> torch.Tensor:
@@ -79,7 +80,10 @@ def paged_attention(
     sm_scale: float,
     *,
     compute_dtype: torch.dtype = torch.float32,
+    page_center: PageCenter | None = None,
 ) -> torch.Tensor:
+    """``page_center``: the cache holds K centered per page (``kernels.page_center``); each key's
+    page offset is added back (rotated like K) before the scores are taken."""
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens, q_start, q_len)
     total, hq, d = q.shape
     h = layout.num_kv_heads
@@ -92,6 +96,9 @@ def paged_attention(
         if n_q > ctx:
             raise ValueError(f"sequence {b}: q_len {n_q} > context_len {ctx}")
         k, v = gather(cache, layout, block_tables[b], ctx, global_scales)
+        if page_center is not None:
+            c = page_center.offsets(torch.arange(ctx, device=page_center.table.device)).to(k.device)
+            k = k + (fwht(c) if layout.hadamard else c)
         k, v = k.to(compute_dtype), v.to(compute_dtype)  # [ctx, H, d]
         qb = q[s0 : s0 + n_q].to(compute_dtype).view(n_q, h, group, d)
         scores = torch.einsum("thgd,khd->hgtk", qb, k) * sm_scale

@@ -286,14 +286,16 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
 
 @triton.jit
 def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
-                 q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, FMT: tl.constexpr, D: tl.constexpr,
+                 q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, inv_gk, FMT: tl.constexpr, D: tl.constexpr,
                  SCALE_OFF: tl.constexpr, SB: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr,
                  UNPACK_ASM: tl.constexpr, NV_LOAD_K: tl.constexpr, NV_LOAD_V: tl.constexpr, BN: tl.constexpr,
                  PAGE: tl.constexpr, P_LOG2: tl.constexpr, PAGE_MAX: tl.constexpr, MASKED: tl.constexpr,
-                 LAZY: tl.constexpr):
+                 LAZY: tl.constexpr, RD: tl.constexpr, RDP: tl.constexpr):
     """One key tile (pages ``p .. p + BN/PAGE - 1``) folded into the running softmax state;
     without ``MASKED`` every key of the tile must be visible to every row and inside the split
-    (dead rows then get finite values, which are never stored)."""
+    (dead rows then get finite values, which are never stored). ``RD`` > 0: K is centered per
+    page (``kernels.page_center``): each page's ``q . c_P`` is added to its keys' scores, from
+    the rows' query terms ``ab`` [BLOCK_M, RDP] and the page's row of ``tab_ptr`` [pages, RD]."""
     HALF: tl.constexpr = D // 2
     # BN // PAGE pages per tile; a page past this split's end repeats page p, masked
     pg = p + sub
@@ -321,6 +323,15 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
     if FMT == 2:
         ks = tl.load(kbase.to(tl.pointer_type(tl.float32)) + SCALE_OFF // 4 + offs_n)
         s = s * ks[None, :]
+    if RD > 0:  # K centered per page: q . c_P back, in the units of s (true score / g_k)
+        offs_rd = tl.arange(0, RDP)
+        for i in tl.static_range(BN // PAGE):
+            pg_i = p + i
+            if MASKED:
+                pg_i = tl.where(pg_i < p_hi, pg_i, p)
+            cs = tl.load(tab_ptr + pg_i.to(tl.int64) * RD + offs_rd, mask=offs_rd < RD, other=0.0)
+            bias = tl.sum(ab * cs[None, :], axis=1) * inv_gk
+            s = s + tl.where((sub == i)[None, :], bias[:, None], 0.0)
     if MASKED:
         s = tl.where((k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None] & in_split[None, :], s, float("-inf"))
     # scores in log2 units are s * scale (scale > 0, so the row max can be taken before the
@@ -404,9 +415,10 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
 def paged_attention_fwd_kernel(
     q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr,
     block_table_ptr, ctx_len_ptr, q_start_ptr, q_len_ptr, work_seq_ptr, work_row_ptr,
+    ab_ptr, tab_ptr,
     qk_scale, win_lo, win_hi,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cp, stride_ckv, stride_ch, stride_bt,
+    stride_cp, stride_ckv, stride_ch, stride_bt, stride_abt, stride_abh,
     NUM_KV_HEADS,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr,
     SCALE_OFF: tl.constexpr, SB: tl.constexpr,
@@ -414,7 +426,7 @@ def paged_attention_fwd_kernel(
     KDT: tl.constexpr, VDT: tl.constexpr, UNPACK_ASM: tl.constexpr, NV_LOAD_K: tl.constexpr,
     NV_LOAD_V: tl.constexpr, P_LOG2: tl.constexpr, BN: tl.constexpr, PAGE_MAX: tl.constexpr, LAZY: tl.constexpr,
     GS_MUL: tl.constexpr,
-    UNIFORM_T: tl.constexpr, WPS: tl.constexpr, PDL: tl.constexpr,
+    UNIFORM_T: tl.constexpr, WPS: tl.constexpr, RD: tl.constexpr, RDP: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
     HALF: tl.constexpr = D // 2
@@ -462,6 +474,14 @@ def paged_attention_fwd_kernel(
         g_k = 1.0
         g_v = 1.0
     scale = qk_scale * g_k
+    if RD > 0:  # the rows' query terms of K's per-page centering (A then B, kernels.page_center)
+        offs_ab = tl.arange(0, RDP)
+        ab = tl.load(ab_ptr + (q0 + t).to(tl.int64)[:, None] * stride_abt + head[:, None] * stride_abh
+                     + offs_ab[None, :], mask=row_ok[:, None] & (offs_ab < RD)[None, :], other=0.0)
+        inv_gk = 1.0 / g_k
+    else:
+        ab = 0.0
+        inv_gk = 1.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -483,13 +503,13 @@ def paged_attention_fwd_kernel(
     for p in range(p_lo, p_mid, BN // PAGE):
         acc_lo, acc_hi, m_i, l_i = _attend_tile(
             p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
-            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, FMT, D, SCALE_OFF, SB, KDT, VDT, UNPACK_ASM, NV_LOAD_K,
-            NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, False, LAZY)
+            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
+            UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, False, LAZY, RD, RDP)
     for p in range(p_mid, p_hi, BN // PAGE):
         acc_lo, acc_hi, m_i, l_i = _attend_tile(
             p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
-            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, FMT, D, SCALE_OFF, SB, KDT, VDT, UNPACK_ASM, NV_LOAD_K,
-            NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, True, LAZY)
+            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
+            UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, True, LAZY, RD, RDP)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     inv_l = tl.where(l_i > 0, g_v / l_safe, 0.0)  # l_i and acc both carry 2**P_LOG2
@@ -643,6 +663,7 @@ def paged_attention(
     dequantized: bool = False,
     key_pages: tuple[int, int] | None = None,
     partial: tuple[torch.Tensor, torch.Tensor] | None = None,
+    page_center: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same meaning as ``reference.paged_attention`` (Q already in the K space).
 
@@ -668,6 +689,12 @@ def paged_attention(
     Hq, num_splits]``): the splits' results are left unmerged there — each ``o`` normalized
     over the keys its split saw and ``lse`` their log2-sum-exp (``-inf`` and zeros where it saw
     none), what ``merge_partials`` folds into a running result — and ``out`` is not written.
+
+    ``page_center=(ab, table)``: the cache holds K centered per page (``kernels.page_center``);
+    ``ab`` fp32 ``[tokens, Hq, r]`` are the rows' query terms (``PageCenter.query_terms`` of the
+    unrotated queries), ``table`` fp32 ``[max_pages, r]`` (``PageCenter.table``, long enough for
+    every key's page: not checked here, the backend does). Each page's ``q . c_P`` joins its keys'
+    scores, so the result is the attention over the uncentered keys (reference: ``page_center=``).
     """
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
                  None if uniform_t else q_start, None if uniform_t else q_len)
@@ -738,6 +765,16 @@ def paged_attention(
                              f"elements for {num_splits} splits, got {opart.numel()} and {lse.numel()}")
     else:
         opart = lse = out
+    if page_center is not None:
+        ab, table = page_center
+        r = table.shape[1] if table.dim() == 2 else -1
+        if (ab.dtype != torch.float32 or table.dtype != torch.float32 or ab.dim() != 3 or ab.shape[:2] != q.shape[:2]
+                or ab.shape[2] != r or r < 2 or ab.stride(-1) != 1 or not table.is_contiguous()
+                or ab.device != q.device or table.device != q.device):
+            raise ValueError(f"page_center must be float32 (ab [{total}, {hq}, r], table [pages, r]) on {q.device} "
+                             f"with ab's last dimension and the table contiguous")
+    else:
+        ab, table, r = out, out, 0  # placeholders (unused)
     nw = num_warps or (4 if bm <= 64 else 8)
     asm = (not INTERPRET and DEFAULT_UNPACK_ASM) if unpack_asm is None else (unpack_asm and not INTERPRET)
     # fastest measured on the H200 (docs/kernels.md): 2 stages; nvfp4 V in mode 5, except
@@ -749,9 +786,11 @@ def paged_attention(
     paged_attention_fwd_kernel[grid](
         q, out, opart, lse, cache, global_scales,
         block_tables, context_lens, q_start, q_len, work[0], work[1],
+        ab, table,
         sm_scale * LOG2E, win_lo, win_hi,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0),
+        ab.stride(0) if r else 0, ab.stride(1) if r else 0,
         h,
         FMT=4 if dequantized else FMT_ID[layout.fmt], D=d, G=group, PAGE=layout.page_size,
         SCALE_OFF=layout.scale_offset, SB=max(layout.scale_bytes, 2),
@@ -769,7 +808,7 @@ def paged_attention(
         # with wgmma-sized row blocks the branch made triton 3.6's pipeliner fail (docs/kernels.md)
         LAZY=page_max and layout.fmt is not KVFormat.NVFP4 and bm <= 32,
         GS_MUL=gs_mul,
-        UNIFORM_T=uniform_t, WPS=wps,
+        UNIFORM_T=uniform_t, WPS=wps, RD=r, RDP=triton.next_power_of_2(r) if r else 1,
         P_LOG2=15.0 if dequantized else {KVFormat.BF16: 0.0, KVFormat.INT8: 12.0}.get(layout.fmt, 15.0),
         num_warps=nw, num_stages=ns, **({"maxnreg": max_registers} if max_registers else {}),
         **pdl.launch_kwargs(q.device, "attention"),

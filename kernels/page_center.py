@@ -1,0 +1,143 @@
+"""K centered per page: each key minus the calibration's mean key turned to its page's middle.
+
+A fixed offset (``KVCacheLayer.k_offset``) can only center the channels that RoPE hardly turns
+over the whole served context (none of the rotated ones at 1M positions); a shared component of
+the keys on the other channels turns with the position. Centering each key by the calibration's
+*pre-RoPE* mean ``mu`` turned to the middle of the key's own 64-token page, ``R(p_mid) mu``, is
+exact on every channel that turns by at most pi/4 over half a page, whatever the context
+(``kernels.calibration.stationary_channels(inv_freq, d, 32)``; ``mu`` is zero elsewhere).
+docs/kernels.md ("K centering per page") has the screening figures.
+
+``PageCenter`` (one per attention layer; the table is the model's, shared by every layer):
+
+- ``mu``: fp32 ``[Hkv, d]``, the pre-RoPE mean key (channels past the rotary dims are never
+  turned: there it is a fixed offset);
+- ``table``: fp32 ``[max_pages, r]``: for page ``P``, ``cos(p_mid * theta_j)`` for ``j < r/2``
+  then ``sin(p_mid * theta_j)``, ``p_mid = 64 P + 32``, ``theta`` RoPE's frequencies over the
+  first ``r`` channels in NeoX's half-split pairs ``(j, j + r/2)`` (the engine's ``apply_rope``).
+
+What the cache holds for a key ``k`` at position ``p`` (page ``P = p // 64``) is ``k - c_P`` with
+
+    c_P[j]       = mu[j] * cos_j - mu[j + h] * sin_j        (j < h = r/2)
+    c_P[j + h]   = mu[j + h] * cos_j + mu[j] * sin_j
+    c_P[k]       = mu[k]                                     (k >= r)
+
+each product and sum rounded on its own in fp32 (``offsets``: torch element-wise operations,
+the same bits on CPU and CUDA; the appends subtract them like a fixed offset). Attention adds
+back ``q . c_P`` per (query, page): ``sum_j A_j cos_j + B_j sin_j`` with ``A_j = q_j mu_j +
+q_{j+h} mu_{j+h}`` and ``B_j = q_{j+h} mu_j - q_j mu_{j+h}`` (``query_terms``, from the
+unrotated query) plus ``q . mu`` over the unrotated channels, the same for every page, which the
+softmax cancels and the kernels therefore leave out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+PAGE_SIZE = 64
+MID = PAGE_SIZE // 2
+
+
+def rope_table(inv_freq: torch.Tensor, max_pages: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 ``[max_pages, 2 * len(inv_freq)]``: cos then sin of each page middle's angles
+    (computed in fp64, so far pages stay exact to fp32's precision)."""
+    if inv_freq.dim() != 1 or inv_freq.numel() == 0:
+        raise ValueError(f"inv_freq must be a non-empty 1-D tensor, got {list(inv_freq.shape)}")
+    if max_pages < 1:
+        raise ValueError(f"max_pages must be >= 1, got {max_pages}")
+    mid = torch.arange(max_pages, dtype=torch.float64) * PAGE_SIZE + MID
+    ang = mid[:, None] * inv_freq.to(torch.float64).cpu()[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).to(torch.float32).contiguous().to(device)
+
+
+@dataclass
+class PageCenter:
+    """One layer's per-page K centering (module doc)."""
+
+    mu: torch.Tensor  # fp32 [Hkv, d]
+    table: torch.Tensor  # fp32 [max_pages, r], shared by the model's layers
+
+    def __post_init__(self) -> None:
+        mu, table = self.mu, self.table
+        if mu.dim() != 2 or mu.dtype != torch.float32 or not mu.is_contiguous():
+            raise ValueError(f"mu must be contiguous float32 [num_kv_heads, head_dim], got {mu.dtype} {list(mu.shape)}")
+        if table.dim() != 2 or table.dtype != torch.float32 or not table.is_contiguous():
+            raise ValueError(f"table must be contiguous float32 [max_pages, rotary_dim], got {table.dtype} "
+                             f"{list(table.shape)}")
+        r = table.shape[1]
+        if r % 2 or not 0 < r <= mu.shape[1]:
+            raise ValueError(f"the table's rotary dims ({r}) must be even and at most head_dim ({mu.shape[1]})")
+        if mu.device != table.device:
+            raise ValueError(f"mu is on {mu.device} but the table on {table.device}")
+        if not bool(torch.isfinite(mu).all()):
+            raise ValueError("mu must be finite")
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def max_positions(self) -> int:
+        return self.table.shape[0] * PAGE_SIZE
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """ValueError unless ``positions`` are int tokens' positions the table covers (metadata
+        only when ``positions`` is empty; reads the maximum back otherwise)."""
+        if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"positions must be an int32/int64 vector, got {positions.dtype} {list(positions.shape)}")
+        if positions.numel() and (int(positions.max()) >= self.max_positions or int(positions.min()) < 0):
+            raise ValueError(f"positions must lie in [0, {self.max_positions}) (the page table's length); got "
+                             f"{int(positions.min())}..{int(positions.max())}")
+
+    def offsets(self, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N, Hkv, d]``: ``c_P`` of each token's page (module doc), rounded step by step."""
+        h = self.rotary_dim // 2
+        cs = self.table[(positions.to(self.table.device).long() // PAGE_SIZE)]  # [N, r]
+        cos, sin = cs[:, None, :h], cs[:, None, h:]
+        mu = self.mu[None]  # [1, Hkv, d]
+        lo, hi = mu[..., :h], mu[..., h : 2 * h]
+        first = lo * cos - hi * sin  # two products, one difference
+        second = hi * cos + lo * sin
+        rest = mu[..., 2 * h :].expand(cs.shape[0], -1, -1)
+        return torch.cat([first, second, rest], dim=-1).contiguous()
+
+    def query_terms(self, q: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[Nq, Hq, r]``: ``A`` then ``B`` (module doc) of unrotated queries ``q`` [Nq, Hq, d]
+        (query head ``i`` reads KV head ``i // (Hq / Hkv)``)."""
+        nq, hq, d = q.shape
+        hkv = self.mu.shape[0]
+        if d != self.mu.shape[1] or hq % hkv:
+            raise ValueError(f"q must be [tokens, Hq, {self.mu.shape[1]}] with Hq a multiple of {hkv}, got {list(q.shape)}")
+        h = self.rotary_dim // 2
+        mu = self.mu.to(q.device).repeat_interleave(hq // hkv, dim=0)[None]  # [1, Hq, d]
+        qf = q.to(torch.float32)
+        q1, q2, m1, m2 = qf[..., :h], qf[..., h : 2 * h], mu[..., :h], mu[..., h : 2 * h]
+        return torch.cat([q1 * m1 + q2 * m2, q2 * m1 - q1 * m2], dim=-1).contiguous()
+
+
+def page_stationary(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """bool ``[head_dim]``: the channels a page-centered ``mu`` may use (RoPE turns them by at
+    most pi/4 over half a page; channels past the rotary dims always)."""
+    from kernels.calibration import stationary_channels
+
+    return stationary_channels(inv_freq, head_dim, MID)
+
+
+def pre_rope_mean(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[Hkv, d]``: the mean of keys ``k`` [N, Hkv, d] (after RoPE, at ``positions``)
+    turned back to position 0 (fp64 angles), on every channel; ``page_stationary`` says which
+    of them a ``PageCenter`` keeps."""
+    h = inv_freq.numel()
+    ang = positions.to(torch.float64).cpu()[:, None] * inv_freq.to(torch.float64).cpu()[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x = k.to(torch.float64).cpu()
+    x1, x2 = x[..., :h], x[..., h : 2 * h]
+    back = torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin, x[..., 2 * h :]], dim=-1)
+    return back.mean(0).to(torch.float32).contiguous()
+
+
+def max_pages_for(max_positions: int) -> int:
+    return max(1, math.ceil(max_positions / PAGE_SIZE))

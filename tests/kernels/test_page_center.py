@@ -1,0 +1,225 @@
+"""K centered per page (``kernels.page_center``): the offsets' meaning, the appends' bytes with
+per-token offsets (reference and Triton), and attention adding each page's ``q . c_P`` back
+(Triton kernel against the reference, the backends end to end)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
+from kernels.calibration import stationary_channels
+from kernels.kv_append import reference as append_ref
+from kernels.kv_formats import KVLayout
+from kernels.page_center import PageCenter, page_stationary, pre_rope_mean, rope_table
+from tests.kernels.helpers import POISON, fragmented_tables, rel_l2
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inv_freq(rotary: int, base: float = 10000.0) -> torch.Tensor:
+    return 1.0 / base ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """NeoX half-split RoPE in fp64 over the first 2 * len(inv_freq) channels."""
+    h = inv_freq.numel()
+    ang = pos.double()[:, None] * inv_freq.double()[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x = x.double()
+    x1, x2 = x[..., :h], x[..., h : 2 * h]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * h :]], dim=-1)
+
+
+def _center(hkv: int, d: int, rotary: int, pages: int, seed: int, device=DEV) -> PageCenter:
+    gen = torch.Generator().manual_seed(seed)
+    inv = _inv_freq(rotary)
+    mu = torch.randn(hkv, d, generator=gen) * 4.0
+    mu = torch.where(page_stationary(inv, d), mu, torch.zeros(()))
+    return PageCenter(mu.contiguous().to(device), rope_table(inv, pages, device))
+
+
+def test_offsets_are_the_mean_turned_to_the_page_middle():
+    pc = _center(3, 64, 64, 10, seed=1, device="cpu")
+    pos = torch.tensor([0, 1, 63, 64, 100, 639])
+    want = _rope(pc.mu[None].expand(len(pos), -1, -1), pos // 64 * 64 + 32, _inv_freq(64))
+    got = pc.offsets(pos)
+    assert got.dtype == torch.float32 and got.shape == (6, 3, 64)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2]) and not torch.equal(got[2], got[3])
+    # partial rotary: the channels past the rotary dims keep mu itself
+    pc2 = _center(2, 128, 32, 4, seed=2, device="cpu")
+    assert torch.equal(pc2.offsets(torch.tensor([200]))[0, :, 32:], pc2.mu[:, 32:])
+
+
+def test_pre_rope_mean_undoes_rope_and_the_kept_channels_follow_the_frequencies():
+    inv = _inv_freq(64)
+    gen = torch.Generator().manual_seed(3)
+    mu0 = torch.randn(2, 64, generator=gen)
+    pos = torch.randint(0, 5000, (300,), generator=gen)
+    k = _rope(mu0[None].expand(300, -1, -1), pos, inv).float()
+    assert torch.allclose(pre_rope_mean(k, pos, inv), mu0, atol=1e-4)
+    keep = page_stationary(inv, 64)
+    assert torch.equal(keep, stationary_channels(inv, 64, 32))
+    assert 0 < int(keep.sum()) < 64 and bool(keep[31]) and not bool(keep[0])
+
+
+def test_query_terms_give_the_page_dependent_part_of_q_dot_c():
+    pc = _center(2, 128, 64, 8, seed=4, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(5, 6, 128, generator=gen)  # 3 query heads per KV head
+    ab = pc.query_terms(q).double()  # [5, 6, 64]
+    c = pc.offsets(torch.arange(8) * 64).double()  # [pages, Hkv, d]
+    cs = pc.table.double()  # [pages, 64]
+    full = torch.einsum("thd,phd->thp", q.double(), c.repeat_interleave(3, dim=1))
+    rest = torch.einsum("thd,hd->th", q.double()[..., 64:], pc.mu.double().repeat_interleave(3, 0)[:, 64:])
+    got = torch.einsum("thr,pr->thp", ab, cs)
+    assert torch.allclose(got, full - rest[..., None], atol=1e-3)
+
+
+def test_bad_page_center_inputs_are_refused():
+    inv = _inv_freq(64)
+    tab = rope_table(inv, 4)
+    with pytest.raises(ValueError, match="mu must be contiguous float32"):
+        PageCenter(torch.zeros(2, 64, dtype=torch.float64), tab)
+    with pytest.raises(ValueError, match="rotary dims"):
+        PageCenter(torch.zeros(2, 32), tab)
+    with pytest.raises(ValueError, match="finite"):
+        PageCenter(torch.full((2, 64), float("nan")), tab)
+    pc = PageCenter(torch.zeros(2, 64), tab)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 256\)"):
+        pc.check_positions(torch.tensor([256]))
+    with pytest.raises(ValueError, match="int32/int64 vector"):
+        pc.check_positions(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="max_pages"):
+        rope_table(inv, 0)
+    lay = KVLayout.make("nvfp4", 2, 64)
+    layer = KVCacheLayer.allocate(lay, 2)
+    layer.page_center = pc
+    layer.k_offset = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="not both"):
+        layer.check()
+    layer.k_offset = None
+    layer.check()
+    with pytest.raises(ValueError, match="needs positions"):
+        ReferenceBackend().append(layer, torch.zeros(3, 2, 64), torch.zeros(3, 2, 64), torch.arange(3))
+    with pytest.raises(ValueError, match="positions must lie"):
+        ReferenceBackend().append(layer, torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), torch.arange(1),
+                                  torch.tensor([300]))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "int8", "bf16"])
+def test_append_with_page_offsets_writes_the_bytes_of_appending_k_minus_them(fmt):
+    lay = KVLayout.make(fmt, 3, 64)
+    pc = _center(3, 64, 64, 4, seed=6, device="cpu")
+    gen = torch.Generator().manual_seed(7)
+    n = 150
+    k = (torch.randn(n, 3, 64, generator=gen) * 3).to(torch.bfloat16)
+    v = torch.randn(n, 3, 64, generator=gen).to(torch.bfloat16)
+    pos = torch.randperm(4 * 64, generator=gen)[:n]
+    slots = torch.randperm(5 * 64, generator=gen)[:n]
+    slots[::17] = -1
+    scales = lay.default_scales()
+    a = torch.full((5, 2, 3, lay.head_page_bytes), POISON, dtype=torch.uint8)
+    b = a.clone()
+    layer = KVCacheLayer(lay, a, scales, page_center=pc)
+    ReferenceBackend().append(layer, k, v, slots, pos)
+    # the same: K minus its offsets in fp32, appended with no offset
+    append_ref.append(b, lay, (k.float() - pc.offsets(pos)), v, slots, scales)
+    assert torch.equal(a, b)
+    # and the per-token offset through the Triton kernel (interpreter on CPU)
+    from kernels.kv_append import triton_kernel
+
+    c = torch.full_like(a, POISON).to(DEV)
+    triton_kernel.append(c, lay, k.to(DEV), v.to(DEV), slots.to(DEV), scales.to(DEV), pc.offsets(pos).to(DEV))
+    assert torch.equal(c.cpu(), a)
+
+
+def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: int, hadamard: bool = True):
+    lay = KVLayout.make(fmt, hkv, d, hadamard)
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_pages = fragmented_tables(ctx_lens, gen)
+    pages = max(1, max((c + 63) // 64 for c in ctx_lens)) + 1
+    pc = _center(hkv, d, rotary, pages, seed, device="cpu")
+    layer = KVCacheLayer(lay, torch.full((num_pages, 2, hkv, lay.head_page_bytes), POISON, dtype=torch.uint8),
+                         lay.default_scales(), page_center=pc)
+    if fmt in ("fp8", "nvfp4"):
+        layer.scales = torch.full((2, hkv), 0.25)
+    ks, vs = [], []
+    for b, n in enumerate(ctx_lens):
+        pos = torch.arange(n)
+        # keys with a large component along the page-turned mean (what centering removes)
+        base = _rope(pc.mu[None].expand(n, -1, -1), pos, _inv_freq(rotary)).float()
+        k = (base + torch.randn(n, hkv, d, generator=gen)).to(torch.bfloat16)
+        v = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
+        slots = append_ref.slots_from_positions(tables, torch.full((n,), b), pos)
+        ReferenceBackend().append(layer, k, v, slots, pos)
+        ks.append(k)
+        vs.append(v)
+    return layer, tables, torch.tensor(ctx_lens, dtype=torch.int32), ks, vs
+
+
+@pytest.mark.parametrize("fmt,d,hq,hkv,rotary", [("nvfp4", 64, 9, 3, 64), ("fp8", 64, 6, 2, 64),
+                                                 ("bf16", 128, 4, 2, 32), ("int8", 64, 4, 2, 64)])
+def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
+    from kernels.paged_attention import reference as attn_ref
+    from kernels.paged_attention import triton_kernel
+
+    ctx_lens = [4, 65, 130]
+    layer, tables, lens, _, _ = _paged(fmt, hkv, d, rotary, ctx_lens, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    for ql in (1, 4):
+        q = torch.randn(len(ctx_lens) * ql, hq, d, generator=gen)
+        starts = torch.arange(len(ctx_lens), dtype=torch.int32) * ql
+        qlen = torch.full((len(ctx_lens),), ql, dtype=torch.int32)
+        qr = attn_ref.rotate_q(q, layer.layout)
+        want = attn_ref.paged_attention(qr, layer.data, layer.layout, layer.scales, tables, lens, starts, qlen, 0.125,
+                                        compute_dtype=torch.float64, page_center=layer.page_center)
+        pc = (layer.page_center.query_terms(q).to(DEV), layer.page_center.table.to(DEV))
+        for splits in (1, 3):
+            got = triton_kernel.paged_attention(qr.to(DEV), layer.data.to(DEV), layer.layout, layer.scales.to(DEV),
+                                                tables.to(DEV), lens.to(DEV), starts.to(DEV), qlen.to(DEV), 0.125,
+                                                num_splits=splits, out=torch.empty(q.shape, device=DEV),
+                                                page_center=pc)
+            assert rel_l2(got.cpu(), want) < 1e-3, (fmt, ql, splits)
+        # without adding the offsets back the result is another one: the bias matters here
+        plain = attn_ref.paged_attention(qr, layer.data, layer.layout, layer.scales, tables, lens, starts, qlen, 0.125,
+                                         compute_dtype=torch.float64)
+        assert rel_l2(plain, want) > 1e-2
+
+
+def test_page_centered_bf16_cache_attends_like_the_original_keys():
+    from kernels.paged_attention import reference as attn_ref
+
+    ctx_lens = [70, 200]
+    layer, tables, lens, ks, vs = _paged("bf16", 2, 64, 64, ctx_lens, seed=10, hadamard=False)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 64, generator=gen)
+    starts = torch.arange(2, dtype=torch.int32)
+    ones = torch.ones(2, dtype=torch.int32)
+    got = attn_ref.paged_attention(q, layer.data, layer.layout, layer.scales, tables, lens, starts, ones, 0.125,
+                                   compute_dtype=torch.float64, page_center=layer.page_center)
+    for b in range(2):  # fp64 attention over the keys as given
+        k = ks[b].double().repeat_interleave(2, 1)
+        v = vs[b].double().repeat_interleave(2, 1)
+        p = torch.softmax(torch.einsum("hd,khd->hk", q[b].double(), k) * 0.125, -1)
+        want = torch.einsum("hk,khd->hd", p, v)
+        assert rel_l2(got[b], want) < 1e-2
+
+
+def test_backends_agree_on_page_centered_layers():
+    ctx_lens = [40, 129]
+    layer, tables, lens, _, _ = _paged("nvfp4", 2, 64, 64, ctx_lens, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(4, 6, 64, generator=gen)
+    ref = ReferenceBackend().decode_attention(q, layer, tables, lens, tokens_per_seq=2, sm_scale=0.125)
+    dev_layer = KVCacheLayer(layer.layout, layer.data.to(DEV), layer.scales.to(DEV),
+                             page_center=PageCenter(layer.page_center.mu.to(DEV), layer.page_center.table.to(DEV)))
+    be = TritonBackend()
+    got = be.decode_attention(q.to(DEV), dev_layer, tables.to(DEV), lens.to(DEV), tokens_per_seq=2, sm_scale=0.125)
+    assert rel_l2(got.cpu(), ref) < 1e-3
+    pre = be.prefill_attention(q.to(DEV), dev_layer, tables.to(DEV), lens.to(DEV), [2, 2], sm_scale=0.125)
+    assert rel_l2(pre.cpu(), ref) < 1e-3
+    too_long = torch.tensor([40, dev_layer.page_center.max_positions + 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="longer than the page-centering table"):
+        be.decode_attention(q.to(DEV), dev_layer, tables.to(DEV), too_long, tokens_per_seq=2, sm_scale=0.125)
