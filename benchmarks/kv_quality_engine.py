@@ -12,7 +12,7 @@ K centering for ``--served-context`` positions, K rounding per ``--kv-k-rounding
 corpus is Python's ``pydoc_data.topics`` text in non-overlapping windows of ``--ctx``
 tokens, each prefilled in ``--chunk``-token chunks with every position's logits returned
 (``SeqSlice.all_logits``): the chunks read the cache the earlier ones wrote, as the engine's
-chunked prefill does. Config specs: ``KV[:hadamard=auto|on|off][:center=auto|on|off]
+chunked prefill does. Config specs: ``KV[:hadamard=auto|on|off][:center=auto|on|off|page]
 [:rounding=auto|nearest|feedback]`` (the engine's ``--kv-*`` options); ``bf16`` runs first
 in every window and is the reference of "vs bf16" and of the KL column (mean KL of the
 next-token distribution from the bf16 cache's, 1e-3 nats per token). Block-scale counts are
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16,fp8,int8,nvfp4,nvfp4:hadamard=off"
-OPTIONS = {"hadamard": ("auto", "on", "off"), "center": ("auto", "on", "off"),
+OPTIONS = {"hadamard": ("auto", "on", "off"), "center": ("auto", "on", "off", "page"),
            "rounding": ("auto", "nearest", "feedback")}
 
 

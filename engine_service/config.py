@@ -14,8 +14,10 @@ applied at start-up (``engine_service.cli``):
   memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` (auto = on for nvfp4
   and fp8) applies to quantized formats only; ``on`` with a float kv_dtype is an error.
   ``kv_center_k`` (auto = on for fp8 and nvfp4, the formats calibrated at start-up) centers
-  K before quantizing (``engine_service.kv_calibration``); ``on`` with another kv_dtype is
-  an error. ``kv_k_rounding`` picks K's codes by plain nearest rounding or by query-weighted
+  K before quantizing (``engine_service.kv_calibration``); ``page`` centers each key by the
+  calibration's mean turned to its page's middle (``kernels.page_center``: more channels, at
+  any context length; decode then runs the Triton kernel instead of the Gluon one on Hopper);
+  ``on`` or ``page`` with another kv_dtype is an error. ``kv_k_rounding`` picks K's codes by plain nearest rounding or by query-weighted
   rounding calibrated at start-up (``feedback``, fp8 / nvfp4 only, ``kernels.kv_formats.feedback``);
   auto = feedback (fp8 and nvfp4: lower KL to the unquantized cache on long text and on chat
   prompts; nvfp4 rounds a sequence's position 0 to nearest; docs/kernels.md).
@@ -34,7 +36,7 @@ FLOAT_KV_DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANT_KV_DTYPES = ("fp8", "int8", "nvfp4")  # engine_service.kv_quant.QUANT_FORMATS
 KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
 KV_HADAMARD = ("auto", "on", "off")
-KV_CENTER_K = ("auto", "on", "off")  # engine_service.kv_quant.CENTER_K_MODES
+KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv_quant.CENTER_K_MODES
 KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv_quant.K_ROUNDING_MODES
 CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv_quant.SCALED_FORMATS
 QUANT_PAGE_SIZE = 64
@@ -65,7 +67,10 @@ class EngineConfig:
     kv_center_k: str = field(default="auto", metadata={"help": "K centering: subtract K's calibrated mean (on "
                                                                "channels RoPE barely turns) before quantizing, "
                                                                "exact for attention: auto (on for fp8 and nvfp4), "
-                                                               "on, off", "choices": KV_CENTER_K})
+                                                               "on, off, or page (the mean turned to each key's "
+                                                               "page: more channels at any context; on Hopper "
+                                                               "decode then runs the slower Triton kernel)",
+                                                       "choices": KV_CENTER_K})
     kv_k_rounding: str = field(default="auto", metadata={"help": "how K's codes are chosen: nearest, or "
                                                                  "feedback (fp8 / nvfp4: query-weighted rounding "
                                                                  "calibrated at start-up; same bytes per token, less "
@@ -108,7 +113,8 @@ class EngineConfig:
         c(self.kv_dtype in KV_DTYPES, "kv_dtype", self.kv_dtype, f"must be one of {', '.join(KV_DTYPES)}")
         c(self.kv_hadamard in KV_HADAMARD, "kv_hadamard", self.kv_hadamard, f"must be one of {', '.join(KV_HADAMARD)}")
         c(self.kv_center_k in KV_CENTER_K, "kv_center_k", self.kv_center_k, f"must be one of {', '.join(KV_CENTER_K)}")
-        c(self.kv_center_k != "on" or self.kv_dtype in CALIBRATED_KV_DTYPES, "kv_center_k", self.kv_center_k,
+        c(self.kv_center_k not in ("on", "page") or self.kv_dtype in CALIBRATED_KV_DTYPES, "kv_center_k",
+          self.kv_center_k,
           f"applies to calibrated kv dtypes ({', '.join(CALIBRATED_KV_DTYPES)}) only, not kv_dtype={self.kv_dtype}; "
           "use auto or off")
         c(self.kv_k_rounding in KV_K_ROUNDING, "kv_k_rounding", self.kv_k_rounding,

@@ -9,6 +9,10 @@ scratch pool; ``calibrate_layers`` turns them into per-layer power-of-two global
 with ``kernels.calibration.calibrate`` and counts the block scales that the calibration
 K/V would get under those scales (``ScaleCounter``: zero / subnormal / saturated of total).
 
+With ``--kv-center-k page`` each layer gets instead the calibration K's mean turned back to
+position 0 (``kernels.page_center.pre_rope_mean``), on the channels RoPE turns by at most pi/4
+over half a page; the cache subtracts it turned to each key's page middle.
+
 With K centering (``--kv-center-k``, on by default for fp8 and nvfp4) each layer also gets
 a K offset [Hkv, d] — the calibration K's mean, ``kernels.calibration.k_offset``, on the
 channels that RoPE turns by at most pi/4 over the served context (the engine's
@@ -42,6 +46,7 @@ from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_offset
 from kernels.hadamard.reference import fwht
 from kernels.kv_formats import feedback
 from kernels.kv_formats.layout import PAGE_LAYOUT_VERSION, KVLayout
+from kernels.page_center import PAGE_SIZE, PageCenter, max_pages_for, pre_rope_mean, rope_table
 
 CALIBRATION_TEXT = '''The harbour was quiet that morning. Fishing boats rocked against the pier while gulls \
 argued over scraps, and the old lighthouse keeper wrote in his log: wind from the north-east, \
@@ -182,6 +187,9 @@ class KVCalibration:
     k_offsets: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     centered_channels: int = 0
     k_energy_removed: float = 0.0
+    # K centered per page (``kernels.page_center``): per attention layer the pre-RoPE mean fp32
+    # [Hkv, d] (None: not per page; then ``k_offsets`` may hold fixed offsets)
+    page_means: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     # query-weighted rounding of K: per attention layer fp32 [Hkv, d/16, 16, 16] (None: nearest)
     k_feedback: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
@@ -194,7 +202,9 @@ class KVCalibration:
         h.update(f";page_layout={PAGE_LAYOUT_VERSION}".encode())
         if self.k_feedback is not None:  # nvfp4 rounds position 0 to nearest (kv_quant.position0_nearest)
             h.update(b"k_feedback;position0=nearest" if self.kv_format.startswith("nvfp4") else b"k_feedback;all")
-        for t in (*self.scales, *(self.k_offsets or ()), *(self.k_feedback or ())):
+        if self.page_means is not None:  # what each key had subtracted: its page's turn of the mean
+            h.update(f";k_center=page;page={PAGE_SIZE}".encode())
+        for t in (*self.scales, *(self.k_offsets or ()), *(self.page_means or ()), *(self.k_feedback or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
@@ -206,30 +216,44 @@ class KVCalibration:
 
 def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.Tensor]], *, source: str,
                      tokens: int, name: str, center_k: torch.Tensor | None = None,
-                     q_covariances: list[torch.Tensor] | None = None) -> KVCalibration:
+                     q_covariances: list[torch.Tensor] | None = None,
+                     page_rope: torch.Tensor | None = None) -> KVCalibration:
     """Global scales of every layer from its captured K/V, and their block-scale counts.
 
     ``center_k``: bool [d], the channels to center (``stationary_channels``); None = no
-    K centering. ``q_covariances``: per layer mean query block products in K's stored basis
+    K centering. ``page_rope``: RoPE's ``inv_freq`` — K centered per page instead
+    (``kernels.page_center``: the captured keys, positions 0.. in order, turned back to position
+    0 and averaged on ``center_k``'s channels, which the caller takes from ``page_stationary``).
+    ``q_covariances``: per layer mean query block products in K's stored basis
     (``RecordingPool.query_covariances``), turned into K feedback; None = nearest rounding."""
     if q_covariances is not None and len(q_covariances) != len(captured):
         raise ValueError(f"need query covariances for {len(captured)} layers, got {len(q_covariances)}")
+    if page_rope is not None and center_k is None:
+        raise ValueError("page centering needs the channels to center (center_k)")
     counter = ScaleCounter()
     scales, offsets = [], []
     energy = centered_energy = 0.0
     for k, v in captured:
         if center_k is not None:
-            mu = k_offset(k, center_k)
+            if page_rope is None:
+                mu = k_offset(k, center_k)
+                shift = mu
+            else:
+                pos = torch.arange(k.shape[0])
+                mu = torch.where(center_k, pre_rope_mean(k, pos, page_rope), torch.zeros(()))
+                pc = PageCenter(mu.contiguous(), rope_table(page_rope, max_pages_for(k.shape[0])))
+                shift = pc.offsets(pos)
             offsets.append(mu)
             energy += float(k.double().square().sum())
-            k = k - mu
+            k = k - shift
             centered_energy += float(k.double().square().sum())
         g = calibrate(layout, k, v)
         counter.update(layout, k, v, g)
         scales.append(g)
     return KVCalibration(kv_format=name, source=source, tokens=tokens, scales=tuple(scales),
                          k=counter.k, v=counter.v,
-                         k_offsets=tuple(offsets) if center_k is not None else None,
+                         k_offsets=tuple(offsets) if center_k is not None and page_rope is None else None,
+                         page_means=tuple(offsets) if page_rope is not None else None,
                          centered_channels=int(center_k.sum()) if center_k is not None else 0,
                          k_energy_removed=1.0 - centered_energy / energy if energy > 0 else 0.0,
                          k_feedback=None if q_covariances is None else

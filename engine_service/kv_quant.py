@@ -45,12 +45,13 @@ from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_b
 from kernels.calibration import ScaleCounts, counted_per_row
 from kernels.kv_append.reference import SCALE_COUNT_KINDS, check_k_feedback, check_k_offset
 from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
+from kernels.page_center import PageCenter
 
 QUANT_FORMATS = ("fp8", "int8", "nvfp4")
 K_ROUNDING_MODES = ("auto", "nearest", "feedback")  # feedback: fp8 / nvfp4 only (kernels.kv_formats.feedback)
 FEEDBACK_BY_DEFAULT = ("fp8", "nvfp4")  # auto: where query-weighted rounding measured better (docs/kernels.md)
 HADAMARD_MODES = ("auto", "on", "off")
-CENTER_K_MODES = ("auto", "on", "off")  # auto: on for the calibrated formats
+CENTER_K_MODES = ("auto", "on", "off", "page")  # auto: on for the calibrated formats; page: kernels.page_center
 SCALED_FORMATS = ("fp8", "nvfp4")  # formats whose global scales matter (calibrated)
 
 
@@ -106,17 +107,20 @@ class QuantLayerKV:
     def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
         assert ctx.kv_slots is not None
         slots = ctx.kv_slots
+        # K centered per page: the append turns the mean to each token's page (its position)
+        pos = ctx.positions.to(slots.device) if self.cache.page_center is not None else None
         sinks = [s.offset for s in ctx.seqs if s.start == 0 and s.num_tokens > 0]
         if self.cache.k_feedback is None or not sinks or not position0_nearest(self.cache.layout):
-            self.backend.append(self.cache, k, v, slots)
+            self.backend.append(self.cache, k, v, slots, pos)
         else:
             # nvfp4: position 0 of a sequence (the attention sink: a chat template's fixed
             # first token) is rounded to nearest: feedback calibrated on the average query can
             # put that one key's error where the queries leaning on it look (docs/kernels.md)
             rows = torch.tensor(sinks, dtype=torch.long, device=slots.device)
             self.backend.append(replace(self.cache, k_feedback=None), k.index_select(0, rows),
-                                v.index_select(0, rows), slots.index_select(0, rows))
-            self.backend.append(self.cache, k, v, slots.index_fill(0, rows, -1))
+                                v.index_select(0, rows), slots.index_select(0, rows),
+                                None if pos is None else pos.index_select(0, rows))
+            self.backend.append(self.cache, k, v, slots.index_fill(0, rows, -1), pos)
         if self.stored is not None:
             self.stored[0] += k.shape[0]  # every row has a slot (the runner never skips one)
 
@@ -217,6 +221,24 @@ class QuantKVPool:
     def set_k_offsets(self, offsets: Sequence[torch.Tensor]) -> None:
         """Install per-layer K centering offsets (finite fp32 ``[Hkv, d]``)."""
         self._install("k_offset", "K offsets", offsets, check_k_offset)
+
+    def set_page_centers(self, means: Sequence[torch.Tensor], table: torch.Tensor) -> None:
+        """Center K per page (``kernels.page_center``): per layer the pre-RoPE mean fp32
+        ``[Hkv, d]``, and the model's RoPE table of page middles (shared by every layer); the
+        layers' fixed K offsets are dropped (one centering or the other)."""
+        if len(means) != len(self.caches):
+            raise ValueError(f"need page-centering means for {len(self.caches)} attention layers, got {len(means)}")
+        dev = self.caches[0].data.device
+        tab = table.to(device=dev, dtype=torch.float32).contiguous()
+        centers = [PageCenter(m.to(device=dev, dtype=torch.float32).contiguous(), tab) for m in means]
+        for c, pc in zip(self.caches, centers, strict=True):
+            c.k_offset = None
+            c.page_center = pc
+            c.check()
+
+    def page_means(self) -> list[torch.Tensor | None]:
+        """Copies of every layer's page-centering mean fp32 ``[Hkv, d]`` (CPU), None where unset."""
+        return [None if c.page_center is None else c.page_center.mu.detach().cpu().clone() for c in self.caches]
 
     def k_feedbacks(self) -> list[torch.Tensor | None]:
         """Copies of every layer's K rounding feedback fp32 ``[Hkv, d/16, 16, 16]`` (CPU), None where unset."""

@@ -60,6 +60,7 @@ from engine_service.models import build_model, load_weights
 from engine_service.models.decoder import CausalLM
 from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
 from kernels.calibration import ScaleCounts, stationary_channels
+from kernels.page_center import max_pages_for, page_stationary, rope_table
 
 log = get_logger(__name__)
 
@@ -99,10 +100,11 @@ class TorchModelRunner:
                                   f"not {kv_dtype!r}: use auto or off")
         if kv_center_k not in CENTER_K_MODES:
             raise KVSettingsError(f"kv_center_k {kv_center_k!r} must be one of {', '.join(CENTER_K_MODES)}")
-        if kv_center_k == "on" and kv_dtype not in SCALED_FORMATS:
-            raise KVSettingsError(f"kv_center_k 'on' needs a calibrated kv dtype ({', '.join(SCALED_FORMATS)}), "
-                                  f"not {kv_dtype!r}: use auto or off")
+        if kv_center_k in ("on", "page") and kv_dtype not in SCALED_FORMATS:
+            raise KVSettingsError(f"kv_center_k {kv_center_k!r} needs a calibrated kv dtype "
+                                  f"({', '.join(SCALED_FORMATS)}), not {kv_dtype!r}: use auto or off")
         self.kv_center_k = kv_center_k != "off" and kv_dtype in SCALED_FORMATS
+        self.kv_center_page = kv_center_k == "page" and kv_dtype in SCALED_FORMATS
         if kv_k_rounding not in K_ROUNDING_MODES:
             raise KVSettingsError(f"kv_k_rounding {kv_k_rounding!r} must be one of {', '.join(K_ROUNDING_MODES)}")
         if kv_k_rounding == "feedback" and kv_dtype not in SCALED_FORMATS:
@@ -206,15 +208,25 @@ class TorchModelRunner:
         return self._quant_pool().scales()
 
     def set_kv_scales(self, scales: Sequence[torch.Tensor], k_offsets: Sequence[torch.Tensor] | None = None,
-                      k_feedback: Sequence[torch.Tensor] | None = None) -> None:
+                      k_feedback: Sequence[torch.Tensor] | None = None,
+                      page_means: Sequence[torch.Tensor] | None = None) -> None:
         """Install per-layer global scales (and K centering offsets fp32 ``[Hkv, d]``, K rounding
-        feedback fp32 ``[Hkv, d/16, 16, 16]``) by hand (quantized KV only, before the first forward)."""
+        feedback fp32 ``[Hkv, d/16, 16, 16]``, or K centering per page: pre-RoPE means fp32
+        ``[Hkv, d]``, ``kernels.page_center``, with the model's RoPE) by hand (quantized KV only,
+        before the first forward)."""
         pool = self._scales_settable()
         pool.set_scales(scales)
         if k_offsets is not None:
             pool.set_k_offsets(k_offsets)
         if k_feedback is not None:
             pool.set_k_feedback(k_feedback)
+        if page_means is not None:
+            inv_freq, _ = inv_freq_and_scale(self.args.rope)
+            pool.set_page_centers(page_means, rope_table(inv_freq, max_pages_for(self.max_context)))
+
+    def kv_page_means(self) -> list[torch.Tensor | None]:
+        """Every attention layer's per-page centering mean fp32 ``[Hkv, d]`` (None: not centered per page)."""
+        return self._quant_pool().page_means()
 
     def kv_scale_counts(self) -> tuple[ScaleCounts, ScaleCounts] | None:
         """(K, V) block-scale counts of everything the serving pool has stored (fp8 / nvfp4),
@@ -275,16 +287,21 @@ class TorchModelRunner:
         ctx = self._context(batch, scratch, state, [0])
         with torch.inference_mode():
             self.model(batch.input_ids.to(self._device), ctx, scratch, state)  # type: ignore[arg-type]
-        keep = None
+        keep = page_rope = None
         if self.kv_center_k:
             inv_freq, _ = inv_freq_and_scale(self.args.rope)
-            keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
+            if self.kv_center_page:  # per page: the channels still at their page's middle within half a page
+                keep, page_rope = page_stationary(inv_freq, self.quant_layout.head_dim), inv_freq
+            else:
+                keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
         report = calibrate_layers(self.quant_layout, scratch.captured(), source=source, tokens=n,
-                                  name=describe(self.quant_layout), center_k=keep,
+                                  name=describe(self.quant_layout), center_k=keep, page_rope=page_rope,
                                   q_covariances=scratch.query_covariances() if self.kv_k_rounding_feedback else None)
         pool.set_scales(report.scales)
         if report.k_offsets is not None:
             pool.set_k_offsets(report.k_offsets)
+        if report.page_means is not None and page_rope is not None:
+            pool.set_page_centers(report.page_means, rope_table(page_rope, max_pages_for(self.max_context)))
         if report.k_feedback is not None:
             pool.set_k_feedback(report.k_feedback)
         self.kv_calibration = report
@@ -294,7 +311,9 @@ class TorchModelRunner:
                  k_blocks=report.k.blocks, k_zero=report.k.zero, k_subnormal=report.k.subnormal,
                  k_saturated=report.k.saturated, v_blocks=report.v.blocks, v_zero=report.v.zero,
                  v_subnormal=report.v.subnormal, v_saturated=report.v.saturated,
-                 k_centered_channels=report.centered_channels, k_rounding="feedback" if report.k_feedback else "nearest",
+                 k_centered_channels=report.centered_channels,
+                 k_center="page" if report.page_means is not None else ("offset" if report.k_offsets else "off"),
+                 k_rounding="feedback" if report.k_feedback else "nearest",
                  digest=report.digest(),
                  k_energy_removed=round(report.k_energy_removed, 4))
         return report

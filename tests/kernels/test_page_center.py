@@ -135,6 +135,36 @@ def test_append_with_page_offsets_writes_the_bytes_of_appending_k_minus_them(fmt
     assert torch.equal(c.cpu(), a)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("fed", [False, True])
+def test_gluon_and_triton_appends_with_page_offsets_full_size(fmt, d, fed):
+    # both GPU kernels (the Gluon one on Hopper) with one offset per token, K feedback or not
+    from kernels.kv_append import triton_kernel
+    from tests.kernels.test_append import _edge_rows, _random_feedback
+
+    lay = KVLayout.make(fmt, 4, d)
+    pc = _center(4, d, 64 if d == 256 else d, 80, seed=20 + d, device="cpu")
+    gen = torch.Generator().manual_seed(21 + d + fed)
+    n = 5000
+    k = _edge_rows(n * 4, d, gen).view(n, 4, d).to(torch.bfloat16)
+    v = _edge_rows(n * 4, d, gen).view(n, 4, d).to(torch.bfloat16)
+    pos = torch.randint(0, 80 * 64, (n,), generator=gen)
+    slots = torch.randperm(82 * 64, generator=gen)[:n]
+    slots[::31] = -1
+    scales = torch.exp2(torch.randint(-4, 4, (2, 4), generator=gen).float())
+    fb = _random_feedback(4, d, gen) if fed else None
+    off = pc.offsets(pos)
+    want = torch.full((82, 2, 4, lay.head_page_bytes), POISON, dtype=torch.uint8)
+    append_ref.append(want, lay, k, v, slots, scales, off, None, fb)
+    for impl in ("auto", "triton"):
+        got = torch.full_like(want, POISON).cuda()
+        triton_kernel.append(got, lay, k.cuda(), v.cuda(), slots.cuda(), scales.cuda(), off.cuda(), None,
+                             None if fb is None else fb.cuda(), impl=impl)
+        assert torch.equal(got.cpu(), want), impl
+
+
 def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: int, hadamard: bool = True):
     lay = KVLayout.make(fmt, hkv, d, hadamard)
     gen = torch.Generator().manual_seed(seed)
