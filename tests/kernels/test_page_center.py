@@ -211,7 +211,9 @@ def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
                                                 tables.to(DEV), lens.to(DEV), starts.to(DEV), qlen.to(DEV), 0.125,
                                                 num_splits=splits, out=torch.empty(q.shape, device=DEV),
                                                 page_center=pc)
-            assert rel_l2(got.cpu(), want) < 1e-3, (fmt, ql, splits)
+            # bf16 tiles take Q in bf16 (2**-9 per element) against these keys' large shared part:
+            # 1.2e-3 measured on the H200 at T = 4; the fp16 tiles of the other formats stay under 1e-3
+            assert rel_l2(got.cpu(), want) < (2e-3 if fmt == "bf16" else 1e-3), (fmt, ql, splits)
         # without adding the offsets back the result is another one: the bias matters here
         plain = attn_ref.paged_attention(qr, layer.data, layer.layout, layer.scales, tables, lens, starts, qlen, 0.125,
                                          compute_dtype=torch.float64)
