@@ -10,8 +10,10 @@ Usage (one attention layer; the engine keeps one ``KVCacheLayer`` per attention 
                                                                     # for the queries (kv_formats.feedback)
     be = get_backend(device)                                        # "triton" on CUDA
 
+    # or K centered per page instead of by k_offset (kernels.page_center; positions then required):
+    layer.page_center = PageCenter(mu_pre_rope, rope_table(inv_freq, max_pages))
     # every step: K after RoPE, both [N, Hkv, d]; tokens of many sequences in any order
-    be.append(layer, k, v, slots)               # slots[i] = page * 64 + offset, -1 = skip
+    be.append(layer, k, v, slots, positions)    # slots[i] = page * 64 + offset, -1 = skip
     # decode / speculative verify: T = 1..16 new tokens per sequence, q [B * T, Hq, d]
     o = be.decode_attention(q, layer, block_tables, context_lens, tokens_per_seq=T, sm_scale=s)
     # prefill chunks (varlen): q [sum(q_lens), Hq, d], sequences back to back
@@ -29,6 +31,9 @@ Contract:
   quantization and to Q before QK; with ``k_feedback`` (fp8 / nvfp4) K's codes are chosen
   by query-weighted rounding (same format, other codes). Outputs have q's dtype
   (or ``out``'s, e.g. fp32). V is never rotated, so outputs need no inverse transform.
+- ``page_center`` (instead of ``k_offset``): the append subtracts each token's page offset
+  (``positions`` [N] required), attention adds each page's ``q . c_P`` back (the Triton backend
+  then decodes with the Triton kernel, not the Gluon one).
 - Both backends write identical cache bytes (the Triton append is bit-exact); attention
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
 - ``prefill_attention`` (Triton) splits the keys of short chunks over long prefixes
