@@ -273,7 +273,7 @@ class TritonBackend:
         if validate and (q.shape[0] != b * t or not 1 <= t <= 16):
             raise ValueError(f"decode needs q [B * T, Hq, d] with 1 <= T <= 16; got {list(q.shape)} for B={b}, T={t}")
         h = layer.layout.num_kv_heads
-        pc = _page_terms(q, layer, context_lens, validate)
+        pc = _page_terms(q, layer)
         if pc is None and self.uses_gluon(layer.layout, q.shape[1] // h, t, q.device):
             from kernels.paged_attention import gluon_decode
 
@@ -299,7 +299,7 @@ class TritonBackend:
         if out is None:
             out = torch.empty_like(q)
         qr = _rotate_q(q, layer.layout)
-        pc = _page_terms(q, layer, context_lens, True)
+        pc = _page_terms(q, layer)
         group = q.shape[1] // layer.layout.num_kv_heads
         if not self._dequantizes(layer.layout, max(lens, default=0) * group):
             return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False, pc)
@@ -464,17 +464,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def _page_terms(q: Tensor, layer: KVCacheLayer, context_lens: Tensor, validate: bool) -> tuple[Tensor, Tensor] | None:
+def _page_terms(q: Tensor, layer: KVCacheLayer) -> tuple[Tensor, Tensor] | None:
     """The Triton kernel's ``page_center=(query terms, table)`` of a layer whose K is centered per
-    page (``kernels.page_center``), from the unrotated ``q``; ``validate`` checks that the table
-    covers every context (reads the longest back to the host)."""
+    page (``kernels.page_center``), from the unrotated ``q``. The table covers every cached key
+    (the append refuses positions past it), so nothing is read back here."""
     pc = layer.page_center
-    if pc is None:
-        return None
-    if validate and context_lens.numel() and int(context_lens.max()) > pc.max_positions:
-        raise ValueError(f"a context of {int(context_lens.max())} tokens is longer than the page-centering table "
-                         f"({pc.max_positions} positions)")
-    return pc.query_terms(q), pc.table
+    return None if pc is None else (pc.query_terms(q), pc.table)
 
 
 def _rotate_q(q: Tensor, layout: KVLayout) -> Tensor:

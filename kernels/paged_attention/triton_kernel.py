@@ -286,7 +286,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
 
 @triton.jit
 def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
-                 q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, inv_gk, FMT: tl.constexpr, D: tl.constexpr,
+                 q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, tab_pages, inv_gk, FMT: tl.constexpr,
+                 D: tl.constexpr,
                  SCALE_OFF: tl.constexpr, SB: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr,
                  UNPACK_ASM: tl.constexpr, NV_LOAD_K: tl.constexpr, NV_LOAD_V: tl.constexpr, BN: tl.constexpr,
                  PAGE: tl.constexpr, P_LOG2: tl.constexpr, PAGE_MAX: tl.constexpr, MASKED: tl.constexpr,
@@ -329,6 +330,7 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
             pg_i = p + i
             if MASKED:
                 pg_i = tl.where(pg_i < p_hi, pg_i, p)
+            pg_i = tl.minimum(pg_i, tab_pages - 1)  # a context past the table (a caller's error) reads its last row
             cs = tl.load(tab_ptr + pg_i.to(tl.int64) * RD + offs_rd, mask=offs_rd < RD, other=0.0)
             bias = tl.sum(ab * cs[None, :], axis=1) * inv_gk
             s = s + tl.where((sub == i)[None, :], bias[:, None], 0.0)
@@ -415,7 +417,7 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
 def paged_attention_fwd_kernel(
     q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr,
     block_table_ptr, ctx_len_ptr, q_start_ptr, q_len_ptr, work_seq_ptr, work_row_ptr,
-    ab_ptr, tab_ptr,
+    ab_ptr, tab_ptr, tab_pages,
     qk_scale, win_lo, win_hi,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cp, stride_ckv, stride_ch, stride_bt, stride_abt, stride_abh,
@@ -503,12 +505,12 @@ def paged_attention_fwd_kernel(
     for p in range(p_lo, p_mid, BN // PAGE):
         acc_lo, acc_hi, m_i, l_i = _attend_tile(
             p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
-            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
+            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, tab_pages, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
             UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, False, LAZY, RD, RDP)
     for p in range(p_mid, p_hi, BN // PAGE):
         acc_lo, acc_hi, m_i, l_i = _attend_tile(
             p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
-            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
+            q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, tab_pages, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
             UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, True, LAZY, RD, RDP)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -692,9 +694,11 @@ def paged_attention(
 
     ``page_center=(ab, table)``: the cache holds K centered per page (``kernels.page_center``);
     ``ab`` fp32 ``[tokens, Hq, r]`` are the rows' query terms (``PageCenter.query_terms`` of the
-    unrotated queries), ``table`` fp32 ``[max_pages, r]`` (``PageCenter.table``, long enough for
-    every key's page: not checked here, the backend does). Each page's ``q . c_P`` joins its keys'
-    scores, so the result is the attention over the uncentered keys (reference: ``page_center=``).
+    unrotated queries), ``table`` fp32 ``[max_pages, r]`` (``PageCenter.table``, which must cover
+    every key's page — the appends refuse positions past it — not checked here: that would read
+    the context lengths back; a page past it reads the table's last row, never out of bounds).
+    Each page's ``q . c_P`` joins its keys' scores, so the result is the attention over the
+    uncentered keys (reference: ``page_center=``).
     """
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
                  None if uniform_t else q_start, None if uniform_t else q_len)
@@ -786,7 +790,7 @@ def paged_attention(
     paged_attention_fwd_kernel[grid](
         q, out, opart, lse, cache, global_scales,
         block_tables, context_lens, q_start, q_len, work[0], work[1],
-        ab, table,
+        ab, table, table.shape[0] if r else 1,
         sm_scale * LOG2E, win_lo, win_hi,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0),

@@ -252,6 +252,9 @@ def test_backends_agree_on_page_centered_layers():
     assert rel_l2(got.cpu(), ref) < 1e-3
     pre = be.prefill_attention(q.to(DEV), dev_layer, tables.to(DEV), lens.to(DEV), [2, 2], sm_scale=0.125)
     assert rel_l2(pre.cpu(), ref) < 1e-3
-    too_long = torch.tensor([40, dev_layer.page_center.max_positions + 1], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="longer than the page-centering table"):
-        be.decode_attention(q.to(DEV), dev_layer, tables.to(DEV), too_long, tokens_per_seq=2, sm_scale=0.125)
+    # a page table too short for the context (the appends refuse such positions; a caller that
+    # bypasses them) reads the table's last row: finite results, no read past the table
+    short = KVCacheLayer(dev_layer.layout, dev_layer.data, dev_layer.scales,
+                         page_center=PageCenter(dev_layer.page_center.mu, dev_layer.page_center.table[:1].contiguous()))
+    got = be.decode_attention(q.to(DEV), short, tables.to(DEV), lens.to(DEV), tokens_per_seq=2, sm_scale=0.125)
+    assert bool(torch.isfinite(got).all())
