@@ -233,6 +233,9 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
     counter = ScaleCounter()
     scales, offsets = [], []
     energy = centered_energy = 0.0
+    if page_rope is not None:  # one table of page middles for every layer's calibration keys
+        n_max = max((k.shape[0] for k, _ in captured), default=1)
+        table = rope_table(page_rope, max_pages_for(n_max))
     for k, v in captured:
         if center_k is not None:
             if page_rope is None:
@@ -241,7 +244,7 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
             else:
                 pos = torch.arange(k.shape[0])
                 mu = torch.where(center_k, pre_rope_mean(k, pos, page_rope), torch.zeros(()))
-                pc = PageCenter(mu.contiguous(), rope_table(page_rope, max_pages_for(k.shape[0])))
+                pc = PageCenter(mu.contiguous(), table)
                 shift = pc.offsets(pos)
             offsets.append(mu)
             energy += float(k.double().square().sum())

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-PAGE_SIZE = 64
+from kernels.kv_formats.layout import PAGE_SIZE
+
 MID = PAGE_SIZE // 2
 
 
