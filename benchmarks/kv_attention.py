@@ -16,7 +16,9 @@ Figures (Qwen3.5-27B attention layout: 24 query heads, 4 KV heads, head_dim 256)
 6. programmatic dependent launch (``kernels.pdl``: by default for the append, Q rotation and
    merge kernels on Hopper) against none (``DEEPWELL_PDL=0``) and all kernels in the same
    process, for appends, decode calls and a whole layer (``--only pdl``). Every other table
-   runs with the default; ``DEEPWELL_PDL=0 python benchmarks/kv_attention.py`` runs without.
+   runs with the default; ``DEEPWELL_PDL=0 python benchmarks/kv_attention.py`` runs without;
+7. K centered per page (``--kv-center-k page``) against a fixed offset: the engine's decode and
+   prefill calls, the ratio of their times (``--only center``).
 nvfp4, fp8 and int8 rows time the kernel the engine runs: on Hopper, decode and verify (T =
 1-5 here) run the Gluon one (``gluon_decode``), timed beside the Triton kernel.
 Caches hold random valid codes (no NaN patterns), block tables are random permutations.
@@ -459,13 +461,99 @@ def pdl_table(rounds: int = 3, selections: tuple[str, ...] = ("0", "all", "appen
     return rows
 
 
+def _page_center(max_pages: int):
+    """A per-page K centering for the 27B layout (64 rotary dims of 256, Qwen's theta): a random
+    ``mu`` on the channels a page may center (``kernels.page_center``)."""
+    from kernels.page_center import PageCenter, page_stationary, rope_table
+
+    inv = 1.0 / 10_000_000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    mu = torch.randn(HKV, D) * torch.where(page_stationary(inv, D), 1.0, 0.0)
+    return PageCenter(mu.contiguous().cuda(), rope_table(inv, max_pages, "cuda"))
+
+
+def center_table(rounds: int = 3, kernels: bool = True) -> list[dict]:
+    """K centered per page (``--kv-center-k page``) against a fixed offset (nothing at attention
+    time): the engine's decode call (``TritonBackend.decode_attention``: Q rotation, the page
+    terms' launch, attention, merge; CUDA-graph replays) and prefill call (a 4k chunk over a 64k
+    prefix: the workspace with the page offsets added back), the same cache either way, minimum
+    over ``rounds`` interleaved rounds and the ratio centered / fixed; with ``kernels``, where
+    the Gluon kernel runs, its time alone without and with the page terms and the page terms'
+    launch alone."""
+    rows = []
+    be = TritonBackend()
+    for fmt in ("nvfp4", "fp8"):
+        # T = 8 (48 columns) runs the Triton kernel (with the precomputed page terms)
+        for ctx, batch, t in ((131072, 1, 1), (131072, 8, 1), (16384, 64, 1), (131072, 8, 2), (131072, 8, 4),
+                              (131072, 8, 8)):
+            layout, cache, tables, lens, q = decode_case(fmt, batch, ctx, t)
+            scales = layout.default_scales("cuda")
+            plain = KVCacheLayer(layout, cache, scales)
+            cen = KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1]))
+            out = torch.empty_like(q)
+            calls = {name: (lambda lay=lay: be.decode_attention(q, lay, tables, lens, tokens_per_seq=t,
+                                                                 sm_scale=D**-0.5, out=out))
+                     for name, lay in (("fixed", plain), ("page", cen))}
+            best: dict[str, float] = {}
+            for _ in range(rounds):
+                for name, fn in calls.items():
+                    sec = bench_graph(fn)
+                    best[name] = min(best.get(name, sec), sec)
+            rows.append(dict(fmt=fmt, ctx=ctx, batch=batch, t=t, fixed_us=best["fixed"] * 1e6,
+                             page_us=best["page"] * 1e6, ratio=best["page"] / best["fixed"]))
+            print(f"center {fmt} decode ctx={ctx} B={batch} T={t}: fixed {best['fixed']*1e6:.1f} us, "
+                  f"page {best['page']*1e6:.1f} us, ratio {best['page']/best['fixed']:.3f}", flush=True)
+            if kernels and be.uses_gluon(layout, HQ // HKV, t, q.device):  # the parts: Gluon kernel alone, page terms alone
+                from kernels.paged_attention import page_bias as pb_mod
+
+                cols = gluon_decode.num_columns(t, HQ // HKV)
+                bias = pb_mod.page_bias(cen.page_center, q, t, cols, tables.shape[1], D**-0.5 * gluon_decode.LOG2E)
+                splits = be.gluon_splits(batch, HKV, q.device, gluon_decode.programs_per_sm(t, HQ // HKV, D, layout.fmt))
+                scratch = (torch.empty(batch * t * HQ * splits * D, device="cuda"),
+                           torch.empty(batch * t * HQ * splits, device="cuda"))
+                parts = {"kernel": lambda: gluon_decode.paged_decode(
+                    q, cache, layout, scales, tables, lens, D**-0.5, tokens_per_seq=t, num_splits=splits, out=out,
+                    scratch=scratch)}
+                parts["kernel+terms"] = lambda: gluon_decode.paged_decode(
+                    q, cache, layout, scales, tables, lens, D**-0.5, tokens_per_seq=t, num_splits=splits, out=out,
+                    scratch=scratch, page_bias=bias)
+                parts["page_bias alone"] = lambda: pb_mod.page_bias(cen.page_center, q, t, cols, tables.shape[1], 1.0,
+                                                                    out=bias)
+                pbest: dict[str, float] = {}
+                for _ in range(rounds):
+                    for name, fn in parts.items():
+                        sec = bench_graph(fn)
+                        pbest[name] = min(pbest.get(name, sec), sec)
+                rows[-1].update({k.replace(" ", "_") + "_us": v * 1e6 for k, v in pbest.items()})
+                print(f"center {fmt} parts ctx={ctx} B={batch} T={t}: "
+                      + ", ".join(f"{k} {v*1e6:.1f} us" for k, v in pbest.items()), flush=True)
+            torch.cuda.empty_cache()
+        layout, cache, tables, lens, q, _, _, flops = prefill_case(fmt, 65536, 4096)
+        scales = layout.default_scales("cuda")
+        out = torch.empty_like(q)
+        layers = {"fixed": KVCacheLayer(layout, cache, scales),
+                  "page": KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1]))}
+        best = {}
+        for _ in range(rounds):
+            for name, lay in layers.items():
+                sec = bench(lambda lay=lay: be.prefill_attention(q, lay, tables, lens, [4096], sm_scale=D**-0.5,
+                                                                 out=out))
+                best[name] = min(best.get(name, sec), sec)
+        rows.append(dict(fmt=fmt, case="prefill 4k over 64k", fixed_tflops=flops / best["fixed"] / 1e12,
+                         page_tflops=flops / best["page"] / 1e12, ratio=best["page"] / best["fixed"]))
+        print(f"center {fmt} prefill 4k over 64k: fixed {flops/best['fixed']/1e12:.1f} TFLOP/s, page "
+              f"{flops/best['page']/1e12:.1f} TFLOP/s, time ratio {best['page']/best['fixed']:.3f}", flush=True)
+        layers = {}
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--sweep", action="store_true", help="sweep decode warps/stages at 128k first")
     ap.add_argument("--json", default=None, help="write all rows here")
     ap.add_argument("--only", default=None, help="comma-separated sections to run (append, sweep_FMT, decode, verify, "
-                                                 "prefill, prefill_fp8, prefill_int8, step, pdl)")
+                                                 "prefill, prefill_fp8, prefill_int8, step, pdl, center)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -478,7 +566,7 @@ def main() -> int:
             sections.append((f"sweep_{fmt}", lambda fmt=fmt: sweep(fmt, 8, 131072)))
     sections += [("decode", lambda: decode_table(args.quick)), ("verify", verify_table), ("prefill", prefill_table),
                  ("prefill_fp8", lambda: prefill_table("fp8")), ("prefill_int8", lambda: prefill_table("int8")),
-                 ("step", step_table), ("pdl", pdl_table)]
+                 ("step", step_table), ("pdl", pdl_table), ("center", center_table)]
     if args.only:
         keep = set(args.only.split(","))
         sections = [(n, f) for n, f in sections if n in keep]

@@ -273,21 +273,35 @@ class TritonBackend:
         if validate and (q.shape[0] != b * t or not 1 <= t <= 16):
             raise ValueError(f"decode needs q [B * T, Hq, d] with 1 <= T <= 16; got {list(q.shape)} for B={b}, T={t}")
         h = layer.layout.num_kv_heads
-        pc = _page_terms(q, layer)
-        if pc is None and self.uses_gluon(layer.layout, q.shape[1] // h, t, q.device):
+        group = q.shape[1] // h
+        if self.uses_gluon(layer.layout, group, t, q.device):
             from kernels.paged_attention import gluon_decode
 
-            per_sm = gluon_decode.programs_per_sm(t, q.shape[1] // h, layer.layout.head_dim, layer.layout.fmt)
+            bias = None
+            if layer.page_center is not None:  # each page's q . c_P, one launch (page_bias)
+                from kernels.paged_attention import page_bias
+
+                bias = page_bias.page_bias(layer.page_center, q, t, gluon_decode.num_columns(t, group),
+                                           block_tables.shape[1], sm_scale * gluon_decode.LOG2E)
+            per_sm = gluon_decode.programs_per_sm(t, group, layer.layout.head_dim, layer.layout.fmt)
             return gluon_decode.paged_decode(
                 _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
                 sm_scale, tokens_per_seq=t, num_splits=num_splits or self.gluon_splits(b, h, q.device, per_sm), out=out,
+                page_bias=bias,
             )
+        bias = None
+        if layer.page_center is not None:  # each page's q . c_P (true units), one launch (page_bias)
+            from kernels.paged_attention import page_bias
+
+            bias = page_bias.page_bias(layer.page_center, q, t, 1 << (t * group - 1).bit_length(),
+                                       block_tables.shape[1], 1.0)
         splits = num_splits or self.default_splits(b, h, q.device)
-        # two launches (Q rotation, attention) + the split merge: global scales and row
-        # blocks are derived in-kernel, so nothing else runs and a step is graph-capturable
+        # two launches (Q rotation, attention) + the split merge (+ the page terms): global
+        # scales and row blocks are derived in-kernel, so nothing else runs and a step is
+        # graph-capturable
         return triton_kernel.paged_attention(
             _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
-            None, None, sm_scale, num_splits=splits, out=out, uniform_t=t, page_center=pc,
+            None, None, sm_scale, num_splits=splits, out=out, uniform_t=t, page_bias=bias,
         )
 
     def prefill_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
@@ -324,19 +338,19 @@ class TritonBackend:
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, pci)
             elif w * page <= budget:
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True, pci)
-            elif not self._prefill_segments(qr[rows], layer, *one, sm_scale, out[rows], budget, pci):
+            elif not self._prefill_segments(qr[rows], layer, *one, sm_scale, out[rows], budget):
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, pci)
         return out
 
     def _prefill_segments(self, qr: Tensor, layer: KVCacheLayer, block_table: Tensor, context_len: Tensor,
-                          sm_scale: float, out: Tensor, budget: int,
-                          pc: tuple[Tensor, Tensor] | None = None) -> bool:
+                          sm_scale: float, out: Tensor, budget: int) -> bool:
         """One sequence's chunk ``qr`` (rotated) over a context whose workspace exceeds
         ``budget``: its pages in segments that fit (after the fp32 partial results of the chunk:
         a running one and one per split), each dequantized into the workspace and attended alone
         (``key_pages``; split along the keys like ``_prefill`` when the chunk's row blocks
         would leave SMs idle), the partial results folded together (``merge_partials``) — the
-        same keys and values as one pass, summed in another order. False (nothing done) when a
+        same keys and values as one pass, summed in another order (a page-centered layer's
+        segments hold its keys with their page offsets added back). False (nothing done) when a
         segment would hold fewer than ``PREFILL_SEGMENT_MIN_PAGES`` pages; a context that fits
         (only its table row is wider) goes through one workspace of its pages. Reads the context
         length back to the host (one sync per call: pages past the context need no segment)."""
@@ -351,7 +365,7 @@ class TritonBackend:
         pages = min(block_table.shape[1], -(-int(context_len[0]) // lay.page_size))
         if pages * ws_lay.page_bytes <= budget:  # only the table is wider: one workspace of its pages
             self._prefill(qr, layer, block_table[:, : max(pages, 1)].contiguous(), context_len, [n], sm_scale, out,
-                          True, pc)
+                          True)
             return True
         # fastest measured over the workspace (``_prefill``): 128-row blocks, 8 warps, 2 stages,
         # one program per SM; a chunk of few row blocks splits each segment's keys as well
@@ -369,16 +383,18 @@ class TritonBackend:
         starts, q_len = _seq_rows([n], dev)
         ws_table = torch.zeros_like(block_table)
         ws_scales = dq_ref.workspace_scales(lay, layer.scales)
+        centers = _workspace_centers(layer, pages)
         for lo in range(0, max(pages, 1), seg):
             hi = min(lo + seg, pages)
             seg_ctx = (context_len - lo * lay.page_size).clamp(0, (hi - lo) * lay.page_size).to(torch.int32)
-            dq.dequantize(layer.data, lay, block_table[:, lo:hi].contiguous(), seg_ctx, ws[: hi - lo])
+            dq.dequantize(layer.data, lay, block_table[:, lo:hi].contiguous(), seg_ctx, ws[: hi - lo],
+                          None if centers is None else centers[lo:hi])
             ws_table.zero_()
             ws_table[0, lo:hi] = torch.arange(hi - lo, dtype=torch.int32, device=dev)
             triton_kernel.paged_attention(
                 qr, ws, ws_lay, ws_scales, ws_table, context_len, starts, q_len, sm_scale, q_lens_host=[n],
                 dequantized=True, key_pages=(lo, hi), partial=(o_new, lse_new), num_splits=splits,
-                work=work, block_m=128, num_warps=8, num_stages=2, pages_per_tile=1, page_max=False, page_center=pc)
+                work=work, block_m=128, num_warps=8, num_stages=2, pages_per_tile=1, page_max=False)
             triton_kernel.merge_partials(o_run, lse_run, o_new, lse_new)
         out.copy_(o_run)
         return True
@@ -429,8 +445,10 @@ class TritonBackend:
                  sm_scale: float, out: Tensor, dequantize: bool, pc: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One prefill launch over the cache's pages, or (``dequantize``) over an fp16 workspace
         of them: the same fp16 values meet the same products (outputs equal up to fp32
-        summation order, 128-row blocks instead of 64); split-K where the row blocks alone
-        would leave SMs idle (``prefill_splits``)."""
+        summation order, 128-row blocks instead of 64; a page-centered layer's workspace holds
+        its keys with the page offsets added back, one fp16 rounding away from the packed
+        path's score term ``pc``); split-K where the row blocks alone would leave SMs idle
+        (``prefill_splits``)."""
         from kernels.paged_attention import triton_kernel
 
         dev = qr.device
@@ -452,7 +470,11 @@ class TritonBackend:
         from kernels.kv_dequant import triton_kernel as dq
 
         tables = block_tables.contiguous()
-        ws = dq.dequantize(layer.data, lay, tables, context_lens, dq_ref.allocate(lay, tables))
+        # K centered per page: the workspace holds the keys with their page offsets added back
+        # (_workspace_centers), so the attention over it needs no page term
+        ws = dq.dequantize(layer.data, lay, tables, context_lens, dq_ref.allocate(lay, tables),
+                           _workspace_centers(layer, tables.shape[1]))
+        kw["page_center"] = None
         return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay),
                                              dq_ref.workspace_scales(lay, layer.scales), dq_ref.workspace_tables(tables),
                                              context_lens, starts, q_len, sm_scale, dequantized=True, **kw)
@@ -470,6 +492,20 @@ def _page_terms(q: Tensor, layer: KVCacheLayer) -> tuple[Tensor, Tensor] | None:
     (the append refuses positions past it), so nothing is read back here."""
     pc = layer.page_center
     return None if pc is None else (pc.query_terms(q), pc.table)
+
+
+def _workspace_centers(layer: KVCacheLayer, width: int) -> Tensor | None:
+    """A page-centered layer's page offsets for the table's first ``width`` columns, rotated like
+    K and in workspace units (``kv_dequant.reference.center_values``); None otherwise."""
+    pc = layer.page_center
+    if pc is None:
+        return None
+    from kernels.hadamard import triton_fn
+    from kernels.kv_dequant import reference as dq_ref
+    from kernels.page_center import workspace_centers
+
+    c = workspace_centers(pc, width, layer.layout.hadamard, triton_fn.rotate)
+    return dq_ref.center_values(layer.layout, layer.scales, c)
 
 
 def _rotate_q(q: Tensor, layout: KVLayout) -> Tensor:

@@ -33,6 +33,7 @@ softmax cancels and the kernels therefore leave out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,46 @@ class PageCenter:
         qf = q.to(torch.float32)
         q1, q2, m1, m2 = qf[..., :h], qf[..., h : 2 * h], mu[..., :h], mu[..., h : 2 * h]
         return torch.cat([q1 * m1 + q2 * m2, q2 * m1 - q1 * m2], dim=-1).contiguous()
+
+
+def page_bias(pc: PageCenter, q: torch.Tensor, tokens_per_seq: int, columns: int, width: int,
+              scale: float) -> torch.Tensor:
+    """fp32 ``[B, Hkv, width, columns]``: ``scale * q . c_P`` per (sequence, KV head, page,
+    column) for decode / verify, what the Gluon kernel adds to a page's scores (in its log2
+    units with ``scale = sm_scale * log2(e)``); column ``n = t * G + g`` is query token ``b * T +
+    t`` of query head ``kvh * G + g`` (``G`` query heads per KV head), columns past ``T * G``
+    hold 0. Pages past the table read its last row (as the Triton kernel's clamp). Defined in
+    fp64 from ``query_terms``; the constant ``q . mu`` over the unrotated channels is left out
+    (the softmax cancels it). ``q`` [B * T, Hq, d] unrotated."""
+    nq, hq, d = q.shape
+    hkv = pc.mu.shape[0]
+    t = tokens_per_seq
+    g = hq // hkv if hkv else 0
+    if t < 1 or nq % t or columns < t * g or width < 0:
+        raise ValueError(f"page_bias needs q [B * T, Hq, d] with T = {t} >= 1 and columns >= T * G = {t * g}, "
+                         f"width >= 0; got q {list(q.shape)}, columns {columns}, width {width}")
+    b = nq // t
+    terms = pc.query_terms(q).to(torch.float64)  # [B * T, Hq, r]
+    rows = torch.arange(width, device=pc.table.device).clamp(max=pc.table.shape[0] - 1)
+    tab = pc.table[rows].to(device=q.device, dtype=torch.float64)  # [width, r]
+    dots = torch.einsum("nhr,pr->nhp", terms, tab) * scale  # [B * T, Hq, width]
+    cols = dots.view(b, t, hkv, g, width).permute(0, 2, 4, 1, 3).reshape(b, hkv, width, t * g)
+    out = torch.zeros(b, hkv, width, columns, dtype=torch.float32, device=q.device)
+    out[..., : t * g] = cols.to(torch.float32)
+    return out
+
+
+def workspace_centers(pc: PageCenter, width: int, hadamard: bool,
+                      rotate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """fp32 ``[width, Hkv, d]``: each page's offset ``c_P`` (``PageCenter.offsets`` of its first
+    token: every token of a page has the same; pages past the table its last row), rotated like
+    K when ``hadamard`` (``rotate``: the reference ``fwht`` unless given a bit-identical one) --
+    what a dequantized workspace adds back to K so attention over it needs no page term."""
+    from kernels.hadamard.reference import fwht
+
+    pos = torch.arange(width, dtype=torch.int64, device=pc.table.device).clamp(max=pc.table.shape[0] - 1) * PAGE_SIZE
+    c = pc.offsets(pos)
+    return ((rotate or fwht)(c) if hadamard else c).contiguous()
 
 
 def page_stationary(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -84,10 +84,32 @@ def workspace_tables(block_tables: torch.Tensor) -> torch.Tensor:
     return torch.arange(b * w, dtype=torch.int32, device=block_tables.device).view(b, w)
 
 
+def center_values(layout: KVLayout, scales: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
+    """K's page offsets ``centers`` (fp32 ``[W, Hkv, d]``, ``page_center.workspace_centers``) in
+    workspace units: divided by ``2**14`` times the workspace's K global scales (a workspace
+    value times ``2**14`` times its global scale is the key)."""
+    gk = workspace_scales(layout, scales)[0].to(device=centers.device, dtype=torch.float32)
+    return (centers * VALUE_SHIFT / gk[None, :, None]).contiguous()
+
+
+def check_centers(layout: KVLayout, block_tables: torch.Tensor, centers: torch.Tensor | None) -> None:
+    if centers is None:
+        return
+    want = (block_tables.shape[1], layout.num_kv_heads, layout.head_dim)
+    if (centers.dtype != torch.float32 or tuple(centers.shape) != want or not centers.is_contiguous()
+            or centers.device != block_tables.device):
+        raise ValueError(f"centers must be contiguous float32 {list(want)} on {block_tables.device}, got "
+                         f"{centers.dtype} {list(centers.shape)}")
+
+
 def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               workspace: torch.Tensor) -> torch.Tensor:
-    """Write the pages of every sequence's context into ``workspace`` (module doc); returns it."""
+               workspace: torch.Tensor, centers: torch.Tensor | None = None) -> torch.Tensor:
+    """Write the pages of every sequence's context into ``workspace`` (module doc); returns it.
+    ``centers`` (fp32 ``[W, Hkv, d]``, workspace units: ``center_values``): K is centered per
+    page, and table column ``i``'s row is added in fp32 to its page's fp16 K values, the sum
+    rounded to fp16 (nvfp4 / fp8 values are exact before it, so this is their one rounding)."""
     check(cache, layout, block_tables, context_lens, workspace)
+    check_centers(layout, block_tables, centers)
     b, w = block_tables.shape
     h, d, ps = layout.num_kv_heads, layout.head_dim, layout.page_size
     codes_r, scales_r = _regions(cache, layout)
@@ -105,5 +127,8 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
         scales = scales_r[_scale_index(layout, kv, pages, offs)]  # [n * ps, H, sb]
         rows = dst.numel() * ps * h  # (fp8 has no scale bytes: a [rows, 0] tensor)
         vals = layout.codec.decode(codes.reshape(rows, codes.shape[-1]), scales.reshape(rows, scales.shape[-1]), ones)
-        out[dst, kv] = (vals * value_shift(layout)).to(torch.float16).view(dst.numel(), ps, h, d).transpose(1, 2)
+        vals = (vals * value_shift(layout)).to(torch.float16).view(dst.numel(), ps, h, d)
+        if kv == 0 and centers is not None:  # the fp16 value plus the offset in fp32, rounded to fp16
+            vals = (vals.float() + centers[dst % w][:, None]).to(torch.float16)
+        out[dst, kv] = vals.transpose(1, 2)
     return workspace

@@ -21,9 +21,10 @@ VALUE_SHIFT = tl.constexpr(reference.VALUE_SHIFT)
 
 
 @triton.jit
-def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, W,
+def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
                    stride_cp, stride_ckv, stride_ch, stride_wp, stride_wkv, stride_wh,
-                   D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr):
+                   D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr,
+                   CENTER: tl.constexpr = False):
     wp = tl.program_id(0)
     hd = tl.program_id(1)
     kv = tl.program_id(2)
@@ -39,10 +40,14 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, W,
             code = tl.load(base + r[:, None] * D + c[None, :])
             out = ws_ptr + wp.to(tl.int64) * stride_wp + kv * stride_wkv + hd * stride_wh + r[:, None] * D + c[None, :]
             if FMT == 1:
-                tl.store(out, (code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * VALUE_SHIFT).to(tl.float16))
+                val = (code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * VALUE_SHIFT).to(tl.float16)
             else:
                 s = tl.load((base + SCALE_OFF).to(tl.pointer_type(tl.float32)) + r)
-                tl.store(out, (code.to(tl.int8, bitcast=True).to(tl.float32) * s[:, None]).to(tl.float16))
+                val = (code.to(tl.int8, bitcast=True).to(tl.float32) * s[:, None]).to(tl.float16)
+            if CENTER:  # K centered per page: the page's offset added in fp32 to the fp16 value (V as it is)
+                cv = tl.load(center_ptr + (i * tl.num_programs(1) + hd) * D + c)
+                val = tl.where(kv == 0, (val.to(tl.float32) + cv[None, :]).to(tl.float16), val)
+            tl.store(out, val)
         else:
             HALF: tl.constexpr = D // 2
             NB: tl.constexpr = D // 32  # blocks per half
@@ -66,14 +71,22 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, W,
             lo = ((code & 0x8E) << 8).to(tl.int16).to(tl.float16, bitcast=True) * s_lo
             hi = (((code & 0x70) << 5) | ((code & 1) << 15)).to(tl.int16).to(tl.float16, bitcast=True) * s_hi
             out = ws_ptr + wp.to(tl.int64) * stride_wp + kv * stride_wkv + hd * stride_wh + r[:, None] * D + c[None, :]
-            tl.store(out, lo)
-            tl.store(out + HALF, hi)
+            if CENTER:  # K centered per page: the page's offset back in fp32, one fp16 rounding
+                crow = center_ptr + (i * tl.num_programs(1) + hd) * D + c
+                c_lo = tl.load(crow)
+                c_hi = tl.load(crow + HALF)
+                tl.store(out, tl.where(kv == 0, (lo.to(tl.float32) + c_lo[None, :]).to(tl.float16), lo))
+                tl.store(out + HALF, tl.where(kv == 0, (hi.to(tl.float32) + c_hi[None, :]).to(tl.float16), hi))
+            else:
+                tl.store(out, lo)
+                tl.store(out + HALF, hi)
 
 
 def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               workspace: torch.Tensor) -> torch.Tensor:
-    """Same bytes as ``reference.dequantize``; returns ``workspace``."""
+               workspace: torch.Tensor, centers: torch.Tensor | None = None) -> torch.Tensor:
+    """Same bytes as ``reference.dequantize`` (``centers`` included); returns ``workspace``."""
     reference.check(cache, layout, block_tables, context_lens, workspace)
+    reference.check_centers(layout, block_tables, centers)
     if not block_tables.is_contiguous():
         raise ValueError("block_tables must be contiguous")
     b, w = block_tables.shape
@@ -81,10 +94,10 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
         return workspace
     ws = workspace.view(torch.float16)
     dequant_kernel[(b * w, layout.num_kv_heads, 2)](
-        cache, ws, block_tables, context_lens, w,
+        cache, ws, block_tables, context_lens, ws if centers is None else centers, w,
         cache.stride(0), cache.stride(1), cache.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
         D=layout.head_dim, SCALE_OFF=layout.scale_offset, PAGE=layout.page_size,
-        FMT={KVFormat.NVFP4: 0, KVFormat.FP8: 1, KVFormat.INT8: 2}[layout.fmt],
+        FMT={KVFormat.NVFP4: 0, KVFormat.FP8: 1, KVFormat.INT8: 2}[layout.fmt], CENTER=centers is not None,
         num_warps=4,
     )
     return workspace

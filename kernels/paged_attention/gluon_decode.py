@@ -343,13 +343,13 @@ def _split_pages(ctx, split, NUM_SPLITS: gl.constexpr):
 
 @gluon.jit
 def decode_kernel(
-    q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr, bt_ptr, ctx_ptr, perm_ptr,
+    q_ptr, out_ptr, opart_ptr, lse_ptr, cache_ptr, gscale_ptr, bt_ptr, ctx_ptr, perm_ptr, bias_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cp, stride_ckv, stride_ch, stride_bt, H,
+    stride_cp, stride_ckv, stride_ch, stride_bt, H, W_BIAS,
     D: gl.constexpr, G: gl.constexpr, SCALE_OFF: gl.constexpr,
     NUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, P_SHIFT: gl.constexpr,
     T: gl.constexpr, N: gl.constexpr, V_REGS: gl.constexpr, FLUSH: gl.constexpr, PDL: gl.constexpr,
-    FMT: gl.constexpr = 0,
+    FMT: gl.constexpr = 0, PC: gl.constexpr = False,
 ):
     pdl.enter(PDL)
     CB: gl.constexpr = D // 2
@@ -400,6 +400,9 @@ def decode_kernel(
 
     ctx = gl.load(ctx_ptr + b)
     p_begin, n = _split_pages(ctx, split, NUM_SPLITS)
+    bias_row = bias_ptr  # PC: the [W_BIAS, N] page terms of this (sequence, KV head) (``page_bias``)
+    if PC:
+        bias_row = bias_ptr + (b * H + kvh).to(gl.int64) * W_BIAS * N
 
     for pre in gl.static_range(STAGES - 1):
         if pre < n:
@@ -446,13 +449,13 @@ def decode_kernel(
     for i in range(0, n_full):
         m_i, l_r, m_o, acc_lo, acc_hi = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
-            kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False, FMT)
+            kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o, bias_row,
+            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False, FMT, PC)
     for i in range(n_full, n):
         m_i, l_r, m_o, acc_lo, acc_hi = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
-            kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True, FMT)
+            kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o, bias_row,
+            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True, FMT, PC)
 
     async_copy.wait_group(0)
     if FLUSH > 0:
@@ -492,15 +495,18 @@ def decode_kernel(
 
 @gluon.jit
 def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
-          kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o,
+          kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o, bias_row,
           CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, STAGES: gl.constexpr,
           P_SHIFT: gl.constexpr, T: gl.constexpr, G: gl.constexpr, N: gl.constexpr,
-          V_REGS: gl.constexpr, FLUSH: gl.constexpr, MASK: gl.constexpr, FMT: gl.constexpr):
+          V_REGS: gl.constexpr, FLUSH: gl.constexpr, MASK: gl.constexpr, FMT: gl.constexpr, PC: gl.constexpr):
     """Page ``i`` of the program's ``n``: issue the copy of page ``i + STAGES - 1``, then
     scores, softmax and ``Oᵀ`` for this one. ``MASK`` False (every page but the last one or
     two): every query token sees all 64 keys, so neither the scores nor V's block scales (fp8:
     V's codes) are masked; ``vt_s`` / ``o_s`` are placeholders where ``V_REGS`` / ``FLUSH``
-    leave them unused. Returns the running state (m_i, l_r, m_o, acc_lo, acc_hi)."""
+    leave them unused. ``PC``: K is centered per page; ``bias_row[page * N + n]`` is column
+    ``n``'s ``q . c_P`` in log2 units (``page_bias``), added to the column's page maximum and
+    taken out of its exponent offset (per column: nothing per score). Returns the running state
+    (m_i, l_r, m_o, acc_lo, acc_hi)."""
     NB: gl.constexpr = CB // 16
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -519,6 +525,9 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     async_copy.wait_group(STAGES - 1)
     gl.thread_barrier()
     st = i % STAGES
+    if PC:  # this page's terms, loaded before the unpacks (H200: through the page ring instead
+        # measured slower for nvfp4, 51.3 -> 58.2 us at 128k x 1, 561 -> 631 us at T = 4 128k x 8)
+        pb = gl.load(bias_row + (p_begin + i) * N + gl.arange(0, N, layout=gl.SliceLayout(0, acc_l)))
     # zero (the loop runs only for ctx > 0) but not to the compiler, and different in every
     # iteration as far as it knows: the MMAs' shared-memory descriptors are then built in
     # uniform registers each page instead of being hoisted into ~40 ordinary ones (H200:
@@ -577,7 +586,10 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     # so a page's fp16 P has the same bits in every split; the running reference m_i is an
     # integer too, so every rescaling is by an exact power of two (_pow2). The score scale
     # (> 0) is applied after the maximum and inside the exponent's FMA.
-    c_t = gl.ceil(gl.max(s, axis=0) * s_scale)
+    if PC:
+        c_t = gl.ceil(gl.max(s, axis=0) * s_scale + pb)
+    else:
+        c_t = gl.ceil(gl.max(s, axis=0) * s_scale)
     m_new = gl.maximum(m_i, c_t)
     if T == 1 or not MASK:  # every column sees a key of this page: c_t and m_new are finite
         c_ref = c_t
@@ -585,7 +597,10 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     else:  # -inf in a column whose token sees no key of this page / has seen none yet
         c_ref = gl.where(c_t > float("-inf"), c_t, 0.0)
         m_ref = gl.where(m_new > float("-inf"), m_new, 0.0)
-    p = gl.exp2(s * s_scale - gl.expand_dims(c_ref, 0))
+    if PC:
+        p = gl.exp2(s * s_scale - gl.expand_dims(c_ref - pb, 0))
+    else:
+        p = gl.exp2(s * s_scale - gl.expand_dims(c_ref, 0))
     w = gl.expand_dims(_pow2(c_t - m_ref), 0)
     alpha = gl.expand_dims(_pow2(m_i - m_ref), 0)
     m_i = m_new
@@ -751,13 +766,18 @@ def paged_decode(
     stages: int = 2,
     v_regs: bool | None = None,
     flush: int | None = None,
+    page_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode / verify attention, Q already rotated: ``tokens_per_seq`` query tokens per
     block-table row, stored back to back, the last of them at position ``context_lens - 1``
     (causal among them). Same meaning as ``reference.paged_attention`` with ``q_len = T``
     everywhere; nvfp4 with head_dim 128/256 and T x group <= 32 only (``supported``).
     ``num_splits`` > 1 splits each sequence's pages; ``scratch`` (float32, at least
-    ``B * T * Hq * splits * d`` and ``B * T * Hq * splits`` elements) may be preallocated."""
+    ``B * T * Hq * splits * d`` and ``B * T * Hq * splits`` elements) may be preallocated.
+    ``page_bias`` (fp32 ``[B, Hkv, W, N]``, ``N = num_columns``, ``W`` at least the block
+    table's width): the cache holds K centered per page, and each page's ``q . c_P`` in log2
+    units (``paged_attention.page_bias.page_bias`` with ``scale = sm_scale * log2(e)``) is
+    added to its scores."""
     from kernels.paged_attention.triton_kernel import merge_splits
 
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens, None, None)
@@ -788,6 +808,14 @@ def paged_decode(
           or out.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
         raise ValueError(f"out must be a float32/bfloat16/float16 tensor shaped like q {list(q.shape)} on "
                          f"{q.device} with a contiguous last dimension, got {out.dtype} {list(out.shape)}")
+    n_cols = num_columns(t, group)
+    if page_bias is not None:
+        want = (block_tables.shape[0], h, n_cols)
+        if (page_bias.dtype != torch.float32 or page_bias.dim() != 4 or not page_bias.is_contiguous()
+                or (page_bias.shape[0], page_bias.shape[1], page_bias.shape[3]) != want
+                or page_bias.shape[2] < block_tables.shape[1] or page_bias.device != q.device):
+            raise ValueError(f"page_bias must be contiguous float32 [{want[0]}, {h}, >= {block_tables.shape[1]}, "
+                             f"{n_cols}] on {q.device}, got {page_bias.dtype} {list(page_bias.shape)}")
     key = (d, q.device)
     if key not in _PERM_CACHE:
         _PERM_CACHE[key] = torch.tensor(_k_perm(d // 2), dtype=torch.int32, device=q.device)
@@ -807,11 +835,13 @@ def paged_decode(
         opart = lse = out
     decode_kernel[(block_tables.shape[0], h, num_splits)](
         q, out, opart, lse, cache, global_scales, block_tables, context_lens, perm,
+        perm if page_bias is None else page_bias,
         sm_scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0), h,
+        0 if page_bias is None else page_bias.shape[2],
         D=d, G=group, SCALE_OFF=layout.scale_offset, NUM_SPLITS=num_splits, STAGES=stages,
         P_SHIFT=2.0 ** (P_LOG2_INT8 if layout.fmt is KVFormat.INT8 else P_LOG2), T=t, N=num_columns(t, group),
-        V_REGS=v_regs, FLUSH=flush, FMT=_FMT_CODE[layout.fmt], num_warps=4,
+        V_REGS=v_regs, FLUSH=flush, FMT=_FMT_CODE[layout.fmt], PC=page_bias is not None, num_warps=4,
         maxnreg=max_registers(num_columns(t, group), v_regs, flush), **pdl.launch_kwargs(q.device, "attention"),
     )
     if num_splits > 1:

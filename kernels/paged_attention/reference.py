@@ -97,8 +97,11 @@ def paged_attention(
             raise ValueError(f"sequence {b}: q_len {n_q} > context_len {ctx}")
         k, v = gather(cache, layout, block_tables[b], ctx, global_scales)
         if page_center is not None:
-            c = page_center.offsets(torch.arange(ctx, device=page_center.table.device)).to(k.device)
-            k = k + (fwht(c) if layout.hadamard else c)
+            # one offset per page (every key of a page has its page's), rotated like K, per key
+            first = torch.arange(0, ctx, layout.page_size, device=page_center.table.device)
+            c = page_center.offsets(first)
+            c = (fwht(c) if layout.hadamard else c).to(k.device)
+            k = k + c.repeat_interleave(layout.page_size, dim=0)[:ctx]
         k, v = k.to(compute_dtype), v.to(compute_dtype)  # [ctx, H, d]
         qb = q[s0 : s0 + n_q].to(compute_dtype).view(n_q, h, group, d)
         scores = torch.einsum("thgd,khd->hgtk", qb, k) * sm_scale

@@ -296,7 +296,9 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
     without ``MASKED`` every key of the tile must be visible to every row and inside the split
     (dead rows then get finite values, which are never stored). ``RD`` > 0: K is centered per
     page (``kernels.page_center``): each page's ``q . c_P`` is added to its keys' scores, from
-    the rows' query terms ``ab`` [BLOCK_M, RDP] and the page's row of ``tab_ptr`` [pages, RD]."""
+    the rows' query terms ``ab`` [BLOCK_M, RDP] and the page's row of ``tab_ptr`` [pages, RD];
+    ``RD`` < 0: the same from precomputed page terms (``ab``: the rows' pointers at page 0,
+    ``tab_pages`` the page stride)."""
     HALF: tl.constexpr = D // 2
     # BN // PAGE pages per tile; a page past this split's end repeats page p, masked
     pg = p + sub
@@ -324,6 +326,14 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
     if FMT == 2:
         ks = tl.load(kbase.to(tl.pointer_type(tl.float32)) + SCALE_OFF // 4 + offs_n)
         s = s * ks[None, :]
+    if RD < 0:  # the same from the precomputed page terms (``page_bias``): ab points at the rows'
+        # entries of page 0 of this (sequence, KV head), tab_pages is the step from page to page
+        for i in tl.static_range(BN // PAGE):
+            pg_i = p + i
+            if MASKED:
+                pg_i = tl.where(pg_i < p_hi, pg_i, p)
+            bias = tl.load(ab + pg_i.to(tl.int64) * tab_pages, mask=row_ok, other=0.0) * inv_gk
+            s = s + tl.where((sub == i)[None, :], bias[:, None], 0.0)
     if RD > 0:  # K centered per page: q . c_P back, in the units of s (true score / g_k)
         offs_rd = tl.arange(0, RDP)
         for i in tl.static_range(BN // PAGE):
@@ -480,6 +490,9 @@ def paged_attention_fwd_kernel(
         offs_ab = tl.arange(0, RDP)
         ab = tl.load(ab_ptr + (q0 + t).to(tl.int64)[:, None] * stride_abt + head[:, None] * stride_abh
                      + offs_ab[None, :], mask=row_ok[:, None] & (offs_ab < RD)[None, :], other=0.0)
+        inv_gk = 1.0 / g_k
+    elif RD < 0:  # precomputed page terms [B, Hkv, W, N] (decode / verify: row = column t * G + g)
+        ab = ab_ptr + (b * NUM_KV_HEADS + kvh).to(tl.int64) * stride_abt + rows
         inv_gk = 1.0 / g_k
     else:
         ab = 0.0
@@ -666,6 +679,7 @@ def paged_attention(
     key_pages: tuple[int, int] | None = None,
     partial: tuple[torch.Tensor, torch.Tensor] | None = None,
     page_center: tuple[torch.Tensor, torch.Tensor] | None = None,
+    page_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same meaning as ``reference.paged_attention`` (Q already in the K space).
 
@@ -698,7 +712,10 @@ def paged_attention(
     every key's page — the appends refuse positions past it — not checked here: that would read
     the context lengths back; a page past it reads the table's last row, never out of bounds).
     Each page's ``q . c_P`` joins its keys' scores, so the result is the attention over the
-    uncentered keys (reference: ``page_center=``).
+    uncentered keys (reference: ``page_center=``). ``page_bias`` instead (decode / verify,
+    ``uniform_t`` >= 1): those terms precomputed, fp32 ``[B, Hkv, >= W, >= T * G]`` in true score
+    units (``page_bias.page_bias`` with ``scale = 1``; column ``t * G + g``): one load per row
+    and page instead of an ``r``-term sum.
     """
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
                  None if uniform_t else q_start, None if uniform_t else q_len)
@@ -769,7 +786,17 @@ def paged_attention(
                              f"elements for {num_splits} splits, got {opart.numel()} and {lse.numel()}")
     else:
         opart = lse = out
-    if page_center is not None:
+    if page_bias is not None:  # precomputed page terms (decode / verify)
+        if page_center is not None or uniform_t < 1:
+            raise ValueError("page_bias is for decode / verify (uniform_t >= 1) and replaces page_center")
+        want = (block_tables.shape[0], h)
+        if (page_bias.dtype != torch.float32 or page_bias.dim() != 4 or not page_bias.is_contiguous()
+                or tuple(page_bias.shape[:2]) != want or page_bias.shape[2] < block_tables.shape[1]
+                or page_bias.shape[3] < uniform_t * group or page_bias.device != q.device):
+            raise ValueError(f"page_bias must be contiguous float32 [{want[0]}, {h}, >= {block_tables.shape[1]}, "
+                             f">= {uniform_t * group}] on {q.device}, got {page_bias.dtype} {list(page_bias.shape)}")
+        ab, table, r = page_bias, page_bias, -1
+    elif page_center is not None:
         ab, table = page_center
         r = table.shape[1] if table.dim() == 2 else -1
         if (ab.dtype != torch.float32 or table.dtype != torch.float32 or ab.dim() != 3 or ab.shape[:2] != q.shape[:2]
@@ -790,11 +817,11 @@ def paged_attention(
     paged_attention_fwd_kernel[grid](
         q, out, opart, lse, cache, global_scales,
         block_tables, context_lens, q_start, q_len, work[0], work[1],
-        ab, table, table.shape[0] if r else 1,
+        ab, table, table.shape[0] if r > 0 else (ab.shape[3] if r < 0 else 1),
         sm_scale * LOG2E, win_lo, win_hi,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), block_tables.stride(0),
-        ab.stride(0) if r else 0, ab.stride(1) if r else 0,
+        ab.stride(0) if r > 0 else (ab.stride(1) if r < 0 else 0), ab.stride(1) if r > 0 else 0,
         h,
         FMT=4 if dequantized else FMT_ID[layout.fmt], D=d, G=group, PAGE=layout.page_size,
         SCALE_OFF=layout.scale_offset, SB=max(layout.scale_bytes, 2),
@@ -812,7 +839,7 @@ def paged_attention(
         # with wgmma-sized row blocks the branch made triton 3.6's pipeliner fail (docs/kernels.md)
         LAZY=page_max and layout.fmt is not KVFormat.NVFP4 and bm <= 32,
         GS_MUL=gs_mul,
-        UNIFORM_T=uniform_t, WPS=wps, RD=r, RDP=triton.next_power_of_2(r) if r else 1,
+        UNIFORM_T=uniform_t, WPS=wps, RD=r, RDP=triton.next_power_of_2(r) if r > 0 else 1,
         P_LOG2=15.0 if dequantized else {KVFormat.BF16: 0.0, KVFormat.INT8: 12.0}.get(layout.fmt, 15.0),
         num_warps=nw, num_stages=ns, **({"maxnreg": max_registers} if max_registers else {}),
         **pdl.launch_kwargs(q.device, "attention"),

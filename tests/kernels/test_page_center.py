@@ -214,6 +214,16 @@ def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
             # bf16 tiles take Q in bf16 (2**-9 per element) against these keys' large shared part:
             # 1.2e-3 measured on the H200 at T = 4; the fp16 tiles of the other formats stay under 1e-3
             assert rel_l2(got.cpu(), want) < (2e-3 if fmt == "bf16" else 1e-3), (fmt, ql, splits)
+            # decode / verify with the terms precomputed per page (page_bias, true units)
+            from kernels.page_center import page_bias
+
+            cols = 1 << (ql * (hq // hkv) - 1).bit_length()
+            pb = page_bias(layer.page_center, q, ql, cols, tables.shape[1], 1.0).to(DEV)
+            got = triton_kernel.paged_attention(qr.to(DEV), layer.data.to(DEV), layer.layout, layer.scales.to(DEV),
+                                                tables.to(DEV), lens.to(DEV), None, None, 0.125, uniform_t=ql,
+                                                num_splits=splits, out=torch.empty(q.shape, device=DEV),
+                                                page_bias=pb)
+            assert rel_l2(got.cpu(), want) < (2e-3 if fmt == "bf16" else 1e-3), (fmt, ql, splits, "page_bias")
         # without adding the offsets back the result is another one: the bias matters here
         plain = attn_ref.paged_attention(qr, layer.data, layer.layout, layer.scales, tables, lens, starts, qlen, 0.125,
                                          compute_dtype=torch.float64)
@@ -258,3 +268,130 @@ def test_backends_agree_on_page_centered_layers():
                          page_center=PageCenter(dev_layer.page_center.mu, dev_layer.page_center.table[:1].contiguous()))
     got = be.decode_attention(q.to(DEV), short, tables.to(DEV), lens.to(DEV), tokens_per_seq=2, sm_scale=0.125)
     assert bool(torch.isfinite(got).all())
+
+
+def test_page_bias_is_the_page_dependent_part_of_q_dot_c_per_column():
+    from kernels.page_center import page_bias
+
+    pc = _center(2, 128, 64, 6, seed=30, device="cpu")
+    gen = torch.Generator().manual_seed(31)
+    t, g = 2, 3
+    q = torch.randn(3 * t, 2 * g, 128, generator=gen)  # B = 3 sequences of T = 2 tokens
+    got = page_bias(pc, q, t, 8, 9, 0.5)  # width 9 > the table's 6 pages: its last row
+    assert got.shape == (3, 2, 9, 8) and got.dtype == torch.float32
+    c = pc.offsets(torch.arange(9).clamp(max=5) * 64).double()  # [pages, Hkv, d]
+    for b in range(3):
+        for h in range(2):
+            for n in range(t * g):
+                qv = q[b * t + n // g, h * g + n % g].double()
+                want = (c[:, h] @ qv - qv[64:] @ pc.mu[h, 64:].double()) * 0.5
+                assert torch.allclose(got[b, h, :, n].double(), want, atol=1e-4)
+    assert bool((got[..., t * g :] == 0).all())  # padding columns
+    with pytest.raises(ValueError, match="columns >= T"):
+        page_bias(pc, q, t, 4, 9, 0.5)
+
+
+@pytest.mark.parametrize("hkv,g,d,rotary,t,cols", [(3, 3, 64, 64, 1, 16), (4, 6, 256, 64, 4, 32), (2, 1, 128, 32, 2, 8)])
+def test_page_bias_kernel_equals_the_reference(hkv, g, d, rotary, t, cols):
+    from kernels.page_center import page_bias
+    from kernels.paged_attention import page_bias as pb_triton
+
+    pc = _center(hkv, d, rotary, 30, seed=32 + d)
+    gen = torch.Generator().manual_seed(33)
+    q = torch.randn(2 * t, hkv * g, d, generator=gen).to(torch.bfloat16).to(DEV)
+    want = page_bias(pc, q, t, cols, 37, 0.3)  # 37 > 30: clamped table rows; not a multiple of the block
+    got = pb_triton.page_bias(pc, q, t, cols, 37, 0.3)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="power-of-two columns"):
+        pb_triton.page_bias(pc, q, t, cols + 1, 37, 0.3)
+    with pytest.raises(ValueError, match="out must be contiguous float32"):
+        pb_triton.page_bias(pc, q, t, cols, 37, 0.3, out=torch.empty(1, device=DEV))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
+def test_a_page_centered_workspace_holds_the_keys_with_their_offsets_back(fmt):
+    from kernels.kv_dequant import reference as dq_ref
+    from kernels.kv_dequant import triton_kernel as dq_tk
+    from kernels.page_center import workspace_centers
+
+    ctx_lens = [130, 20, 0]
+    layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=34)
+    w = tables.shape[1]
+    centers = dq_ref.center_values(layer.layout, layer.scales,
+                                   workspace_centers(layer.page_center, w, layer.layout.hadamard))
+    a = dq_ref.dequantize(layer.data, layer.layout, tables, lens, dq_ref.allocate(layer.layout, tables).fill_(0x5A),
+                          centers)
+    b = dq_tk.dequantize(layer.data.to(DEV), layer.layout, tables.to(DEV), lens.to(DEV),
+                         dq_ref.allocate(layer.layout, tables.to(DEV)).fill_(0x5A), centers.to(DEV))
+    assert torch.equal(a, b.cpu())
+    plain = dq_ref.dequantize(layer.data, layer.layout, tables, lens, dq_ref.allocate(layer.layout, tables).fill_(0x5A))
+    vals = a.view(torch.float16).view(len(ctx_lens), w, 2, 2, 64, 64)
+    base = plain.view(torch.float16).view(len(ctx_lens), w, 2, 2, 64, 64)
+    assert torch.equal(vals[:, :, 1], base[:, :, 1])  # V untouched
+    for seq, n in enumerate(ctx_lens):
+        used = (n + 63) // 64
+        want = (base[seq, :used, 0].float() + centers[:used, :, None, :]).to(torch.float16)
+        assert torch.equal(vals[seq, :used, 0], want)
+    with pytest.raises(ValueError, match="centers must be contiguous float32"):
+        dq_ref.dequantize(layer.data, layer.layout, tables, lens, dq_ref.allocate(layer.layout, tables),
+                          centers[:1])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_prefill_over_a_page_centered_workspace_matches_the_reference(fmt):
+    # the backend's long-chunk path (forced here by a threshold of one row): the workspace holds
+    # K with each page's offset back, the attention over it adds no term
+    from kernels.paged_attention import reference as attn_ref
+
+    ctx_lens = [150, 70]
+    layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=35)
+    gen = torch.Generator().manual_seed(36)
+    ql = [40, 70]
+    q = torch.randn(sum(ql), 6, 64, generator=gen)
+    starts = torch.tensor([0, 40], dtype=torch.int32)
+    want = attn_ref.paged_attention(attn_ref.rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales,
+                                    tables, lens, starts, torch.tensor(ql, dtype=torch.int32), 0.125,
+                                    compute_dtype=torch.float64, page_center=layer.page_center)
+    dev_layer = KVCacheLayer(layer.layout, layer.data.to(DEV), layer.scales.to(DEV),
+                             page_center=PageCenter(layer.page_center.mu.to(DEV), layer.page_center.table.to(DEV)))
+    be = TritonBackend(prefill_dequant_min_rows=1)
+    got = be.prefill_attention(q.to(DEV), dev_layer, tables.to(DEV), lens.to(DEV), ql, sm_scale=0.125)
+    assert rel_l2(got.cpu(), want) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_gluon_decode_adds_each_pages_offset_back(fmt, t):
+    # the 27B head layout (24 query heads, 4 KV heads, d = 256, 64 rotary dims), fragmented
+    # tables, contexts around page boundaries; the Gluon kernel where Hopper runs it
+    from kernels.paged_attention import gluon_decode
+    from kernels.paged_attention import reference as attn_ref
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ctx_lens = [t, 63 + t, 65, 700]
+    layer, tables, lens, _, _ = _paged(fmt, 4, 256, 64, ctx_lens, seed=37 + t)
+    gen = torch.Generator().manual_seed(38)
+    q = torch.randn(len(ctx_lens) * t, 24, 256, generator=gen).to(torch.bfloat16).float()  # bf16 values, as run
+    starts = torch.arange(len(ctx_lens), dtype=torch.int32) * t
+    qlen = torch.full((len(ctx_lens),), t, dtype=torch.int32)
+    qr = attn_ref.rotate_q(q, layer.layout)
+    want = attn_ref.paged_attention(qr, layer.data, layer.layout, layer.scales, tables, lens, starts, qlen, 0.0625,
+                                    compute_dtype=torch.float64, page_center=layer.page_center)
+    dev_layer = KVCacheLayer(layer.layout, layer.data.cuda(), layer.scales.cuda(),
+                             page_center=PageCenter(layer.page_center.mu.cuda(), layer.page_center.table.cuda()))
+    be = TritonBackend()
+    if be.uses_gluon(layer.layout, 6, t, torch.device("cuda")):
+        assert gluon_decode.supported(layer.layout, 6, t)
+    outs = []
+    for splits in (1, 3):
+        got = be.decode_attention(q.cuda().to(torch.bfloat16), dev_layer, tables.cuda(), lens.cuda(),
+                                  tokens_per_seq=t, sm_scale=0.0625, num_splits=splits,
+                                  out=torch.empty(q.shape, device="cuda"))
+        assert rel_l2(got.cpu(), want) < 1e-3, (fmt, t, splits)
+        outs.append(got.cpu())
+    assert rel_l2(outs[0], outs[1]) < 1e-4
+    plain = attn_ref.paged_attention(qr, layer.data, layer.layout, layer.scales, tables, lens, starts, qlen, 0.0625,
+                                     compute_dtype=torch.float64)
+    assert rel_l2(plain, want) > 1e-2
