@@ -13,11 +13,11 @@ applied at start-up (``engine_service.cli``):
   when the runner is built); a page then costs its true quantized bytes, so the same
   memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` (auto = on for nvfp4
   and fp8) applies to quantized formats only; ``on`` with a float kv_dtype is an error.
-  ``kv_center_k`` (auto = on for fp8 and nvfp4, the formats calibrated at start-up) centers
-  K before quantizing (``engine_service.kv_calibration``); ``page`` centers each key by the
-  calibration's mean turned to its page's middle (``kernels.page_center``: more channels, at
-  any context length; decode then runs the Triton kernel instead of the Gluon one on Hopper);
-  ``on`` or ``page`` with another kv_dtype is an error. ``kv_k_rounding`` picks K's codes by plain nearest rounding or by query-weighted
+  ``kv_center_k`` centers K before quantizing (``engine_service.kv_calibration``): ``page``
+  (what auto means for fp8 and nvfp4, the formats calibrated at start-up) by the calibration's
+  mean turned to each key's page middle (``kernels.page_center``: more channels, at any context
+  length; attention adds each page's term back), ``on`` by one fixed offset on the channels RoPE
+  barely turns over the served context; ``on`` or ``page`` with another kv_dtype is an error. ``kv_k_rounding`` picks K's codes by plain nearest rounding or by query-weighted
   rounding calibrated at start-up (``feedback``, fp8 / nvfp4 only, ``kernels.kv_formats.feedback``);
   auto = feedback (fp8 and nvfp4: lower KL to the unquantized cache on long text and on chat
   prompts; nvfp4 rounds a sequence's position 0 to nearest; docs/kernels.md).
@@ -64,12 +64,11 @@ class EngineConfig:
     kv_hadamard: str = field(default="auto", metadata={"help": "Hadamard rotation of K before quantizing: auto (on "
                                                                "for nvfp4 and fp8), on, off (quantized kv dtypes only)",
                                                        "choices": KV_HADAMARD})
-    kv_center_k: str = field(default="auto", metadata={"help": "K centering: subtract K's calibrated mean (on "
-                                                               "channels RoPE barely turns) before quantizing, "
-                                                               "exact for attention: auto (on for fp8 and nvfp4), "
-                                                               "on, off, or page (the mean turned to each key's "
-                                                               "page: more channels at any context; on Hopper "
-                                                               "decode then runs the slower Triton kernel)",
+    kv_center_k: str = field(default="auto", metadata={"help": "K centering before quantizing, exact for "
+                                                               "attention: page (K's calibrated mean turned to "
+                                                               "each key's page), on (one fixed offset on the "
+                                                               "channels RoPE barely turns), off; auto (page for "
+                                                               "fp8 and nvfp4)",
                                                        "choices": KV_CENTER_K})
     kv_k_rounding: str = field(default="auto", metadata={"help": "how K's codes are chosen: nearest, or "
                                                                  "feedback (fp8 / nvfp4: query-weighted rounding "

@@ -9,11 +9,13 @@ scratch pool; ``calibrate_layers`` turns them into per-layer power-of-two global
 with ``kernels.calibration.calibrate`` and counts the block scales that the calibration
 K/V would get under those scales (``ScaleCounter``: zero / subnormal / saturated of total).
 
-With ``--kv-center-k page`` each layer gets instead the calibration K's mean turned back to
-position 0 (``kernels.page_center.pre_rope_mean``), on the channels RoPE turns by at most pi/4
-over half a page; the cache subtracts it turned to each key's page middle.
+With K centering per page (``--kv-center-k page``, what auto means for fp8 and nvfp4) each
+layer also gets the calibration K's mean turned back to position 0
+(``kernels.page_center.pre_rope_mean``), on the channels RoPE turns by at most pi/4 over half a
+page; the cache subtracts it turned to each key's page middle, and attention adds each page's
+term back.
 
-With K centering (``--kv-center-k``, on by default for fp8 and nvfp4) each layer also gets
+With one fixed offset (``--kv-center-k on``) each layer gets instead
 a K offset [Hkv, d] — the calibration K's mean, ``kernels.calibration.k_offset``, on the
 channels that RoPE turns by at most pi/4 over the served context (the engine's
 ``max_context``; ``stationary_channels``; all channels past the rotary dims) — which the cache subtracts

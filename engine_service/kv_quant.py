@@ -51,7 +51,7 @@ QUANT_FORMATS = ("fp8", "int8", "nvfp4")
 K_ROUNDING_MODES = ("auto", "nearest", "feedback")  # feedback: fp8 / nvfp4 only (kernels.kv_formats.feedback)
 FEEDBACK_BY_DEFAULT = ("fp8", "nvfp4")  # auto: where query-weighted rounding measured better (docs/kernels.md)
 HADAMARD_MODES = ("auto", "on", "off")
-CENTER_K_MODES = ("auto", "on", "off", "page")  # auto: on for the calibrated formats; page: kernels.page_center
+CENTER_K_MODES = ("auto", "on", "off", "page")  # auto: page for the calibrated formats (kernels.page_center)
 SCALED_FORMATS = ("fp8", "nvfp4")  # formats whose global scales matter (calibrated)
 
 

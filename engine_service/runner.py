@@ -104,7 +104,9 @@ class TorchModelRunner:
             raise KVSettingsError(f"kv_center_k {kv_center_k!r} needs a calibrated kv dtype "
                                   f"({', '.join(SCALED_FORMATS)}), not {kv_dtype!r}: use auto or off")
         self.kv_center_k = kv_center_k != "off" and kv_dtype in SCALED_FORMATS
-        self.kv_center_page = kv_center_k == "page" and kv_dtype in SCALED_FORMATS
+        # auto: per page (kernels.page_center; KL to the unquantized cache -33% / -36% for nvfp4 /
+        # fp8 on SmolLM2, decode a few % slower: docs/kernels.md); on: one fixed offset
+        self.kv_center_page = kv_center_k in ("auto", "page") and kv_dtype in SCALED_FORMATS
         if kv_k_rounding not in K_ROUNDING_MODES:
             raise KVSettingsError(f"kv_k_rounding {kv_k_rounding!r} must be one of {', '.join(K_ROUNDING_MODES)}")
         if kv_k_rounding == "feedback" and kv_dtype not in SCALED_FORMATS:

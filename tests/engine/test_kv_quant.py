@@ -79,7 +79,7 @@ def quant_runner(base: TorchModelRunner, kv: str, hadamard: str = "auto", calibr
                          kv_k_rounding=k_rounding)
     r.allocate(PAGES, 0)
     if calibrate:
-        key = (kv, hadamard, center_k, k_rounding)
+        key = (kv, hadamard, "page" if center_k == "auto" and kv in ("fp8", "nvfp4") else center_k, k_rounding)
         if fresh or key not in _CALIBRATED:
             _CALIBRATED[key] = calibrate_kv(smollm2_source(), r)
         elif (cal := _CALIBRATED[key]) is not None:
@@ -89,10 +89,11 @@ def quant_runner(base: TorchModelRunner, kv: str, hadamard: str = "auto", calibr
 
 
 def copy_calibration(src: TorchModelRunner, dst: TorchModelRunner) -> None:
-    """Install ``src``'s calibrated global scales, K offsets and K feedback (if any) in ``dst`` by hand."""
-    offsets, fb = src.kv_k_offsets(), src.kv_k_feedback()
+    """Install ``src``'s calibrated global scales, K offsets or page means and K feedback (if any)
+    in ``dst`` by hand."""
+    offsets, fb, means = src.kv_k_offsets(), src.kv_k_feedback(), src.kv_page_means()
     dst.set_kv_scales(src.kv_scales(), None if offsets[0] is None else offsets,  # type: ignore[arg-type]
-                      None if fb[0] is None else fb)  # type: ignore[arg-type]
+                      None if fb[0] is None else fb, None if means[0] is None else means)  # type: ignore[arg-type]
 
 
 def greedy(runner: TorchModelRunner, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -303,10 +304,15 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     per_row = 64 // 16 if kv == "nvfp4" else 64
     assert cal.k.blocks == cal.v.blocks == cal.tokens * 30 * 3 * per_row
     assert cal.k.saturated == cal.v.saturated == 0
-    # K centering (on by default): offsets on the channels RoPE barely turns over the model's context
+    # K centering per page by default (test_k_centering_per_page); with one fixed offset
+    # (--kv-center-k on): offsets on the channels RoPE barely turns over the model's context
     from engine_service.layers.rope import inv_freq_and_scale
     from kernels.calibration import stationary_channels
 
+    assert r.kv_center_page and cal.page_means is not None and cal.k_offsets is None
+    r = quant_runner(base, kv, center_k="on")
+    cal = r.kv_calibration
+    assert cal is not None and not r.kv_center_page
     keep = stationary_channels(inv_freq_and_scale(r.args.rope)[0], 64, r.max_context)
     assert 0 < int(keep.sum()) < 64 and cal.centered_channels == int(keep.sum())
     offsets = r.kv_k_offsets()
@@ -317,7 +323,7 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     assert 0.0 < cal.k_energy_removed < 1.0
     # the digest names what the bytes mean: the same calibration again gives the same digest,
     # other offsets a different one
-    again = quant_runner(base, kv, fresh=True).kv_calibration
+    again = quant_runner(base, kv, center_k="on", fresh=True).kv_calibration
     assert again is not None and again.digest() == cal.digest() and len(cal.digest()) == 16
     from dataclasses import replace
 
@@ -333,7 +339,7 @@ def test_k_centering_off_and_its_effect(smol, fp32_reference) -> None:
     off = quant_runner(base, "nvfp4", center_k="off", k_rounding="nearest")
     assert off.kv_calibration is not None and off.kv_calibration.k_offsets is None
     assert off.kv_calibration.centered_channels == 0 and all(o is None for o in off.kv_k_offsets())
-    on = quant_runner(base, "nvfp4", k_rounding="nearest")
+    on = quant_runner(base, "nvfp4", center_k="on", k_rounding="nearest")
     assert on.kv_calibration is not None and on.kv_calibration.k_offsets is not None
     mean_kl = {}
     for name, r in (("off", off), ("on", on)):
@@ -359,7 +365,9 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     base, _ = smol
     ids, ref_tokens, ref_logits = fp32_reference
     page = quant_runner(base, "nvfp4", center_k="page")
-    fixed = quant_runner(base, "nvfp4")
+    fixed = quant_runner(base, "nvfp4", center_k="on")
+    assert page.kv_center_page and quant_runner(base, "fp8", calibrate=False).kv_center_page  # the default
+    assert not quant_runner(base, "int8", calibrate=False).kv_center_page
     cal, cal_fixed = page.kv_calibration, fixed.kv_calibration
     assert cal is not None and cal_fixed is not None
     assert cal.k_offsets is None and cal.page_means is not None and len(cal.page_means) == 30
@@ -429,7 +437,7 @@ def test_feedback_leaves_position_zero_nearest_for_nvfp4(smol, kv: str) -> None:
     calibrate_kv(smollm2_source(), fb)
     near = TorchModelRunner(base.model, CPU, torch.float32, kv, 64, kv_k_rounding="nearest")
     near.allocate(PAGES, 0)
-    near.set_kv_scales(fb.kv_scales(), fb.kv_k_offsets())  # type: ignore[arg-type]
+    near.set_kv_scales(fb.kv_scales(), None, None, fb.kv_page_means())  # type: ignore[arg-type]
     ids = tok.encode(PROMPT).ids
     for r in (fb, near):
         r.forward(ForwardBatch(torch.tensor(ids), [SeqSlice(-1, TABLE, 0, len(ids))]))
@@ -562,12 +570,17 @@ def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, t
         r.kv.backend = backend  # type: ignore[union-attr]
         if kv in ("fp8", "nvfp4"):  # the start-up calibration on this device (scratch float pool)
             cal = r.calibrate_kv(calibration_token_ids(None, r.vocab_size)[0][:160], source="random_ids")
-            assert cal is not None and cal.k_offsets is not None
+            assert cal is not None and cal.page_means is not None  # K centered per page by default
             assert cal.k_feedback is not None  # fp8 and nvfp4 round K with feedback by default
-        # K offsets by hand on top: non-zero on every channel (the tiny model's RoPE leaves few stationary)
+        # per-page means by hand on top: non-zero on every channel (the tiny model's RoPE leaves
+        # few that a calibration would keep), so every page's term matters
         gen = torch.Generator().manual_seed(7)
         h = r.quant_layout.num_kv_heads  # type: ignore[union-attr]
-        r.set_kv_scales(r.kv_scales(), [torch.randn(h, head_dim, generator=gen) for _ in r.kv_scales()])
+        means = [torch.randn(h, head_dim, generator=gen) for _ in r.kv_scales()]
+        if kv in ("fp8", "nvfp4"):
+            r.set_kv_scales(r.kv_scales(), None, None, means)
+        else:
+            r.set_kv_scales(r.kv_scales(), means)
         results.append(_mixed_steps(r))
     (ref_logits, ref_bytes), (tri_logits, tri_bytes) = results
     # the append is bit-exact: the first attention layer's K/V depend on the tokens only, so its
