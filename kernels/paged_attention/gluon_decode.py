@@ -38,6 +38,10 @@ head, split); each loop iteration one 64-token page:
   running reference (an integer too) before the fp16 rounding, and the accumulator by another
   before ``Vᵀ·Pᵀ`` adds into it in the MMA (no second accumulator: 16-32 columns fit).
 
+A layer whose K is centered per page (``kernels.page_center``) passes ``page_bias``: each page's
+``q . c_P`` per column in log2 units, precomputed by one small launch
+(``paged_attention.page_bias``), joins the column's page maximum and its exponent offset.
+
 An E2M1 element becomes the fp16 pattern ``sign << 15 | index << 9`` (value * 2**-14; one mask
 of the code word for the low elements, four operations for the high ones: page layout 3,
 ``kv_formats.nvfp4``) times its block's E4M3 scale in fp16 (exact); 2**14 and the global scales go into the fp32
