@@ -32,8 +32,9 @@ Contract:
   by query-weighted rounding (same format, other codes). Outputs have q's dtype
   (or ``out``'s, e.g. fp32). V is never rotated, so outputs need no inverse transform.
 - ``page_center`` (instead of ``k_offset``): the append subtracts each token's page offset
-  (``positions`` [N] required), attention adds each page's ``q . c_P`` back (the Triton backend
-  then decodes with the Triton kernel, not the Gluon one).
+  (``positions`` [N] required), attention adds each page's ``q . c_P`` back (the Triton
+  backend: decode / verify from per-page terms one launch precomputes, ``page_bias``; a long
+  prefill's workspace holds K with the offsets added back; a short one sums them in the tile).
 - Both backends write identical cache bytes (the Triton append is bit-exact); attention
   agrees with an fp64 evaluation over the dequantized cache within 1e-3 relative L2.
 - ``prefill_attention`` (Triton) splits the keys of short chunks over long prefixes
