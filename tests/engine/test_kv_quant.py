@@ -272,8 +272,8 @@ def test_generation_is_close_to_the_fp32_pool(smol, fp32_reference, kv: str, had
     ids, ref_tokens, ref_logits = fp32_reference
     r = quant_runner(base, kv, hadamard)
     assert r.quant_layout is not None and r.quant_layout.hadamard == (kv in ("nvfp4", "fp8") and hadamard == "auto")
-    tokens, first = greedy(r, ids, 8)  # its own greedy generation runs
-    assert len(tokens) == 8 and all(0 <= t < r.vocab_size for t in tokens)
+    tokens, first = greedy(r, ids, 3)  # its own greedy generation runs (the KL below: 8 tokens)
+    assert len(tokens) == 3 and all(0 <= t < r.vocab_size for t in tokens)
     assert tokens[0] == ref_tokens[0]
     again = quant_runner(base, kv, hadamard, calibrate=False)
     if r.kv_calibration is not None:
@@ -310,6 +310,8 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     from kernels.calibration import stationary_channels
 
     assert r.kv_center_page and cal.page_means is not None and cal.k_offsets is None
+    if kv != "nvfp4":  # the fixed offset's calibration is the same code for both formats
+        return
     r = quant_runner(base, kv, center_k="on")
     cal = r.kv_calibration
     assert cal is not None and not r.kv_center_page
@@ -330,15 +332,23 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     assert replace(cal, k_offsets=tuple(o + 1.0 for o in cal.k_offsets)).digest() != cal.digest()
 
 
+def test_k_centering_off_stores_uncentered_k(smol) -> None:
+    """``kv_center_k=off``: no offsets and no page means, nothing centered."""
+    base, _ = smol
+    off = quant_runner(base, "nvfp4", center_k="off", k_rounding="nearest")
+    assert off.kv_calibration is not None and off.kv_calibration.k_offsets is None
+    assert off.kv_calibration.page_means is None and not off.kv_center_page
+    assert off.kv_calibration.centered_channels == 0 and all(o is None for o in off.kv_k_offsets())
+
+
+@pytest.mark.slow  # an ablation (~15 s on 2 cores)
 def test_k_centering_off_and_its_effect(smol, fp32_reference) -> None:
-    """``kv_center_k=off`` stores uncentered K; centering cuts the KL to the fp32 pool (SmolLM2's
-    slow RoPE channels carry a large shared component; measured with nearest rounding, as
+    """Centering by one fixed offset cuts the KL to the fp32 pool against none (SmolLM2's slow
+    RoPE channels carry a large shared component; measured with nearest rounding, as
     query-weighted rounding also absorbs much of it: 0.0119 vs 0.0102 on this prompt)."""
     base, _ = smol
     ids, ref_tokens, ref_logits = fp32_reference
     off = quant_runner(base, "nvfp4", center_k="off", k_rounding="nearest")
-    assert off.kv_calibration is not None and off.kv_calibration.k_offsets is None
-    assert off.kv_calibration.centered_channels == 0 and all(o is None for o in off.kv_k_offsets())
     on = quant_runner(base, "nvfp4", center_k="on", k_rounding="nearest")
     assert on.kv_calibration is not None and on.kv_calibration.k_offsets is not None
     mean_kl = {}
@@ -402,21 +412,20 @@ def test_k_rounding_feedback_is_calibrated_and_reproducible(smol, fp32_reference
     near = quant_runner(base, "nvfp4", k_rounding="nearest")
     assert near.kv_calibration is not None and near.kv_calibration.k_feedback is None
     assert all(f is None for f in near.kv_k_feedback())
-    r = TorchModelRunner(base.model, CPU, torch.float32, "nvfp4", 64, kv_k_rounding="feedback")
-    r.allocate(PAGES, 0)
-    calibrate_kv(smollm2_source(), r)
+    r = quant_runner(base, "nvfp4")  # auto = feedback (asserted below)
+    assert r.kv_k_rounding_feedback
     fb = r.kv_k_feedback()
     assert r.kv_calibration is not None and r.kv_calibration.k_feedback is not None
     assert all(f is not None and f.shape == (3, 4, 16, 16) and bool(f.any()) for f in fb)
     assert r.kv_calibration.digest() != near.kv_calibration.digest()
     assert all(torch.equal(a, b) for a, b in zip(r.kv_scales(), near.kv_scales(), strict=True))  # same scales
-    tokens, first = greedy(r, ids, 8)
-    assert len(tokens) == 8 and all(0 <= t < r.vocab_size for t in tokens)
+    tokens, first = greedy(r, ids, 3)
+    assert len(tokens) == 3 and all(0 <= t < r.vocab_size for t in tokens)
     again = TorchModelRunner(base.model, CPU, torch.float32, "nvfp4", 64, kv_k_rounding="feedback")
     again.allocate(PAGES, 0)
     copy_calibration(r, again)
-    assert torch.equal(teacher_forced(again, ids, ref_tokens)[0], first)
-    assert not torch.equal(teacher_forced(near, ids, ref_tokens)[0], first)  # other K codes
+    assert torch.equal(teacher_forced(again, ids, ref_tokens[:1])[0], first)
+    assert not torch.equal(teacher_forced(near, ids, ref_tokens[:1])[0], first)  # other K codes
     for kv in ("fp8", "nvfp4"):  # auto = feedback (what calibration then does with it: ``r`` above)
         assert TorchModelRunner(base.model, CPU, torch.float32, kv, 64).kv_k_rounding_feedback
     fp8_near = TorchModelRunner(base.model, CPU, torch.float32, "fp8", 64, kv_k_rounding="nearest")

@@ -190,7 +190,9 @@ def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: i
 
 
 @pytest.mark.parametrize("fmt,d,hq,hkv,rotary", [("nvfp4", 64, 9, 3, 64), ("fp8", 64, 6, 2, 64),
-                                                 ("bf16", 128, 4, 2, 32), ("int8", 64, 4, 2, 64)])
+                                                 # formats the engine never centers: slow (~6 s each)
+                                                 pytest.param("bf16", 128, 4, 2, 32, marks=pytest.mark.slow),
+                                                 pytest.param("int8", 64, 4, 2, 64, marks=pytest.mark.slow)])
 def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
     from kernels.paged_attention import reference as attn_ref
     from kernels.paged_attention import triton_kernel
@@ -214,7 +216,9 @@ def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
             # bf16 tiles take Q in bf16 (2**-9 per element) against these keys' large shared part:
             # 1.2e-3 measured on the H200 at T = 4; the fp16 tiles of the other formats stay under 1e-3
             assert rel_l2(got.cpu(), want) < (2e-3 if fmt == "bf16" else 1e-3), (fmt, ql, splits)
-            # decode / verify with the terms precomputed per page (page_bias, true units)
+            if splits == 1:
+                continue
+            # decode / verify with the terms precomputed per page (page_bias, true units), split
             from kernels.page_center import page_bias
 
             cols = 1 << (ql * (hq // hkv) - 1).bit_length()
