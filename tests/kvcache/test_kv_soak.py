@@ -2,7 +2,7 @@
 and the daemon is SIGKILLed and restarted (persistence on). Every restore must match the
 checksum recorded at commit; at the end occupancy returns to baseline (no reservation,
 take or lease left; committed + free == arena). DEEPWELL_KV_SOAK_S sets the duration
-(default 10 s)."""
+(default 4 s, 10 s with DEEPWELL_SLOW=1)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def spawn(address: str, seed: int, log_dir: str) -> subprocess.Popen:
 
 
 def test_soak_with_client_and_daemon_kills(daemon_factory):
-    duration = float(os.environ.get("DEEPWELL_KV_SOAK_S", "10"))
+    default = "10" if os.environ.get("DEEPWELL_SLOW") == "1" else "4"
+    duration = float(os.environ.get("DEEPWELL_KV_SOAK_S", default))
     d = daemon_factory(arena_bytes=48 * MiB, grace_s=0.5, persist=True).start()
     rng = random.Random(1)
     workers: dict[int, subprocess.Popen] = {}
