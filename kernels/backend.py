@@ -275,27 +275,27 @@ class TritonBackend:
             raise ValueError(f"decode needs q [B * T, Hq, d] with 1 <= T <= 16; got {list(q.shape)} for B={b}, T={t}")
         h = layer.layout.num_kv_heads
         group = q.shape[1] // h
-        if self.uses_gluon(layer.layout, group, t, q.device):
+        gluon = self.uses_gluon(layer.layout, group, t, q.device)
+        bias = None
+        if layer.page_center is not None:  # each page's q . c_P, one launch: the Gluon kernel's
+            # columns in its log2 units, the Triton kernel's rows (a power of two) in true units
+            from kernels.paged_attention import page_bias
+
+            cols, scale = 1 << (t * group - 1).bit_length(), 1.0
+            if gluon:
+                from kernels.paged_attention import gluon_decode
+
+                cols, scale = gluon_decode.num_columns(t, group), sm_scale * gluon_decode.LOG2E
+            bias = page_bias.page_bias(layer.page_center, q, t, cols, block_tables.shape[1], scale)
+        if gluon:
             from kernels.paged_attention import gluon_decode
 
-            bias = None
-            if layer.page_center is not None:  # each page's q . c_P, one launch (page_bias)
-                from kernels.paged_attention import page_bias
-
-                bias = page_bias.page_bias(layer.page_center, q, t, gluon_decode.num_columns(t, group),
-                                           block_tables.shape[1], sm_scale * gluon_decode.LOG2E)
             per_sm = gluon_decode.programs_per_sm(t, group, layer.layout.head_dim, layer.layout.fmt)
             return gluon_decode.paged_decode(
                 _rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales, block_tables, context_lens,
                 sm_scale, tokens_per_seq=t, num_splits=num_splits or self.gluon_splits(b, h, q.device, per_sm), out=out,
                 page_bias=bias,
             )
-        bias = None
-        if layer.page_center is not None:  # each page's q . c_P (true units), one launch (page_bias)
-            from kernels.paged_attention import page_bias
-
-            bias = page_bias.page_bias(layer.page_center, q, t, 1 << (t * group - 1).bit_length(),
-                                       block_tables.shape[1], 1.0)
         splits = num_splits or self.default_splits(b, h, q.device)
         # two launches (Q rotation, attention) + the split merge (+ the page terms): global
         # scales and row blocks are derived in-kernel, so nothing else runs and a step is
@@ -314,17 +314,17 @@ class TritonBackend:
         if out is None:
             out = torch.empty_like(q)
         qr = _rotate_q(q, layer.layout)
-        pc = _page_terms(q, layer)
         group = q.shape[1] // layer.layout.num_kv_heads
         if not self._dequantizes(layer.layout, max(lens, default=0) * group):
-            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False, pc)
+            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False,
+                                 _page_terms(q, layer))
         from kernels.kv_dequant.reference import workspace_layout
 
         page = workspace_layout(layer.layout).page_bytes
         b, w = block_tables.shape
         budget = self._workspace_budget(q.device)
-        if b * w * page <= budget:
-            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True, pc)
+        if b * w * page <= budget:  # (a workspace needs no page terms: it holds K with them back)
+            return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True)
         # one sequence at a time (within the budget: the table's width bounds its pages), a
         # longer one in segments of its pages, each through the workspace
         start = 0
@@ -334,13 +334,12 @@ class TritonBackend:
             if n == 0:
                 continue
             one = (block_tables[i : i + 1], context_lens[i : i + 1])
-            pci = None if pc is None else (pc[0][rows], pc[1])
             if n * group < self._min_rows(layer.layout.fmt):
-                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, pci)
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, _page_terms(q[rows], layer))
             elif w * page <= budget:
-                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True, pci)
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True)
             elif not self._prefill_segments(qr[rows], layer, *one, sm_scale, out[rows], budget):
-                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, pci)
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, _page_terms(q[rows], layer))
         return out
 
     def _prefill_segments(self, qr: Tensor, layer: KVCacheLayer, block_table: Tensor, context_len: Tensor,
@@ -463,10 +462,10 @@ class TritonBackend:
         splits = self.prefill_splits(work[0].numel(), lay.num_kv_heads, block_tables.shape[1],
                                      qr.shape[0] * qr.shape[1], lay.head_dim, _sm_count(dev), per_sm)
         kw = dict(q_lens_host=lens, num_splits=splits, out=out, work=work, block_m=bm, num_warps=warps, num_stages=2,
-                  pages_per_tile=1, page_max=False, page_center=pc)
+                  pages_per_tile=1, page_max=False)
         if not dequantize:
             return triton_kernel.paged_attention(qr, layer.data, lay, layer.scales, block_tables, context_lens, starts,
-                                                 q_len, sm_scale, **kw)
+                                                 q_len, sm_scale, page_center=pc, **kw)
         from kernels.kv_dequant import reference as dq_ref
         from kernels.kv_dequant import triton_kernel as dq
 
@@ -475,7 +474,6 @@ class TritonBackend:
         # (_workspace_centers), so the attention over it needs no page term
         ws = dq.dequantize(layer.data, lay, tables, context_lens, dq_ref.allocate(lay, tables),
                            _workspace_centers(layer, tables.shape[1]))
-        kw["page_center"] = None
         return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay),
                                              dq_ref.workspace_scales(lay, layer.scales), dq_ref.workspace_tables(tables),
                                              context_lens, starts, q_len, sm_scale, dequantized=True, **kw)
