@@ -73,6 +73,13 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   residual stream as ``W_o e`` (per query head, through its attention weights), so ``C =
   sum over the KV head's query group of W_o,g^T W_o,g`` plays the Hessian's role (``vround=wosum``:
   ``(sum_g W_o,g)^T (sum_g W_o,g)``, as if the group's heads attended alike); ``damp=`` as above;
+- ``sinkc=1`` / ``sinkc=cal`` (with ``center=page``): page 0 centered on the window's own first
+  key (screening: that key exact) / on the key ``<|im_start|>`` gets alone at position 0 (one
+  extra forward; the engine's default since 2026-12-02, ``PageCenter.sink``);
+- ``kcorr=R`` (screening): K's coding error along the top ``R`` eigenvectors of the calibration
+  query covariance kept exactly (as if R more numbers per key were stored);
+- ``vcenter=1`` (screening): V's calibration mean subtracted before encoding and added back
+  (exact: the attention weights sum to 1);
 - ``layers=0,3,5-7`` quantizes only those layers.
 
 ``--calibrate-on builtin`` calibrates (global scales, K offsets, feedback matrices) on the
@@ -135,6 +142,9 @@ class Config:
     fbsearch: bool = False  # fbsearch=1 (screening): nvfp4 K's block scale chosen by the feedback-rounded weighted error
     kscale: str = ""  # kscale=RULE (screening): nvfp4 K's block scales by an ENCODERS rule, then round=feedback
     vrot: bool = False  # vrot=1: V Hadamard-rotated in the cache, the output rotated back (screening)
+    sinkc: str = ""  # sinkc=1|cal (center=page): page 0 on the window's first key / <|im_start|>'s key
+    kcorr: int = 0  # kcorr=R: K's error along the top R query directions stored exactly (screening)
+    vcenter: bool = False  # vcenter=1: V's calibration mean subtracted, added to the output (screening)
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -196,6 +206,12 @@ def parse_config(spec: str) -> Config:
             kw["vround"] = choice(key, val, ("wo", "wosum"))
         elif key == "vrot":
             kw["vrot"] = choice(key, val, ("0", "1")) == "1"
+        elif key == "sinkc":
+            kw["sinkc"] = "" if choice(key, val, ("0", "1", "cal")) == "0" else val
+        elif key == "kcorr":
+            kw["kcorr"] = int(val)
+        elif key == "vcenter":
+            kw["vcenter"] = choice(key, val, ("0", "1")) == "1"
         elif key == "damp":
             kw["damp"] = float(val)
         elif key == "sink":
@@ -462,6 +478,7 @@ class KVRoundTrip:
         self.layout: KVLayout | None = None
         self.state: dict = {}
         self.calibrating = False
+        self.capture_sink = False  # the next forward records each layer's first key (sinkc=cal)
         self.center_keep: torch.Tensor | None = None  # bool [d]: channels K centering may use
         self.k_layout: KVLayout | None = None  # K's layout when it differs from V's (kfmt=)
         self.rotary_dims = 0  # channels RoPE rotates (pairs c, c + rotary_dims/2)
@@ -480,6 +497,9 @@ class KVRoundTrip:
         if cfg is None or lay is None or not (cfg.quantizes(layer, 0) or cfg.quantizes(layer, 1)):
             return k, v
         b, h, t, d = k.shape
+        if self.capture_sink:  # the sink token alone at position 0: its key, nothing encoded
+            self.state["sink"][layer] = k[0, :, 0].float().clone()
+            return k, v
         kr = k.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         vr = v.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         if cfg.center in ("first", "firstst"):  # this window's first key (screening)
@@ -494,6 +514,10 @@ class KVRoundTrip:
                 st["offsets"][layer] = torch.where(self.page_keep, pre, torch.zeros(()))
             mid = pos // PAGE_SIZE * PAGE_SIZE + PAGE_SIZE // 2
             mu = rope_turn(st["offsets"][layer].expand(b * t, h, d), mid, self.inv_freq)
+            if cfg.sinkc:  # page 0's center: the first key itself (exact: it encodes to zero)
+                first = kr.view(b, t, h, d)[:, :1] if cfg.sinkc == "1" else st["sink"][layer].view(1, 1, h, d)
+                first = first.expand(b, t, h, d).reshape(b * t, h, d)
+                mu = torch.where((pos < PAGE_SIZE).view(-1, 1, 1), first, mu)
         else:
             mu = st["offsets"].get(layer)
         if mu is not None:
@@ -515,9 +539,11 @@ class KVRoundTrip:
             gen = torch.Generator().manual_seed(cfg.signs * 1000 + layer)
             sgn = torch.randint(0, 2, (h, d), generator=gen).float() * 2 - 1
             st["alpha"][layer] = st["alpha"].get(layer, torch.ones(h, d)) * sgn
-        if self.calibrating and (cfg.gptq or cfg.feedback):
+        if self.calibrating and (cfg.gptq or cfg.feedback or cfg.kcorr):
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d)
             st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
+            if cfg.kcorr:  # the top R eigenvectors of the query covariance, K's basis [h, d, R]
+                st["ucorr"][layer] = torch.linalg.eigh(st["qcov"][layer])[1][..., -cfg.kcorr:].float()
             if cfg.feedback:  # the cache's rule, computed once from the calibration window
                 st["fb"][layer] = feedback.from_block_covariance(block_diagonal(st["qcov"][layer], cfg.fbspan), cfg.damp)
         if self.calibrating and cfg.vround:
@@ -532,6 +558,10 @@ class KVRoundTrip:
         alpha = st["alpha"].get(layer)
         if alpha is not None:
             kr = kr / alpha
+        if cfg.vcenter:  # V's mean: the weights sum to 1, so the output takes it back exactly
+            if self.calibrating:
+                st["voffsets"][layer] = vr.mean(0)
+            vr = vr - st["voffsets"][layer]
         if cfg.vrot:  # V held rotated (scales calibrated on what is encoded)
             vr = fwht(vr)
         lays = (self.k_layout or lay, lay)
@@ -578,6 +608,10 @@ class KVRoundTrip:
                     else:
                         codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
+            if kv == 0 and cfg.kcorr:  # the error's part along the strong query directions, kept
+                u = st["ucorr"][layer]
+                e = rows.view(b * t, h, d) - deq
+                deq = deq + torch.einsum("nhr,hdr->nhd", torch.einsum("nhd,hdr->nhr", e, u), u)
             st["err"][kv] += float(((deq - rows).double() ** 2).sum())
             st["energy"][kv] += float((rows.double() ** 2).sum())
             if (kv == 0 and lay.hadamard) or (kv == 1 and cfg.vrot):
@@ -589,6 +623,8 @@ class KVRoundTrip:
                 deq = torch.einsum("nhe,hde->nhd", deq.view(b * t, h, d), rot).view(deq.shape)
             if kv == 0 and mu is not None:
                 deq = deq + mu.view(deq.shape) if mu.dim() == 3 else deq + mu  # the softmax cancels a fixed shift
+            if kv == 1 and cfg.vcenter:
+                deq = deq + st["voffsets"][layer]
             if cfg.sink:
                 deq[:, : cfg.sink] = (k if kv == 0 else v).permute(0, 2, 1, 3)[:, : cfg.sink]
             out[kv] = deq.permute(0, 2, 1, 3).to(k.dtype)
@@ -662,8 +698,18 @@ def main() -> int:
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
           f"{int(hook.center_keep.sum())} of {d} channels (center=page: {int(hook.page_keep.sum())}); "
           f"prefix ids {pre.tolist()}", flush=True)
-    state = {c.spec: dict(scales={}, offsets={}, alpha={}, rot={}, qcov={}, fb={}, vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0], energy=[0.0, 0.0])
+    state = {c.spec: dict(scales={}, offsets={}, sink={}, voffsets={}, ucorr={}, alpha={}, rot={}, qcov={}, fb={},
+                          vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0],
+                          energy=[0.0, 0.0])
              for c in configs}
+    sink_id = tok.convert_tokens_to_ids("<|im_start|>")
+    for c in configs:  # sinkc=cal: page 0 centered on the chat template's first token's key at position 0
+        if c.sinkc == "cal":
+            hook.select(c, state[c.spec], False, h, d)
+            hook.capture_sink = True
+            with torch.no_grad():
+                model(torch.tensor([[sink_id]]))
+            hook.capture_sink = False
     if args.calibrate_on != "window":  # one unscored forward of the calibration text per config
         if args.calibrate_on == "builtin":
             from engine_service.kv_calibration import CALIBRATION_TEXT as cal_text
