@@ -490,7 +490,7 @@ def _page_terms(q: Tensor, layer: KVCacheLayer) -> tuple[Tensor, Tensor] | None:
     page (``kernels.page_center``), from the unrotated ``q``. The table covers every cached key
     (the append refuses positions past it), so nothing is read back here."""
     pc = layer.page_center
-    return None if pc is None else (pc.query_terms(q), pc.table)
+    return None if pc is None else pc.kernel_terms(q)
 
 
 def _workspace_centers(layer: KVCacheLayer, width: int) -> Tensor | None:

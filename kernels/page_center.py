@@ -28,13 +28,24 @@ back ``q . c_P`` per (query, page): ``sum_j A_j cos_j + B_j sin_j`` with ``A_j =
 q_{j+h} mu_{j+h}`` and ``B_j = q_{j+h} mu_j - q_j mu_{j+h}`` (``query_terms``, from the
 unrotated query) plus ``q . mu`` over the unrotated channels, the same for every page, which the
 softmax cancels and the kernels therefore leave out.
+
+Page 0 may have a center of its own, ``sink`` fp32 ``[Hkv, d]`` (every channel): the key of the
+chat template's first token at position 0, calibrated once (``engine_service.kv_calibration``).
+A sequence's position 0 is an attention sink whatever its token, and its key is much the same
+for any token there, so centering page 0 on that key leaves the sink's residual near zero — and
+exactly zero for a sequence that starts with that token (every chat request); the screening
+measured the KL to bf16 −33% (nvfp4) / −24% (fp8) on corpus windows that do not start with it
+(docs/kernels.md, "Page 0 centered on the sink key"). Attention then adds ``q . sink`` for page 0
+instead of ``q . c_0``, less the same unrotated-channel constant as every other page:
+``q . sink_adj`` with ``sink_adj`` = ``sink`` minus ``mu`` on the channels past ``r``
+(``sink_terms``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,9 +72,21 @@ class PageCenter:
 
     mu: torch.Tensor  # fp32 [Hkv, d]
     table: torch.Tensor  # fp32 [max_pages, r], shared by the model's layers
+    sink: torch.Tensor | None = None  # fp32 [Hkv, d]: page 0's center (None: c_0 as every page)
+    # fp32 [Hkv, d]: ``sink`` less ``mu`` on the channels past the rotary dims (what every other
+    # page's term leaves out), so page 0's term is ``q . sink_adj``; None without a sink
+    sink_adj: torch.Tensor | None = field(init=False, default=None, repr=False)
+    # fp32 [max_pages, r + 1]: ``table`` with one more column, 1 on page 0's row and 0 elsewhere,
+    # and page 0's own entries 0: with ``query_terms`` extended by ``sink_terms`` (``kernel_terms``)
+    # one sum gives every page's term, page 0's included; None without a sink
+    sink_table: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        mu, table = self.mu, self.table
+        mu, table, sink = self.mu, self.table, self.sink
+        if sink is not None and (sink.shape != mu.shape or sink.dtype != torch.float32 or not sink.is_contiguous()
+                                 or sink.device != mu.device or not bool(torch.isfinite(sink).all())):
+            raise ValueError(f"sink must be a finite contiguous float32 {list(mu.shape)} tensor on {mu.device} "
+                             f"(mu's shape), got {sink.dtype} {list(sink.shape)} on {sink.device}")
         if mu.dim() != 2 or mu.dtype != torch.float32 or not mu.is_contiguous():
             raise ValueError(f"mu must be contiguous float32 [num_kv_heads, head_dim], got {mu.dtype} {list(mu.shape)}")
         if table.dim() != 2 or table.dtype != torch.float32 or not table.is_contiguous():
@@ -76,6 +99,12 @@ class PageCenter:
             raise ValueError(f"mu is on {mu.device} but the table on {table.device}")
         if not bool(torch.isfinite(mu).all()):
             raise ValueError("mu must be finite")
+        if sink is not None:
+            self.sink_adj = torch.cat([sink[:, :r], sink[:, r:] - mu[:, r:]], dim=1).contiguous()
+            ext = torch.cat([table, torch.zeros_like(table[:, :1])], dim=1)
+            ext[0] = 0.0
+            ext[0, r] = 1.0
+            self.sink_table = ext.contiguous()
 
     @property
     def rotary_dim(self) -> int:
@@ -104,7 +133,11 @@ class PageCenter:
         first = lo * cos - hi * sin  # two products, one difference
         second = hi * cos + lo * sin
         rest = mu[..., 2 * h :].expand(cs.shape[0], -1, -1)
-        return torch.cat([first, second, rest], dim=-1).contiguous()
+        out = torch.cat([first, second, rest], dim=-1)
+        if self.sink is not None:  # page 0 centered on the sink key
+            first_page = (positions.to(out.device).long() < PAGE_SIZE)[:, None, None]
+            out = torch.where(first_page, self.sink[None], out)
+        return out.contiguous()
 
     def query_terms(self, q: torch.Tensor) -> torch.Tensor:
         """fp32 ``[Nq, Hq, r]``: ``A`` then ``B`` (module doc) of unrotated queries ``q`` [Nq, Hq, d]
@@ -119,6 +152,28 @@ class PageCenter:
         q1, q2, m1, m2 = qf[..., :h], qf[..., h : 2 * h], mu[..., :h], mu[..., h : 2 * h]
         return torch.cat([q1 * m1 + q2 * m2, q2 * m1 - q1 * m2], dim=-1).contiguous()
 
+    def kernel_terms(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(terms, table)`` such that page ``P``'s term for query row ``n`` is ``terms[n] .
+        table[P]``: ``query_terms`` and ``table``, or with a sink both extended by one column
+        (``sink_terms``; ``sink_table``) — what the Triton attention's ``page_center=`` takes."""
+        terms = self.query_terms(q)
+        if self.sink_table is None:
+            return terms, self.table
+        return torch.cat([terms, self.sink_terms(q)[..., None]], dim=-1).contiguous(), self.sink_table
+
+    def sink_terms(self, q: torch.Tensor) -> torch.Tensor | None:
+        """fp32 ``[Nq, Hq]``: page 0's term ``q . sink_adj`` of unrotated queries ``q`` [Nq, Hq, d]
+        (fp64 sums); None without a sink."""
+        adj = self.sink_adj
+        if adj is None:
+            return None
+        nq, hq, d = q.shape
+        if d != adj.shape[1] or hq % adj.shape[0]:
+            raise ValueError(f"q must be [tokens, Hq, {adj.shape[1]}] with Hq a multiple of {adj.shape[0]}, "
+                             f"got {list(q.shape)}")
+        s = adj.to(device=q.device, dtype=torch.float64).repeat_interleave(hq // adj.shape[0], dim=0)
+        return torch.einsum("nhd,hd->nh", q.to(torch.float64), s).to(torch.float32)
+
 
 def page_bias(pc: PageCenter, q: torch.Tensor, tokens_per_seq: int, columns: int, width: int,
               scale: float) -> torch.Tensor:
@@ -128,7 +183,8 @@ def page_bias(pc: PageCenter, q: torch.Tensor, tokens_per_seq: int, columns: int
     t`` of query head ``kvh * G + g`` (``G`` query heads per KV head), columns past ``T * G``
     hold 0. Pages past the table read its last row (as the Triton kernel's clamp). Defined in
     fp64 from ``query_terms``; the constant ``q . mu`` over the unrotated channels is left out
-    (the softmax cancels it). ``q`` [B * T, Hq, d] unrotated."""
+    (the softmax cancels it). With a ``sink``, page 0's entries are ``q . sink_adj`` (fp64 sums
+    rounded to fp32, then scaled). ``q`` [B * T, Hq, d] unrotated."""
     nq, hq, d = q.shape
     hkv = pc.mu.shape[0]
     t = tokens_per_seq
@@ -140,7 +196,10 @@ def page_bias(pc: PageCenter, q: torch.Tensor, tokens_per_seq: int, columns: int
     terms = pc.query_terms(q).to(torch.float64)  # [B * T, Hq, r]
     rows = torch.arange(width, device=pc.table.device).clamp(max=pc.table.shape[0] - 1)
     tab = pc.table[rows].to(device=q.device, dtype=torch.float64)  # [width, r]
-    dots = torch.einsum("nhr,pr->nhp", terms, tab) * scale  # [B * T, Hq, width]
+    dots = torch.einsum("nhr,pr->nhp", terms, tab)  # [B * T, Hq, width]
+    if pc.sink is not None and width > 0:  # page 0: q . sink_adj
+        dots[..., 0] = pc.sink_terms(q).to(torch.float64)
+    dots = dots * scale
     cols = dots.view(b, t, hkv, g, width).permute(0, 2, 4, 1, 3).reshape(b, hkv, width, t * g)
     out = torch.zeros(b, hkv, width, columns, dtype=torch.float32, device=q.device)
     out[..., : t * g] = cols.to(torch.float32)

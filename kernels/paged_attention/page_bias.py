@@ -8,7 +8,9 @@ to the exponent's per-column offset costs the page loop nothing per score. Grid 
 cdiv(W, BP)]``: a program takes its columns' query terms (``PageCenter.query_terms``: fp32
 products of the unrotated query and ``mu``) and ``BP`` pages' table rows, and multiplies them
 as an fp32 product (``tl.dot`` with IEEE fp32 sums; the reference sums in fp64: equal to ~1e-6
-relative). Launched with PDL where Q's rotation is (``kernels.pdl``, family ``rotate``).
+relative). With a sink key (``PageCenter.sink``) the first block's programs replace page 0's
+row by ``q . sink_adj`` (an fp32 sum over the head dim). Launched with PDL where Q's rotation is
+(``kernels.pdl``, family ``rotate``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ DOT_PRECISION = "tf32x3"  # three tf32 tensor-core products (fp32-accurate); "ie
 
 
 @triton.jit
-def page_bias_kernel(q_ptr, mu_ptr, tab_ptr, out_ptr, scale, W, tab_pages, stride_qt, stride_qh,
+def page_bias_kernel(q_ptr, mu_ptr, tab_ptr, sink_ptr, out_ptr, scale, W, tab_pages, stride_qt, stride_qh,
                      T: tl.constexpr, G: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, D: tl.constexpr,
-                     HR: tl.constexpr, RP: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr):
+                     HR: tl.constexpr, RP: tl.constexpr, BP: tl.constexpr, PREC: tl.constexpr, SINK: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -49,6 +52,13 @@ def page_bias_kernel(q_ptr, mu_ptr, tab_ptr, out_ptr, scale, W, tab_pages, strid
     row = tl.minimum(p, tab_pages - 1).to(tl.int64)
     tab = tl.load(tab_ptr + row[:, None] * (2 * HR) + jj[None, :], mask=(jj < 2 * HR)[None, :], other=0.0)
     dot = tl.dot(tab, terms, input_precision=PREC)  # [BP, NP], fp32 sums
+    if SINK:  # page 0 is centered on the sink key: its term is q . sink_adj (the first block's programs)
+        if blk == 0:
+            dd = tl.arange(0, D)
+            qf = tl.load(qcol + dd[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)  # [D, NP]
+            sk = tl.load(sink_ptr + kvh * D + dd)
+            st = tl.sum(qf * sk[:, None], axis=0)  # [NP]
+            dot = tl.where((p == 0)[:, None], st[None, :], dot)
     out = out_ptr + ((b * H + kvh).to(tl.int64) * W + p[:, None]) * N + n[None, :]
     tl.store(out, tl.where(col_ok[None, :], dot * scale, 0.0), mask=(p < W)[:, None] & (n < N)[None, :])
 
@@ -77,9 +87,11 @@ def page_bias(pc: PageCenter, q: torch.Tensor, tokens_per_seq: int, columns: int
     if b == 0 or width == 0:
         return out
     hr = pc.rotary_dim // 2
+    adj = pc.sink_adj
     page_bias_kernel[(b, hkv, triton.cdiv(width, BLOCK_PAGES))](
-        q, pc.mu, pc.table, out, scale, width, pc.table.shape[0], q.stride(0), q.stride(1),
-        T=t, G=g, N=columns, NP=max(16, columns), D=d, HR=hr, RP=max(16, triton.next_power_of_2(2 * hr)),
-        BP=BLOCK_PAGES, PREC=DOT_PRECISION, num_warps=4, **pdl.launch_kwargs(q.device, "rotate"),
+        q, pc.mu, pc.table, pc.mu if adj is None else adj, out, scale, width, pc.table.shape[0], q.stride(0),
+        q.stride(1), T=t, G=g, N=columns, NP=max(16, columns), D=d, HR=hr,
+        RP=max(16, triton.next_power_of_2(2 * hr)), BP=BLOCK_PAGES, PREC=DOT_PRECISION, SINK=adj is not None,
+        num_warps=4, **pdl.launch_kwargs(q.device, "rotate"),
     )
     return out

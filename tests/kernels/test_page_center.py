@@ -31,12 +31,17 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * h :]], dim=-1)
 
 
-def _center(hkv: int, d: int, rotary: int, pages: int, seed: int, device=DEV) -> PageCenter:
+def _center(hkv: int, d: int, rotary: int, pages: int, seed: int, device=DEV, sink: bool = False) -> PageCenter:
     gen = torch.Generator().manual_seed(seed)
     inv = _inv_freq(rotary)
     mu = torch.randn(hkv, d, generator=gen) * 4.0
     mu = torch.where(page_stationary(inv, d), mu, torch.zeros(()))
-    return PageCenter(mu.contiguous().to(device), rope_table(inv, pages, device))
+    sk = (torch.randn(hkv, d, generator=gen) * 6.0).contiguous().to(device) if sink else None
+    return PageCenter(mu.contiguous().to(device), rope_table(inv, pages, device), sk)
+
+
+def _moved(pc: PageCenter, device) -> PageCenter:
+    return PageCenter(pc.mu.to(device), pc.table.to(device), None if pc.sink is None else pc.sink.to(device))
 
 
 def test_offsets_are_the_mean_turned_to_the_page_middle():
@@ -165,12 +170,13 @@ def test_gluon_and_triton_appends_with_page_offsets_full_size(fmt, d, fed):
         assert torch.equal(got.cpu(), want), impl
 
 
-def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: int, hadamard: bool = True):
+def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: int, hadamard: bool = True,
+           sink: bool = False):
     lay = KVLayout.make(fmt, hkv, d, hadamard)
     gen = torch.Generator().manual_seed(seed)
     tables, num_pages = fragmented_tables(ctx_lens, gen)
     pages = max(1, max((c + 63) // 64 for c in ctx_lens)) + 1
-    pc = _center(hkv, d, rotary, pages, seed, device="cpu")
+    pc = _center(hkv, d, rotary, pages, seed, device="cpu", sink=sink)
     layer = KVCacheLayer(lay, torch.full((num_pages, 2, hkv, lay.head_page_bytes), POISON, dtype=torch.uint8),
                          lay.default_scales(), page_center=pc)
     if fmt in ("fp8", "nvfp4"):
@@ -180,6 +186,8 @@ def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: i
         pos = torch.arange(n)
         # keys with a large component along the page-turned mean (what centering removes)
         base = _rope(pc.mu[None].expand(n, -1, -1), pos, _inv_freq(rotary)).float()
+        if sink and n:  # position 0 is the sink: its key near the calibrated one
+            base[0] = pc.sink
         k = (base + torch.randn(n, hkv, d, generator=gen)).to(torch.bfloat16)
         v = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
         slots = append_ref.slots_from_positions(tables, torch.full((n,), b), pos)
@@ -399,3 +407,101 @@ def test_gluon_decode_adds_each_pages_offset_back(fmt, t):
     plain = attn_ref.paged_attention(qr, layer.data, layer.layout, layer.scales, tables, lens, starts, qlen, 0.0625,
                                      compute_dtype=torch.float64)
     assert rel_l2(plain, want) > 1e-2
+
+
+# ---- page 0 centered on the sink key (PageCenter.sink) ----------------------------------------
+
+
+def test_a_sink_centers_page_0_and_its_term_is_q_dot_sink_adj():
+    from kernels.page_center import page_bias, workspace_centers
+
+    pc = _center(2, 128, 64, 6, seed=40, device="cpu", sink=True)
+    pos = torch.tensor([0, 5, 63, 64, 300])
+    got = pc.offsets(pos)
+    plain = PageCenter(pc.mu, pc.table).offsets(pos)
+    assert torch.equal(got[:3], pc.sink[None].expand(3, -1, -1)) and torch.equal(got[3:], plain[3:])
+    assert torch.equal(workspace_centers(pc, 3, False)[0], pc.sink)
+    gen = torch.Generator().manual_seed(41)
+    t, g = 2, 3
+    q = torch.randn(3 * t, 2 * g, 128, generator=gen)
+    pb = page_bias(pc, q, t, 8, 7, 0.5)
+    c = pc.offsets(torch.arange(7).clamp(max=5) * 64).double()  # page 0: the sink
+    for b in range(3):
+        for h in range(2):
+            for n in range(t * g):
+                qv = q[b * t + n // g, h * g + n % g].double()
+                want = (c[:, h] @ qv - qv[64:] @ pc.mu[h, 64:].double()) * 0.5  # the same constant left out
+                assert torch.allclose(pb[b, h, :, n].double(), want, atol=1e-4)
+    # the kernels' form: one more column of terms and of the table gives page 0's term
+    terms, table = pc.kernel_terms(q)
+    assert terms.shape == (6, 6, 65) and table.shape == (6, 65)
+    dots = torch.einsum("nhr,pr->nhp", terms.double(), table.double())
+    full = torch.einsum("nhr,pr->nhp", pc.query_terms(q).double(), pc.table.double())
+    assert torch.allclose(dots[..., 1:], full[..., 1:], atol=1e-9)
+    assert torch.allclose(dots[..., 0], pc.sink_terms(q).double(), atol=1e-9)
+    with pytest.raises(ValueError, match="sink must be a finite contiguous float32"):
+        PageCenter(pc.mu, pc.table, torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="sink must be a finite"):
+        PageCenter(pc.mu, pc.table, torch.full((2, 128), float("inf")))
+
+
+def test_a_sink_centered_bf16_cache_attends_like_the_original_keys():
+    from kernels.paged_attention import reference as attn_ref
+
+    ctx_lens = [70, 200]
+    layer, tables, lens, ks, vs = _paged("bf16", 2, 64, 64, ctx_lens, seed=42, hadamard=False, sink=True)
+    gen = torch.Generator().manual_seed(43)
+    q = torch.randn(2, 4, 64, generator=gen)
+    got = attn_ref.paged_attention(q, layer.data, layer.layout, layer.scales, tables, lens,
+                                   torch.arange(2, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 0.125,
+                                   compute_dtype=torch.float64, page_center=layer.page_center)
+    for b in range(2):
+        k = ks[b].double().repeat_interleave(2, 1)
+        v = vs[b].double().repeat_interleave(2, 1)
+        p = torch.softmax(torch.einsum("hd,khd->hk", q[b].double(), k) * 0.125, -1)
+        assert rel_l2(got[b], torch.einsum("hk,khd->hd", p, v)) < 1e-2
+
+
+@pytest.mark.parametrize("hkv,g,d,rotary,t,cols", [(3, 3, 64, 64, 1, 16), (2, 1, 128, 32, 2, 8)])
+def test_page_bias_kernel_with_a_sink_equals_the_reference(hkv, g, d, rotary, t, cols):
+    from kernels.page_center import page_bias
+    from kernels.paged_attention import page_bias as pb_triton
+
+    pc = _center(hkv, d, rotary, 30, seed=44 + d, sink=True)
+    gen = torch.Generator().manual_seed(45)
+    q = torch.randn(2 * t, hkv * g, d, generator=gen).to(torch.bfloat16).to(DEV)
+    want = page_bias(pc, q, t, cols, 70, 0.3)  # two blocks of pages: only the first holds page 0
+    got = pb_triton.page_bias(pc, q, t, cols, 70, 0.3)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_backends_agree_on_sink_centered_layers(fmt):
+    # reference decode against the Triton backend's decode (page_bias), short prefill (the
+    # packed pages' extended terms) and long prefill (the workspace's centers)
+    from kernels.paged_attention import reference as attn_ref
+
+    ctx_lens = [40, 129]
+    layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=46, sink=True)
+    gen = torch.Generator().manual_seed(47)
+    q = torch.randn(4, 6, 64, generator=gen)
+    ref = ReferenceBackend().decode_attention(q, layer, tables, lens, tokens_per_seq=2, sm_scale=0.125)
+    want = attn_ref.paged_attention(attn_ref.rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales,
+                                    tables, lens, torch.tensor([0, 2], dtype=torch.int32),
+                                    torch.tensor([2, 2], dtype=torch.int32), 0.125, compute_dtype=torch.float64,
+                                    page_center=layer.page_center)
+    assert rel_l2(ref, want) < 1e-3
+    dev_layer = KVCacheLayer(layer.layout, layer.data.to(DEV), layer.scales.to(DEV),
+                             page_center=_moved(layer.page_center, DEV))
+    for be in (TritonBackend(), TritonBackend(prefill_dequant_min_rows=1)):
+        got = be.decode_attention(q.to(DEV), dev_layer, tables.to(DEV), lens.to(DEV), tokens_per_seq=2,
+                                  sm_scale=0.125)
+        assert rel_l2(got.cpu(), want) < 1e-3
+        pre = be.prefill_attention(q.to(DEV), dev_layer, tables.to(DEV), lens.to(DEV), [2, 2], sm_scale=0.125)
+        assert rel_l2(pre.cpu(), want) < 1e-3
+    # without the sink's term page 0 is off: the term matters here
+    wrong = attn_ref.paged_attention(attn_ref.rotate_q(q, layer.layout), layer.data, layer.layout, layer.scales,
+                                     tables, lens, torch.tensor([0, 2], dtype=torch.int32),
+                                     torch.tensor([2, 2], dtype=torch.int32), 0.125, compute_dtype=torch.float64,
+                                     page_center=PageCenter(layer.page_center.mu, layer.page_center.table))
+    assert rel_l2(wrong, want) > 1e-2
