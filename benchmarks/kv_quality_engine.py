@@ -13,7 +13,9 @@ corpus is Python's ``pydoc_data.topics`` text in non-overlapping windows of ``--
 tokens, each prefilled in ``--chunk``-token chunks with every position's logits returned
 (``SeqSlice.all_logits``): the chunks read the cache the earlier ones wrote, as the engine's
 chunked prefill does. Config specs: ``KV[:hadamard=auto|on|off][:center=auto|on|off|page]
-[:rounding=auto|nearest|feedback]`` (the engine's ``--kv-*`` options); ``bf16`` runs first
+[:rounding=auto|nearest|feedback][:sink=on|off]`` (the engine's ``--kv-*`` options; ``sink=off``
+calibrates page 0's K center as every page's instead of on the sink key, an ablation with no
+engine option); ``bf16`` runs first
 in every window and is the reference of "vs bf16" and of the KL column (mean KL of the
 next-token distribution from the bf16 cache's, 1e-3 nats per token). Block-scale counts are
 the pool's served counters (fp8 counts elements).
@@ -34,7 +36,7 @@ import torch  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16,fp8,int8,nvfp4,nvfp4:hadamard=off"
 OPTIONS = {"hadamard": ("auto", "on", "off"), "center": ("auto", "on", "off", "page"),
-           "rounding": ("auto", "nearest", "feedback")}
+           "rounding": ("auto", "nearest", "feedback"), "sink": ("on", "off")}
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Spec:
     hadamard: str = "auto"
     center: str = "auto"
     rounding: str = "auto"
+    sink: str = "on"  # off: page 0 centered on its mean like every page (ablation of the sink key)
 
 
 def parse_spec(text: str) -> Spec:
@@ -125,7 +128,7 @@ def main() -> int:
         except KVSettingsError as e:
             ap.error(f"{s.text}: {e}")
         r.allocate(math.ceil(args.ctx / 64), 0)
-        cal = calibrate_kv(source, r, served_context=served)
+        cal = calibrate_kv(source, r, served_context=served, sink=s.sink == "on")
         runners[s.text] = r
         if cal is not None:
             print(f"{s.text}: calibrated on {cal.tokens} tokens ({cal.source}), {cal.centered_channels} K channels "

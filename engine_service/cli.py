@@ -102,18 +102,24 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     return core
 
 
-def calibrate_kv(source: Any, runner: Any, served_context: int | None = None) -> Any:
+def calibrate_kv(source: Any, runner: Any, served_context: int | None = None, sink: bool = True) -> Any:
     """Calibrate a quantized KV pool's global scales (and K centering for the positions up
     to ``served_context``) on the built-in text (tokenized with the model's
-    ``tokenizer.json``); returns the ``KVCalibration`` or ``None`` when not needed."""
-    from engine_service.kv_calibration import calibration_token_ids
+    ``tokenizer.json``), led by the chat template's first token where K is centered per page
+    (``kv_calibration.sink_token_id``: page 0 is centered on its key); returns the
+    ``KVCalibration`` or ``None`` when not needed. ``sink=False``: page 0 on its mean (ablation)."""
+    from engine_service.kv_calibration import calibration_token_ids, sink_token_id
     from engine_service.kv_quant import SCALED_FORMATS
 
     if getattr(runner, "quant_layout", None) is None or runner.kv_dtype_name not in SCALED_FORMATS:
         return None
     opener = source.files.get("tokenizer.json")
-    ids, how = calibration_token_ids(opener() if opener is not None else None, runner.vocab_size)
-    return runner.calibrate_kv(ids, source=how, max_position=served_context)
+    tok_json = opener() if opener is not None else None
+    ids, how = calibration_token_ids(tok_json, runner.vocab_size)
+    sink_id = sink_token_id(tok_json, (source.generation_config or {}).get("bos_token_id"), runner.vocab_size)
+    if sink_id is not None and sink and getattr(runner, "kv_center_page", False):  # page 0 on the sink's key
+        ids = [sink_id, *ids]
+    return runner.calibrate_kv(ids, source=how, max_position=served_context, sink=sink)
 
 
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:

@@ -16,7 +16,8 @@ applied at start-up (``engine_service.cli``):
   ``kv_center_k`` centers K before quantizing (``engine_service.kv_calibration``): ``page``
   (what auto means for fp8 and nvfp4, the formats calibrated at start-up) by the calibration's
   mean turned to each key's page middle (``kernels.page_center``: more channels, at any context
-  length; attention adds each page's term back), ``on`` by one fixed offset on the channels RoPE
+  length; attention adds each page's term back), page 0 by the key of the chat template's first
+  token at position 0 (the attention sink), ``on`` by one fixed offset on the channels RoPE
   barely turns over the served context; ``on`` or ``page`` with another kv_dtype is an error. ``kv_k_rounding`` picks K's codes by plain nearest rounding or by query-weighted
   rounding calibrated at start-up (``feedback``, fp8 / nvfp4 only, ``kernels.kv_formats.feedback``);
   auto = feedback (fp8 and nvfp4: lower KL to the unquantized cache on long text and on chat
@@ -66,7 +67,8 @@ class EngineConfig:
                                                        "choices": KV_HADAMARD})
     kv_center_k: str = field(default="auto", metadata={"help": "K centering before quantizing, exact for "
                                                                "attention: page (K's calibrated mean turned to "
-                                                               "each key's page), on (one fixed offset on the "
+                                                               "each key's page; page 0 on the chat template's "
+                                                               "first key), on (one fixed offset on the "
                                                                "channels RoPE barely turns), off; auto (page for "
                                                                "fp8 and nvfp4)",
                                                        "choices": KV_CENTER_K})

@@ -13,7 +13,11 @@ With K centering per page (``--kv-center-k page``, what auto means for fp8 and n
 layer also gets the calibration K's mean turned back to position 0
 (``kernels.page_center.pre_rope_mean``), on the channels RoPE turns by at most pi/4 over half a
 page; the cache subtracts it turned to each key's page middle, and attention adds each page's
-term back.
+term back. Page 0 is centered instead on the key the calibration's first token gets at position
+0 (``KVCalibration.sink_keys``, ``PageCenter.sink``; the mean then leaves that token out): the
+engine starts the calibration with the chat template's first token (``sink_token_id``), so every
+chat request's attention sink encodes to zero, and any other sequence's position 0 — a sink too,
+with a key much like it — to a small residual.
 
 With one fixed offset (``--kv-center-k on``) each layer gets instead
 a K offset [Hkv, d] — the calibration K's mean, ``kernels.calibration.k_offset``, on the
@@ -38,6 +42,7 @@ real activations of the model, but less representative than text.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +89,28 @@ Q: What is 17 * 23? A: 391. Check: 17 * 20 = 340, 17 * 3 = 51, and 340 + 51 = 39
 
 RANDOM_IDS = 400  # length of the fallback sequence
 _SEED = 1234
+
+
+SINK_TOKEN_TEXT = "<|im_start|>"  # ChatML's first token (Qwen, SmolLM2 chat templates)
+
+
+def sink_token_id(tokenizer_json: bytes | None, bos_token_id: object, vocab_size: int) -> int | None:
+    """The token a chat request starts with, whose key at position 0 centers page 0 (module doc):
+    ``SINK_TOKEN_TEXT`` where the tokenizer has it as a token of its own, else the BOS token,
+    else None (the calibration text's own first token then)."""
+    if tokenizer_json:
+        try:
+            data = json.loads(tokenizer_json.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            data = {}
+        for tok in data.get("added_tokens") or () if isinstance(data, dict) else ():
+            if isinstance(tok, dict) and tok.get("content") == SINK_TOKEN_TEXT:
+                tid = tok.get("id")
+                if isinstance(tid, int) and 0 <= tid < vocab_size:
+                    return tid
+    if isinstance(bos_token_id, int) and not isinstance(bos_token_id, bool) and 0 <= bos_token_id < vocab_size:
+        return bos_token_id
+    return None
 
 
 def calibration_token_ids(tokenizer_json: bytes | None, vocab_size: int) -> tuple[list[int], str]:
@@ -192,6 +219,9 @@ class KVCalibration:
     # K centered per page (``kernels.page_center``): per attention layer the pre-RoPE mean fp32
     # [Hkv, d] (None: not per page; then ``k_offsets`` may hold fixed offsets)
     page_means: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    # page 0's center (``PageCenter.sink``): per attention layer the key of the calibration's
+    # first token at position 0, fp32 [Hkv, d] (None: page 0 on the mean like every page)
+    sink_keys: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     # query-weighted rounding of K: per attention layer fp32 [Hkv, d/16, 16, 16] (None: nearest)
     k_feedback: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
@@ -206,7 +236,10 @@ class KVCalibration:
             h.update(b"k_feedback;position0=nearest" if self.kv_format.startswith("nvfp4") else b"k_feedback;all")
         if self.page_means is not None:  # what each key had subtracted: its page's turn of the mean
             h.update(f";k_center=page;page={PAGE_SIZE}".encode())
-        for t in (*self.scales, *(self.k_offsets or ()), *(self.page_means or ()), *(self.k_feedback or ())):
+        if self.sink_keys is not None:  # page 0's keys had the sink key subtracted instead
+            h.update(b";page0=sink")
+        for t in (*self.scales, *(self.k_offsets or ()), *(self.page_means or ()), *(self.sink_keys or ()),
+                  *(self.k_feedback or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
@@ -219,21 +252,25 @@ class KVCalibration:
 def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.Tensor]], *, source: str,
                      tokens: int, name: str, center_k: torch.Tensor | None = None,
                      q_covariances: list[torch.Tensor] | None = None,
-                     page_rope: torch.Tensor | None = None) -> KVCalibration:
+                     page_rope: torch.Tensor | None = None, sink: bool = False) -> KVCalibration:
     """Global scales of every layer from its captured K/V, and their block-scale counts.
 
     ``center_k``: bool [d], the channels to center (``stationary_channels``); None = no
     K centering. ``page_rope``: RoPE's ``inv_freq`` — K centered per page instead
     (``kernels.page_center``: the captured keys, positions 0.. in order, turned back to position
-    0 and averaged on ``center_k``'s channels, which the caller takes from ``page_stationary``).
+    0 and averaged on ``center_k``'s channels, which the caller takes from ``page_stationary``);
+    ``sink`` (with ``page_rope``): page 0 centered on the first captured key (position 0), which
+    the mean then leaves out.
     ``q_covariances``: per layer mean query block products in K's stored basis
     (``RecordingPool.query_covariances``), turned into K feedback; None = nearest rounding."""
     if q_covariances is not None and len(q_covariances) != len(captured):
         raise ValueError(f"need query covariances for {len(captured)} layers, got {len(q_covariances)}")
     if page_rope is not None and center_k is None:
         raise ValueError("page centering needs the channels to center (center_k)")
+    if sink and page_rope is None:
+        raise ValueError("a sink key centers page 0 of a per-page centering (page_rope)")
     counter = ScaleCounter()
-    scales, offsets = [], []
+    scales, offsets, sinks = [], [], []
     energy = centered_energy = 0.0
     if page_rope is not None:  # one table of page middles for every layer's calibration keys
         n_max = max((k.shape[0] for k, _ in captured), default=1)
@@ -245,9 +282,12 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
                 shift = mu
             else:
                 pos = torch.arange(k.shape[0])
-                mu = torch.where(center_k, pre_rope_mean(k, pos, page_rope), torch.zeros(()))
-                pc = PageCenter(mu.contiguous(), table)
+                first = 1 if sink and k.shape[0] > 1 else 0  # the sink key stays out of the mean
+                mu = torch.where(center_k, pre_rope_mean(k[first:], pos[first:], page_rope), torch.zeros(()))
+                sk = k[0].to(torch.float32).contiguous() if sink else None
+                pc = PageCenter(mu.contiguous(), table, sk)
                 shift = pc.offsets(pos)
+                sinks.append(sk)
             offsets.append(mu)
             energy += float(k.double().square().sum())
             k = k - shift
@@ -259,6 +299,7 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
                          k=counter.k, v=counter.v,
                          k_offsets=tuple(offsets) if center_k is not None and page_rope is None else None,
                          page_means=tuple(offsets) if page_rope is not None else None,
+                         sink_keys=tuple(sinks) if sink else None,
                          centered_channels=int(center_k.sum()) if center_k is not None else 0,
                          k_energy_removed=1.0 - centered_energy / energy if energy > 0 else 0.0,
                          k_feedback=None if q_covariances is None else

@@ -222,15 +222,23 @@ class QuantKVPool:
         """Install per-layer K centering offsets (finite fp32 ``[Hkv, d]``)."""
         self._install("k_offset", "K offsets", offsets, check_k_offset)
 
-    def set_page_centers(self, means: Sequence[torch.Tensor], table: torch.Tensor) -> None:
+    def set_page_centers(self, means: Sequence[torch.Tensor], table: torch.Tensor,
+                         sinks: Sequence[torch.Tensor] | None = None) -> None:
         """Center K per page (``kernels.page_center``): per layer the pre-RoPE mean fp32
-        ``[Hkv, d]``, and the model's RoPE table of page middles (shared by every layer); the
-        layers' fixed K offsets are dropped (one centering or the other)."""
+        ``[Hkv, d]``, and the model's RoPE table of page middles (shared by every layer), and
+        optionally per layer page 0's sink key fp32 ``[Hkv, d]``; the layers' fixed K offsets are
+        dropped (one centering or the other)."""
         if len(means) != len(self.caches):
             raise ValueError(f"need page-centering means for {len(self.caches)} attention layers, got {len(means)}")
+        if sinks is not None and len(sinks) != len(self.caches):
+            raise ValueError(f"need sink keys for {len(self.caches)} attention layers, got {len(sinks)}")
         dev = self.caches[0].data.device
         tab = table.to(device=dev, dtype=torch.float32).contiguous()
-        centers = [PageCenter(m.to(device=dev, dtype=torch.float32).contiguous(), tab) for m in means]
+
+        def f32(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=dev, dtype=torch.float32).contiguous()
+
+        centers = [PageCenter(f32(m), tab, None if sinks is None else f32(sinks[i])) for i, m in enumerate(means)]
         for c, pc in zip(self.caches, centers, strict=True):
             c.k_offset = None
             c.page_center = pc
@@ -239,6 +247,11 @@ class QuantKVPool:
     def page_means(self) -> list[torch.Tensor | None]:
         """Copies of every layer's page-centering mean fp32 ``[Hkv, d]`` (CPU), None where unset."""
         return [None if c.page_center is None else c.page_center.mu.detach().cpu().clone() for c in self.caches]
+
+    def sink_keys(self) -> list[torch.Tensor | None]:
+        """Copies of every layer's page-0 sink key fp32 ``[Hkv, d]`` (CPU), None where unset."""
+        return [None if c.page_center is None or c.page_center.sink is None
+                else c.page_center.sink.detach().cpu().clone() for c in self.caches]
 
     def k_feedbacks(self) -> list[torch.Tensor | None]:
         """Copies of every layer's K rounding feedback fp32 ``[Hkv, d/16, 16, 16]`` (CPU), None where unset."""

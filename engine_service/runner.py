@@ -211,11 +211,12 @@ class TorchModelRunner:
 
     def set_kv_scales(self, scales: Sequence[torch.Tensor], k_offsets: Sequence[torch.Tensor] | None = None,
                       k_feedback: Sequence[torch.Tensor] | None = None,
-                      page_means: Sequence[torch.Tensor] | None = None) -> None:
+                      page_means: Sequence[torch.Tensor] | None = None,
+                      sink_keys: Sequence[torch.Tensor] | None = None) -> None:
         """Install per-layer global scales (and K centering offsets fp32 ``[Hkv, d]``, K rounding
         feedback fp32 ``[Hkv, d/16, 16, 16]``, or K centering per page: pre-RoPE means fp32
-        ``[Hkv, d]``, ``kernels.page_center``, with the model's RoPE) by hand (quantized KV only,
-        before the first forward)."""
+        ``[Hkv, d]``, ``kernels.page_center``, with the model's RoPE, and page 0's sink keys fp32
+        ``[Hkv, d]``) by hand (quantized KV only, before the first forward)."""
         pool = self._scales_settable()
         pool.set_scales(scales)
         if k_offsets is not None:
@@ -224,11 +225,17 @@ class TorchModelRunner:
             pool.set_k_feedback(k_feedback)
         if page_means is not None:
             inv_freq, _ = inv_freq_and_scale(self.args.rope)
-            pool.set_page_centers(page_means, rope_table(inv_freq, max_pages_for(self.max_context)))
+            pool.set_page_centers(page_means, rope_table(inv_freq, max_pages_for(self.max_context)), sink_keys)
+        elif sink_keys is not None:
+            raise ValueError("sink keys center page 0 of a per-page centering: pass page_means too")
 
     def kv_page_means(self) -> list[torch.Tensor | None]:
         """Every attention layer's per-page centering mean fp32 ``[Hkv, d]`` (None: not centered per page)."""
         return self._quant_pool().page_means()
+
+    def kv_sink_keys(self) -> list[torch.Tensor | None]:
+        """Every attention layer's page-0 sink key fp32 ``[Hkv, d]`` (None: no sink key)."""
+        return self._quant_pool().sink_keys()
 
     def kv_scale_counts(self) -> tuple[ScaleCounts, ScaleCounts] | None:
         """(K, V) block-scale counts of everything the serving pool has stored (fp8 / nvfp4),
@@ -257,11 +264,13 @@ class TorchModelRunner:
         return pool
 
     def calibrate_kv(self, token_ids: Sequence[int], source: str = "token_ids",
-                     max_position: int | None = None) -> KVCalibration | None:
+                     max_position: int | None = None, sink: bool = True) -> KVCalibration | None:
         """Set the quantized pool's global scales (and K centering offsets, ``kv_center_k``, and K feedback, ``kv_k_rounding``)
         from one scratch forward of ``token_ids``. ``max_position``: the most positions any
         sequence will use (the served context; default the model's) — K is centered on the
-        channels that RoPE turns by at most pi/4 over that many positions.
+        channels that RoPE turns by at most pi/4 over that many positions. ``sink``: with K
+        centered per page, page 0 is centered on the key ``token_ids[0]`` gets at position 0
+        (``KVCalibration.sink_keys``; False: on the page's mean, an ablation).
 
         The forward writes a temporary float KV pool and a temporary state slot only, so
         the serving pools and slots are untouched. Returns ``None`` (nothing to do) for
@@ -298,12 +307,14 @@ class TorchModelRunner:
                 keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
         report = calibrate_layers(self.quant_layout, scratch.captured(), source=source, tokens=n,
                                   name=describe(self.quant_layout), center_k=keep, page_rope=page_rope,
-                                  q_covariances=scratch.query_covariances() if self.kv_k_rounding_feedback else None)
+                                  q_covariances=scratch.query_covariances() if self.kv_k_rounding_feedback else None,
+                                  sink=sink and page_rope is not None)
         pool.set_scales(report.scales)
         if report.k_offsets is not None:
             pool.set_k_offsets(report.k_offsets)
         if report.page_means is not None and page_rope is not None:
-            pool.set_page_centers(report.page_means, rope_table(page_rope, max_pages_for(self.max_context)))
+            pool.set_page_centers(report.page_means, rope_table(page_rope, max_pages_for(self.max_context)),
+                                  report.sink_keys)
         if report.k_feedback is not None:
             pool.set_k_feedback(report.k_feedback)
         self.kv_calibration = report

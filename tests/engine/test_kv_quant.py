@@ -83,7 +83,7 @@ def quant_runner(base: TorchModelRunner, kv: str, hadamard: str = "auto", calibr
         if fresh or key not in _CALIBRATED:
             _CALIBRATED[key] = calibrate_kv(smollm2_source(), r)
         elif (cal := _CALIBRATED[key]) is not None:
-            r.set_kv_scales(cal.scales, cal.k_offsets, cal.k_feedback, cal.page_means)
+            r.set_kv_scales(cal.scales, cal.k_offsets, cal.k_feedback, cal.page_means, cal.sink_keys)
             r.kv_calibration = cal
     return r
 
@@ -92,8 +92,10 @@ def copy_calibration(src: TorchModelRunner, dst: TorchModelRunner) -> None:
     """Install ``src``'s calibrated global scales, K offsets or page means and K feedback (if any)
     in ``dst`` by hand."""
     offsets, fb, means = src.kv_k_offsets(), src.kv_k_feedback(), src.kv_page_means()
+    sinks = src.kv_sink_keys()
     dst.set_kv_scales(src.kv_scales(), None if offsets[0] is None else offsets,  # type: ignore[arg-type]
-                      None if fb[0] is None else fb, None if means[0] is None else means)  # type: ignore[arg-type]
+                      None if fb[0] is None else fb, None if means[0] is None else means,  # type: ignore[arg-type]
+                      None if sinks[0] is None else sinks)  # type: ignore[arg-type]
 
 
 def greedy(runner: TorchModelRunner, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -291,7 +293,8 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     base, _ = smol
     r = quant_runner(base, kv)
     cal = r.kv_calibration
-    assert cal is not None and cal.source == "tokenizer" and cal.tokens == len(calibration_token_ids(
+    # the built-in text led by the chat template's first token (page 0's sink key)
+    assert cal is not None and cal.source == "tokenizer" and cal.tokens == 1 + len(calibration_token_ids(
         smollm2_source().files["tokenizer.json"](), r.vocab_size)[0])
     scales = r.kv_scales()
     assert len(scales) == 30 and all(s.shape == (2, 3) for s in scales)
@@ -371,7 +374,7 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     from kernels.calibration import stationary_channels
     from kernels.page_center import page_stationary
 
-    base, _ = smol
+    base, tok = smol
     ids, ref_tokens, ref_logits = fp32_reference
     page = quant_runner(base, "nvfp4", center_k="page")
     fixed = quant_runner(base, "nvfp4", center_k="on")
@@ -388,12 +391,32 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     assert all(o is None for o in page.kv_k_offsets())
     assert all(torch.equal(a, b) for a, b in zip(page.kv_page_means(), cal.page_means, strict=True))
     assert cal.digest() != cal_fixed.digest()
+    from dataclasses import replace
+
+    assert cal.sink_keys is not None  # page 0's sink keys are named by the digest too
+    assert replace(cal, sink_keys=None).digest() != cal.digest()
+    assert replace(cal, sink_keys=tuple(t + 1.0 for t in cal.sink_keys)).digest() != cal.digest()
     assert cal.k_energy_removed > 2 * cal_fixed.k_energy_removed > 0
     twin = quant_runner(base, "nvfp4", center_k="page", calibrate=False)
-    twin.set_kv_scales(cal.scales, None, cal.k_feedback, cal.page_means)
+    twin.set_kv_scales(cal.scales, None, cal.k_feedback, cal.page_means, cal.sink_keys)
     got = teacher_forced(twin, ids, ref_tokens[:2])
     want = teacher_forced(page, ids, ref_tokens[:2])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # page 0 is centered on the key of the chat template's first token at position 0 (the
+    # calibration starts with it): PROMPT starts with it too, so position 0's stored residual is
+    # zero at the first layer (K there depends on the token alone) and small at the others (V
+    # of position 0 is quantized, so its later layers' K moves a little against the sink key)
+    from kernels.paged_attention.reference import gather
+
+    assert ids[0] == tok.token_to_id("<|im_start|>")
+    assert cal.sink_keys is not None and len(cal.sink_keys) == 30 and cal.sink_keys[0].shape == (3, 64)
+    assert all(torch.equal(a, b) for a, b in zip(page.kv_sink_keys(), cal.sink_keys, strict=True))
+    assert fixed.kv_sink_keys() == [None] * 30 and cal_fixed.sink_keys is None
+    assert page.kv is not None
+    for i, c in enumerate(page.kv.caches):  # type: ignore[union-attr]
+        k, _ = gather(c.data, c.layout, torch.tensor(TABLE), len(ids), c.scales)
+        ratio = float(k[0].norm() / c.page_center.sink.norm())  # type: ignore[union-attr]
+        assert (not k[0].any()) if i == 0 else ratio < 0.06, (i, ratio)  # 2.8% at most measured
 
 
 @pytest.mark.slow  # an ablation (~8 s on 2 cores); the default's KL bound: test_generation_is_close_to_the_fp32_pool
@@ -454,7 +477,7 @@ def test_feedback_leaves_position_zero_nearest_for_nvfp4(smol, kv: str) -> None:
     assert fb.kv_k_rounding_feedback
     near = TorchModelRunner(base.model, CPU, torch.float32, kv, 64, kv_k_rounding="nearest")
     near.allocate(PAGES, 0)
-    near.set_kv_scales(fb.kv_scales(), None, None, fb.kv_page_means())  # type: ignore[arg-type]
+    near.set_kv_scales(fb.kv_scales(), None, None, fb.kv_page_means(), fb.kv_sink_keys())  # type: ignore[arg-type]
     ids = tok.encode(PROMPT).ids
     for r in (fb, near):
         r.forward(ForwardBatch(torch.tensor(ids), [SeqSlice(-1, TABLE, 0, len(ids))]))
@@ -486,7 +509,9 @@ def test_served_block_scales_are_counted(smol, kv: str) -> None:
     k, v = r.kv_scale_counts()  # type: ignore[misc]
     per_row = {"nvfp4": 64 // 16, "fp8": 64, "int8": 1}[kv]
     assert k.blocks == v.blocks == (len(ids) + 2) * 30 * 3 * per_row
-    assert k.saturated == v.saturated == 0 and k.zero + k.subnormal < k.blocks // 100
+    # position 0's K (page 0's sink key subtracted: zero or a small residual) may be all zero /
+    # subnormal; the other rows under 1%
+    assert k.saturated == v.saturated == 0 and k.zero + k.subnormal < k.blocks // 100 + 30 * 3 * per_row
     per_layer = [c.scale_counts for c in r.kv.caches]  # type: ignore[union-attr]
     assert all(c.shape == (2, 3, 3) for c in per_layer) and sum(int(c[1, :, 1].sum()) for c in per_layer) == v.subnormal
     m = EngineMetrics("smol")
@@ -527,6 +552,20 @@ def test_calibration_leaves_no_trace(smol) -> None:
         by_hand.calibrate_kv(ids)
     with pytest.raises(RuntimeError, match="fixed once the KV pool holds tokens"):
         by_hand.set_kv_scales(calibrated.kv_scales())
+
+
+def test_the_sink_token_is_chatmls_first_token_else_bos() -> None:
+    import json
+
+    from engine_service.kv_calibration import sink_token_id
+
+    tj = json.dumps({"added_tokens": [{"id": 0, "content": "<|endoftext|>"}, {"id": 7, "content": "<|im_start|>"}]})
+    assert sink_token_id(tj.encode(), 3, 100) == 7
+    assert sink_token_id(tj.encode(), 3, 5) == 3  # the ChatML id out of the vocabulary: BOS
+    assert sink_token_id(json.dumps({"added_tokens": []}).encode(), 3, 100) == 3
+    assert sink_token_id(b"not json", None, 100) is None and sink_token_id(None, True, 100) is None
+    assert sink_token_id(None, [1], 100) is None and sink_token_id(b"[1, 2]", 4, 100) == 4
+    assert sink_token_id(smollm2_source().files["tokenizer.json"](), None, 49152) == 1
 
 
 def test_calibration_on_a_hybrid_model_leaves_state_slots_alone(tmp_path: Path) -> None:
@@ -594,8 +633,9 @@ def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, t
         gen = torch.Generator().manual_seed(7)
         h = r.quant_layout.num_kv_heads  # type: ignore[union-attr]
         means = [torch.randn(h, head_dim, generator=gen) for _ in r.kv_scales()]
-        if kv in ("fp8", "nvfp4"):
-            r.set_kv_scales(r.kv_scales(), None, None, means)
+        if kv in ("fp8", "nvfp4"):  # and page 0 centered on a sink key of its own
+            sinks = [torch.randn(h, head_dim, generator=gen) * 3 for _ in means]
+            r.set_kv_scales(r.kv_scales(), None, None, means, sinks)
         else:
             r.set_kv_scales(r.kv_scales(), means)
         results.append(_mixed_steps(r))
