@@ -549,6 +549,23 @@ def center_table(rounds: int = 3, kernels: bool = True) -> list[dict]:
                          page_tflops=flops / best["page"] / 1e12, ratio=best["page"] / best["fixed"]))
         print(f"center {fmt} prefill 4k over 64k: fixed {flops/best['fixed']/1e12:.1f} TFLOP/s, page "
               f"{flops/best['page']/1e12:.1f} TFLOP/s, time ratio {best['page']/best['fixed']:.3f}", flush=True)
+        # a short chunk reads the packed pages (under the workspace's row threshold): the page
+        # terms summed in the Triton kernel's tile, r + 1 of them with page 0's sink term
+        layout, cache, tables, lens, q, _, _, flops = prefill_case(fmt, 65536, 256)
+        layers = {"page": KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1])),
+                  "page_nosink": KVCacheLayer(layout, cache, scales,
+                                              page_center=_page_center(tables.shape[1], sink=False))}
+        out = torch.empty_like(q)
+        best = {}
+        for _ in range(rounds):
+            for name, lay in layers.items():
+                sec = bench(lambda lay=lay: be.prefill_attention(q, lay, tables, lens, [256], sm_scale=D**-0.5,
+                                                                 out=out))
+                best[name] = min(best.get(name, sec), sec)
+        rows.append(dict(fmt=fmt, case="prefill 256 over 64k (packed pages)", sink_us=best["page"] * 1e6,
+                         nosink_us=best["page_nosink"] * 1e6, ratio=best["page"] / best["page_nosink"]))
+        print(f"center {fmt} prefill 256 over 64k (packed pages): page 0 on a sink key {best['page']*1e6:.1f} us, "
+              f"without {best['page_nosink']*1e6:.1f} us, ratio {best['page']/best['page_nosink']:.3f}", flush=True)
         layers = {}
         torch.cuda.empty_cache()
     return rows

@@ -10,7 +10,9 @@ of its next-token distribution from the fp32 pool's is averaged: at the first ge
 position and over all of them. Each format runs with the engine's default K rounding
 (query-weighted, ``--kv-k-rounding auto``) twice: with a sequence's position 0 rounded to
 nearest and without (``engine_service.kv_quant.position0_nearest`` switched for the run),
-then with nearest rounding everywhere. Prints one line per configuration, then the
+then with nearest rounding everywhere; and the first of those with page 0's K centered on its
+page mean instead of on the sink key (``calibrate_kv(..., sink=False)``, the rule before
+2026-12-02). Prints one line per configuration, then the
 per-prompt figures (first / mean).
 """
 
@@ -94,13 +96,14 @@ def main() -> int:
         refs.append((ids, cont, forced(base, ids, cont)))
     default_rule = kv_quant.position0_nearest
     for fmt in args.kv.split(","):
-        for name, rounding, rule in (("feedback, position 0 nearest", "auto", lambda lay: True),
-                                     ("feedback on every token", "auto", lambda lay: False),
-                                     ("nearest", "nearest", default_rule)):
+        for name, rounding, rule, sink in (("feedback, position 0 nearest", "auto", lambda lay: True, True),
+                                           ("the same, page 0 on its mean", "auto", lambda lay: True, False),
+                                           ("feedback on every token", "auto", lambda lay: False, True),
+                                           ("nearest", "nearest", default_rule, True)):
             kv_quant.position0_nearest = rule
             r = TorchModelRunner(base.model, torch.device("cpu"), torch.float32, fmt, 64, kv_k_rounding=rounding)
             r.allocate(PAGES, 0)
-            calibrate_kv(source, r)
+            calibrate_kv(source, r, sink=sink)
             rows = []
             for ids, cont, ref in refs:
                 ks = [kl(a, b) for a, b in zip(ref, forced(r, ids, cont), strict=True)]
