@@ -80,6 +80,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   query covariance kept exactly (as if R more numbers per key were stored);
 - ``vcenter=1`` (screening): V's calibration mean subtracted before encoding and added back
   (exact: the attention weights sum to 1);
+- ``temp=T`` (screening): the attention logits times ``1 + T`` (K scaled after decoding), a
+  temperature against the quantization noise;
 - ``layers=0,3,5-7`` quantizes only those layers.
 
 ``--calibrate-on builtin`` calibrates (global scales, K offsets, feedback matrices) on the
@@ -143,6 +145,7 @@ class Config:
     kscale: str = ""  # kscale=RULE (screening): nvfp4 K's block scales by an ENCODERS rule, then round=feedback
     vrot: bool = False  # vrot=1: V Hadamard-rotated in the cache, the output rotated back (screening)
     sinkc: str = ""  # sinkc=1|cal (center=page): page 0 on the window's first key / <|im_start|>'s key
+    temp: float = 0.0  # temp=T (screening): attention logits times 1 + T (K scaled after decoding)
     kcorr: int = 0  # kcorr=R: K's error along the top R query directions stored exactly (screening)
     vcenter: bool = False  # vcenter=1: V's calibration mean subtracted, added to the output (screening)
 
@@ -208,6 +211,8 @@ def parse_config(spec: str) -> Config:
             kw["vrot"] = choice(key, val, ("0", "1")) == "1"
         elif key == "sinkc":
             kw["sinkc"] = "" if choice(key, val, ("0", "1", "cal")) == "0" else val
+        elif key == "temp":
+            kw["temp"] = float(val)
         elif key == "kcorr":
             kw["kcorr"] = int(val)
         elif key == "vcenter":
@@ -623,6 +628,8 @@ class KVRoundTrip:
                 deq = torch.einsum("nhe,hde->nhd", deq.view(b * t, h, d), rot).view(deq.shape)
             if kv == 0 and mu is not None:
                 deq = deq + mu.view(deq.shape) if mu.dim() == 3 else deq + mu  # the softmax cancels a fixed shift
+            if kv == 0 and cfg.temp:
+                deq = deq * (1.0 + cfg.temp)
             if kv == 1 and cfg.vcenter:
                 deq = deq + st["voffsets"][layer]
             if cfg.sink:
