@@ -10,7 +10,7 @@ version is the working tree's module. Modules and cases (Qwen3.5-27B layout: 24 
 heads, 4 KV heads, d = 256):
 
 - ``gluon_decode``: decode / verify (T = 1, 2, 4) at the engine's split counts, CUDA-graph
-  replays;
+  replays, without and with per-page K terms (``page_bias``);
 - ``triton_kernel``: prefill of a 4k chunk over a 64k nvfp4 prefix (eager, TFLOP/s) and the
   Triton decode kernel (T = 1, graph replays);
 - ``kv_append``: one layer's append of a 64-sequence nvfp4 decode step (K centered, block
@@ -84,6 +84,21 @@ def gluon_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
         nbytes = batch * ctx * HKV * 2 * layout.token_bytes
         yield (f"decode T={t} B={batch} ctx={ctx}", fns,
                lambda sec, n=nbytes: f"{sec * 1e6:9.1f} us {n / sec / 4.8e12 * 100:5.1f}%")
+        # the same with per-page K terms (K centered per page, ``page_bias``)
+        cols = next(iter(mods.values())).num_columns(t, HQ // HKV)
+        bias = torch.randn(batch, HKV, tables.shape[1], cols, device="cuda") * 0.5
+        fns = {}
+        for name, m in mods.items():
+            splits = be.gluon_splits(batch, HKV, q.device, m.programs_per_sm(t, HQ // HKV))
+            o = torch.empty_like(q)
+            scr = (torch.empty(batch * t * HQ * splits * D, device="cuda"),
+                   torch.empty(batch * t * HQ * splits, device="cuda"))
+            call = (lambda m=m, s=splits, o=o, scr=scr: m.paged_decode(
+                q, cache, layout, scales, tables, lens, D**-0.5, tokens_per_seq=t, num_splits=s, out=o, scratch=scr,
+                page_bias=bias))
+            fns[name] = lambda call=call: bench_graph(call)
+        yield (f"decode+page terms T={t} B={batch} ctx={ctx}", fns,
+               lambda sec, n=nbytes: f"{sec * 1e6:9.1f} us {n / sec / 4.8e12 * 100:5.1f}%")
 
 
 def triton_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
@@ -151,6 +166,7 @@ def main() -> int:
     ap.add_argument("--module", required=True, choices=sorted(MODULES), help="which kernel module to compare")
     ap.add_argument("--base", required=True, help="file of the base version of that module (e.g. from git show)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case (minimum kept)")
+    ap.add_argument("--cases", default="", help="only the cases whose name contains this text")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     if args.rounds < 1:
@@ -164,6 +180,8 @@ def main() -> int:
     mods = {"base": load_file(args.base, f"_ab_base_{args.module}"), "new": new}
     rows = []
     for label, fns, fmt in CASES[args.module](mods):
+        if args.cases not in label:
+            continue
         best = {name: float("inf") for name in fns}
         refused = {}
         for _ in range(args.rounds):

@@ -450,16 +450,24 @@ def decode_kernel(
     # Pages that every query token sees in full come first, without masks (H200: 3-5% faster
     # decode), then the last one or two with them.
     n_full = gl.minimum(gl.maximum((ctx - T + 1) // 64 - p_begin, 0), n)
+    # PC at T = 1: each page's terms are loaded one page ahead (the first one here; H200, A/B:
+    # 128k x 1 51.3 -> 49.7 us, 0.7-3% elsewhere at T = 1; T = 2 / 4 measured 1-8% slower so,
+    # they load each page's own at the page)
+    pcol = gl.arange(0, N, layout=col_l)
+    if PC and T == 1:
+        pb = gl.load(bias_row + p_begin * N + pcol, mask=(pcol >= 0) & (n > 0), other=0.0)
+    else:
+        pb = gl.zeros([N], gl.float32, layout=col_l)
     for i in range(0, n_full):
-        m_i, l_r, m_o, acc_lo, acc_hi = _page(
+        m_i, l_r, m_o, acc_lo, acc_hi, pb = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
             kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o, bias_row,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False, FMT, PC)
+            pb, CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, False, FMT, PC)
     for i in range(n_full, n):
-        m_i, l_r, m_o, acc_lo, acc_hi = _page(
+        m_i, l_r, m_o, acc_lo, acc_hi, pb = _page(
             i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
             kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o, bias_row,
-            CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True, FMT, PC)
+            pb, CB, SB, SCALE_OFF, STAGES, P_SHIFT, T, G, N, V_REGS, FLUSH, True, FMT, PC)
 
     async_copy.wait_group(0)
     if FLUSH > 0:
@@ -500,7 +508,7 @@ def decode_kernel(
 @gluon.jit
 def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, stride_ckv, stride_ch,
           kc_s, ks_s, vc_s, vs_s, q_s, p_s, vt_s, o_s, s_scale, m_i, l_r, m_o, acc_lo, acc_hi, zero_o, bias_row,
-          CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, STAGES: gl.constexpr,
+          pb, CB: gl.constexpr, SB: gl.constexpr, SCALE_OFF: gl.constexpr, STAGES: gl.constexpr,
           P_SHIFT: gl.constexpr, T: gl.constexpr, G: gl.constexpr, N: gl.constexpr,
           V_REGS: gl.constexpr, FLUSH: gl.constexpr, MASK: gl.constexpr, FMT: gl.constexpr, PC: gl.constexpr):
     """Page ``i`` of the program's ``n``: issue the copy of page ``i + STAGES - 1``, then
@@ -509,8 +517,9 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     V's codes) are masked; ``vt_s`` / ``o_s`` are placeholders where ``V_REGS`` / ``FLUSH``
     leave them unused. ``PC``: K is centered per page; ``bias_row[page * N + n]`` is column
     ``n``'s ``q . c_P`` in log2 units (``page_bias``), added to the column's page maximum and
-    taken out of its exponent offset (per column: nothing per score). Returns the running state
-    (m_i, l_r, m_o, acc_lo, acc_hi)."""
+    taken out of its exponent offset (per column: nothing per score); at ``T`` = 1 ``pb`` holds
+    this page's terms, loaded one page ahead. Returns the running state (m_i, l_r, m_o, acc_lo,
+    acc_hi) and the next page's terms (``pb`` itself unless ``PC`` at ``T`` = 1)."""
     NB: gl.constexpr = CB // 16
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -529,9 +538,15 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     async_copy.wait_group(STAGES - 1)
     gl.thread_barrier()
     st = i % STAGES
-    if PC:  # this page's terms, loaded before the unpacks (H200: through the page ring instead
-        # measured slower for nvfp4, 51.3 -> 58.2 us at 128k x 1, 561 -> 631 us at T = 4 128k x 8)
-        pb = gl.load(bias_row + (p_begin + i) * N + gl.arange(0, N, layout=gl.SliceLayout(0, acc_l)))
+    pb_next = pb
+    if PC:  # T = 1: the next page's terms (``pb`` holds this page's, loaded one page ahead); T > 1:
+        # this page's, before the unpacks (H200: through the page ring instead measured slower
+        # for nvfp4, 51.3 -> 58.2 us at 128k x 1, 561 -> 631 us at T = 4 128k x 8)
+        pcol = gl.arange(0, N, layout=gl.SliceLayout(0, acc_l))
+        if T == 1:
+            pb_next = gl.load(bias_row + (p_begin + i + 1) * N + pcol, mask=(pcol >= 0) & (i + 1 < n), other=0.0)
+        else:
+            pb = gl.load(bias_row + (p_begin + i) * N + pcol)
     # zero (the loop runs only for ctx > 0) but not to the compiler, and different in every
     # iteration as far as it knows: the MMAs' shared-memory descriptors are then built in
     # uniform registers each page instead of being hoisted into ~40 ordinary ones (H200:
@@ -653,7 +668,7 @@ def _page(i, n, p_begin, ctx, b, kvh, cache_ptr, bt_ptr, stride_bt, stride_cp, s
     else:
         acc_lo = acc_lo * alpha + o_lo
         acc_hi = acc_hi * alpha + o_hi
-    return m_i, l_r, m_o, acc_lo, acc_hi
+    return m_i, l_r, m_o, acc_lo, acc_hi, pb_next
 
 
 @gluon.jit
