@@ -72,33 +72,24 @@ def gluon_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
     for t, batch, ctx in DECODE_CASES:
         layout, cache, tables, lens, q = decode_case("nvfp4", batch, ctx, t)
         scales = layout.default_scales("cuda")
-        fns = {}
-        for name, m in mods.items():
-            splits = be.gluon_splits(batch, HKV, q.device, m.programs_per_sm(t, HQ // HKV))
-            o = torch.empty_like(q)
-            scr = (torch.empty(batch * t * HQ * splits * D, device="cuda"),
-                   torch.empty(batch * t * HQ * splits, device="cuda"))
-            call = (lambda m=m, s=splits, o=o, scr=scr: m.paged_decode(
-                q, cache, layout, scales, tables, lens, D**-0.5, tokens_per_seq=t, num_splits=s, out=o, scratch=scr))
-            fns[name] = lambda call=call: bench_graph(call)
         nbytes = batch * ctx * HKV * 2 * layout.token_bytes
-        yield (f"decode T={t} B={batch} ctx={ctx}", fns,
-               lambda sec, n=nbytes: f"{sec * 1e6:9.1f} us {n / sec / 4.8e12 * 100:5.1f}%")
-        # the same with per-page K terms (K centered per page, ``page_bias``)
         cols = next(iter(mods.values())).num_columns(t, HQ // HKV)
-        bias = torch.randn(batch, HKV, tables.shape[1], cols, device="cuda") * 0.5
-        fns = {}
-        for name, m in mods.items():
-            splits = be.gluon_splits(batch, HKV, q.device, m.programs_per_sm(t, HQ // HKV))
-            o = torch.empty_like(q)
-            scr = (torch.empty(batch * t * HQ * splits * D, device="cuda"),
-                   torch.empty(batch * t * HQ * splits, device="cuda"))
-            call = (lambda m=m, s=splits, o=o, scr=scr: m.paged_decode(
-                q, cache, layout, scales, tables, lens, D**-0.5, tokens_per_seq=t, num_splits=s, out=o, scratch=scr,
-                page_bias=bias))
-            fns[name] = lambda call=call: bench_graph(call)
-        yield (f"decode+page terms T={t} B={batch} ctx={ctx}", fns,
-               lambda sec, n=nbytes: f"{sec * 1e6:9.1f} us {n / sec / 4.8e12 * 100:5.1f}%")
+        # plain, then with per-page K terms (K centered per page, ``page_bias``)
+        for label, bias in (("decode", None),
+                            ("decode+page terms", torch.randn(batch, HKV, tables.shape[1], cols, device="cuda") * 0.5)):
+            fns = {}
+            for name, m in mods.items():
+                splits = be.gluon_splits(batch, HKV, q.device, m.programs_per_sm(t, HQ // HKV))
+                o = torch.empty_like(q)
+                scr = (torch.empty(batch * t * HQ * splits * D, device="cuda"),
+                       torch.empty(batch * t * HQ * splits, device="cuda"))
+                extra = {} if bias is None else {"page_bias": bias}
+                call = (lambda m=m, s=splits, o=o, scr=scr, extra=extra: m.paged_decode(
+                    q, cache, layout, scales, tables, lens, D**-0.5, tokens_per_seq=t, num_splits=s, out=o,
+                    scratch=scr, **extra))
+                fns[name] = lambda call=call: bench_graph(call)
+            yield (f"{label} T={t} B={batch} ctx={ctx}", fns,
+                   lambda sec, n=nbytes: f"{sec * 1e6:9.1f} us {n / sec / 4.8e12 * 100:5.1f}%")
 
 
 def triton_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:

@@ -473,6 +473,19 @@ def _page_center(max_pages: int, sink: bool = True):
                       torch.randn(HKV, D, device="cuda") if sink else None)
 
 
+def _best_prefill(be, q, tables, lens, rounds: int, layers: dict) -> dict[str, float]:
+    """Seconds per engine prefill call (one sequence, all of ``q``) for each named layer,
+    minimum over ``rounds`` interleaved rounds."""
+    out = torch.empty_like(q)
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, lay in layers.items():
+            sec = bench(lambda lay=lay: be.prefill_attention(q, lay, tables, lens, [q.shape[0]], sm_scale=D**-0.5,
+                                                             out=out))
+            best[name] = min(best.get(name, sec), sec)
+    return best
+
+
 def center_table(rounds: int = 3, kernels: bool = True) -> list[dict]:
     """K centered per page (``--kv-center-k page``) against a fixed offset (nothing at attention
     time): the engine's decode call (``TritonBackend.decode_attention``: Q rotation, the page
@@ -536,15 +549,9 @@ def center_table(rounds: int = 3, kernels: bool = True) -> list[dict]:
             torch.cuda.empty_cache()
         layout, cache, tables, lens, q, _, _, flops = prefill_case(fmt, 65536, 4096)
         scales = layout.default_scales("cuda")
-        out = torch.empty_like(q)
-        layers = {"fixed": KVCacheLayer(layout, cache, scales),
-                  "page": KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1]))}
-        best = {}
-        for _ in range(rounds):
-            for name, lay in layers.items():
-                sec = bench(lambda lay=lay: be.prefill_attention(q, lay, tables, lens, [4096], sm_scale=D**-0.5,
-                                                                 out=out))
-                best[name] = min(best.get(name, sec), sec)
+        best = _best_prefill(be, q, tables, lens, rounds, {
+            "fixed": KVCacheLayer(layout, cache, scales),
+            "page": KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1]))})
         rows.append(dict(fmt=fmt, case="prefill 4k over 64k", fixed_tflops=flops / best["fixed"] / 1e12,
                          page_tflops=flops / best["page"] / 1e12, ratio=best["page"] / best["fixed"]))
         print(f"center {fmt} prefill 4k over 64k: fixed {flops/best['fixed']/1e12:.1f} TFLOP/s, page "
@@ -552,21 +559,13 @@ def center_table(rounds: int = 3, kernels: bool = True) -> list[dict]:
         # a short chunk reads the packed pages (under the workspace's row threshold): the page
         # terms summed in the Triton kernel's tile, r + 1 of them with page 0's sink term
         layout, cache, tables, lens, q, _, _, flops = prefill_case(fmt, 65536, 256)
-        layers = {"page": KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1])),
-                  "page_nosink": KVCacheLayer(layout, cache, scales,
-                                              page_center=_page_center(tables.shape[1], sink=False))}
-        out = torch.empty_like(q)
-        best = {}
-        for _ in range(rounds):
-            for name, lay in layers.items():
-                sec = bench(lambda lay=lay: be.prefill_attention(q, lay, tables, lens, [256], sm_scale=D**-0.5,
-                                                                 out=out))
-                best[name] = min(best.get(name, sec), sec)
+        best = _best_prefill(be, q, tables, lens, rounds, {
+            "page": KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1])),
+            "page_nosink": KVCacheLayer(layout, cache, scales, page_center=_page_center(tables.shape[1], sink=False))})
         rows.append(dict(fmt=fmt, case="prefill 256 over 64k (packed pages)", sink_us=best["page"] * 1e6,
                          nosink_us=best["page_nosink"] * 1e6, ratio=best["page"] / best["page_nosink"]))
         print(f"center {fmt} prefill 256 over 64k (packed pages): page 0 on a sink key {best['page']*1e6:.1f} us, "
               f"without {best['page_nosink']*1e6:.1f} us, ratio {best['page']/best['page_nosink']:.3f}", flush=True)
-        layers = {}
         torch.cuda.empty_cache()
     return rows
 
