@@ -326,6 +326,7 @@ class TorchModelRunner:
                  v_subnormal=report.v.subnormal, v_saturated=report.v.saturated,
                  k_centered_channels=report.centered_channels,
                  k_center="page" if report.page_means is not None else ("offset" if report.k_offsets else "off"),
+                 k_page0=None if report.page_means is None else ("sink" if report.sink_keys is not None else "mean"),
                  k_rounding="feedback" if report.k_feedback else "nearest",
                  digest=report.digest(),
                  k_energy_removed=round(report.k_energy_removed, 4))
