@@ -83,10 +83,6 @@ class PageCenter:
 
     def __post_init__(self) -> None:
         mu, table, sink = self.mu, self.table, self.sink
-        if sink is not None and (sink.shape != mu.shape or sink.dtype != torch.float32 or not sink.is_contiguous()
-                                 or sink.device != mu.device or not bool(torch.isfinite(sink).all())):
-            raise ValueError(f"sink must be a finite contiguous float32 {list(mu.shape)} tensor on {mu.device} "
-                             f"(mu's shape), got {sink.dtype} {list(sink.shape)} on {sink.device}")
         if mu.dim() != 2 or mu.dtype != torch.float32 or not mu.is_contiguous():
             raise ValueError(f"mu must be contiguous float32 [num_kv_heads, head_dim], got {mu.dtype} {list(mu.shape)}")
         if table.dim() != 2 or table.dtype != torch.float32 or not table.is_contiguous():
@@ -99,6 +95,10 @@ class PageCenter:
             raise ValueError(f"mu is on {mu.device} but the table on {table.device}")
         if not bool(torch.isfinite(mu).all()):
             raise ValueError("mu must be finite")
+        if sink is not None and (sink.shape != mu.shape or sink.dtype != torch.float32 or not sink.is_contiguous()
+                                 or sink.device != mu.device or not bool(torch.isfinite(sink).all())):
+            raise ValueError(f"sink must be a finite contiguous float32 {list(mu.shape)} tensor on {mu.device} "
+                             f"(mu's shape), got {sink.dtype} {list(sink.shape)} on {sink.device}")
         if sink is not None:
             self.sink_adj = torch.cat([sink[:, :r], sink[:, r:] - mu[:, r:]], dim=1).contiguous()
             ext = torch.cat([table, torch.zeros_like(table[:, :1])], dim=1)
