@@ -75,7 +75,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   ``(sum_g W_o,g)^T (sum_g W_o,g)``, as if the group's heads attended alike); ``damp=`` as above;
 - ``sinkc=1`` / ``sinkc=cal`` (with ``center=page``): page 0 centered on the window's own first
   key (screening: that key exact) / on the key ``<|im_start|>`` gets alone at position 0 (one
-  extra forward; the engine's default since 2026-12-02, ``PageCenter.sink``);
+  extra forward; the engine's default since 2026-12-02, ``PageCenter.sink``); ``sinkc=key0``
+  (screening): only position 0 centered on that key, page 0's other keys on the page mean;
 - ``kcorr=R`` (screening): K's coding error along the top ``R`` eigenvectors of the calibration
   query covariance kept exactly (as if R more numbers per key were stored);
 - ``vcenter=1`` (screening): V's calibration mean subtracted before encoding and added back
@@ -210,7 +211,7 @@ def parse_config(spec: str) -> Config:
         elif key == "vrot":
             kw["vrot"] = choice(key, val, ("0", "1")) == "1"
         elif key == "sinkc":
-            kw["sinkc"] = "" if choice(key, val, ("0", "1", "cal")) == "0" else val
+            kw["sinkc"] = "" if choice(key, val, ("0", "1", "cal", "key0")) == "0" else val
         elif key == "temp":
             kw["temp"] = float(val)
         elif key == "kcorr":
@@ -341,24 +342,38 @@ def find_gguf(explicit: str | None) -> str:
 
 
 def load_model(path: str):
-    """Llama model from the GGUF through transformers' GGUF converter (dequantized to fp32);
-    built directly because ``from_pretrained(gguf_file=...)`` also wants ``accelerate``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Llama (SmolLM2) or Gemma 3 text model from the GGUF through transformers' GGUF converter
+    (dequantized to fp32); built directly because ``from_pretrained(gguf_file=...)`` also wants
+    ``accelerate``."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     meta = load_gguf_checkpoint(path)["config"]
-    if meta.get("model_type") != "llama":
-        raise SystemExit(f"expected a llama-architecture GGUF, got {meta.get('model_type')}")
-    config = LlamaConfig(**{k: v for k, v in meta.items() if k not in ("model_type", "_model_name_or_path")})
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM)}
+    if meta.get("model_type") not in classes:
+        raise SystemExit(f"expected a llama or gemma3 GGUF, got {meta.get('model_type')}")
+    config_cls, model_cls = classes[meta["model_type"]]
+    config = config_cls(**{k: v for k, v in meta.items() if k not in ("model_type", "_model_name_or_path")})
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
+        skeleton = model_cls(config)
     tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
         raise SystemExit(f"weights do not fit: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model.float().eval()
+
+
+def sink_token(tok) -> int:
+    """What sits at position 0 of a chat request: ``<|im_start|>`` where the vocabulary has it
+    (SmolLM2's ChatML), else the BOS token (Gemma)."""
+    sid = tok.convert_tokens_to_ids("<|im_start|>")
+    if sid is None or sid == tok.unk_token_id:
+        if tok.bos_token_id is None:
+            raise SystemExit("the tokenizer has neither <|im_start|> nor a BOS token (sinkc=cal)")
+        return tok.bos_token_id
+    return sid
 
 
 def corpus_text() -> str:
@@ -484,11 +499,11 @@ class KVRoundTrip:
         self.state: dict = {}
         self.calibrating = False
         self.capture_sink = False  # the next forward records each layer's first key (sinkc=cal)
-        self.center_keep: torch.Tensor | None = None  # bool [d]: channels K centering may use
+        self.center_keep: dict[int, torch.Tensor] = {}  # layer -> bool [d]: channels K centering may use
         self.k_layout: KVLayout | None = None  # K's layout when it differs from V's (kfmt=)
         self.rotary_dims = 0  # channels RoPE rotates (pairs c, c + rotary_dims/2)
-        self.inv_freq: torch.Tensor | None = None  # RoPE's frequencies (center=page)
-        self.page_keep: torch.Tensor | None = None  # bool [d]: channels center=page may use
+        self.inv_freq: dict[int, torch.Tensor] = {}  # layer -> RoPE's frequencies (center=page)
+        self.page_keep: dict[int, torch.Tensor] = {}  # layer -> bool [d]: channels center=page may use
         self.o_proj: dict[int, torch.Tensor] = {}  # layer -> W_o [hidden, Hq, d] (vround=)
 
     def select(self, c: Config, state: dict, calibrating: bool, h: int, d: int) -> None:
@@ -508,21 +523,22 @@ class KVRoundTrip:
         kr = k.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         vr = v.permute(0, 2, 1, 3).reshape(b * t, h, d).float()
         if cfg.center in ("first", "firstst"):  # this window's first key (screening)
-            st["offsets"][layer] = k_offset(kr[:1], None if cfg.center == "first" else self.center_keep)
+            st["offsets"][layer] = k_offset(kr[:1], None if cfg.center == "first" else self.center_keep[layer])
         elif self.calibrating and cfg.center not in ("off", "page"):
             src = kr[1:] if cfg.center == "nosink" else kr
-            st["offsets"][layer] = k_offset(src, None if cfg.center == "all" else self.center_keep)
+            st["offsets"][layer] = k_offset(src, None if cfg.center == "all" else self.center_keep[layer])
         if cfg.center == "page":
             pos = torch.arange(t).repeat(b)
             if self.calibrating:
-                pre = rope_turn(kr, -pos, self.inv_freq).mean(0)  # pre-RoPE mean [h, d]
-                st["offsets"][layer] = torch.where(self.page_keep, pre, torch.zeros(()))
+                pre = rope_turn(kr, -pos, self.inv_freq[layer]).mean(0)  # pre-RoPE mean [h, d]
+                st["offsets"][layer] = torch.where(self.page_keep[layer], pre, torch.zeros(()))
             mid = pos // PAGE_SIZE * PAGE_SIZE + PAGE_SIZE // 2
-            mu = rope_turn(st["offsets"][layer].expand(b * t, h, d), mid, self.inv_freq)
+            mu = rope_turn(st["offsets"][layer].expand(b * t, h, d), mid, self.inv_freq[layer])
             if cfg.sinkc:  # page 0's center: the first key itself (exact: it encodes to zero)
                 first = kr.view(b, t, h, d)[:, :1] if cfg.sinkc == "1" else st["sink"][layer].view(1, 1, h, d)
                 first = first.expand(b, t, h, d).reshape(b * t, h, d)
-                mu = torch.where((pos < PAGE_SIZE).view(-1, 1, 1), first, mu)
+                on_sink = pos == 0 if cfg.sinkc == "key0" else pos < PAGE_SIZE
+                mu = torch.where(on_sink.view(-1, 1, 1), first, mu)
         else:
             mu = st["offsets"].get(layer)
         if mu is not None:
@@ -664,29 +680,34 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from transformers import AttentionInterface, AutoTokenizer
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     path = find_gguf(args.gguf)
     folder, name = os.path.dirname(path), os.path.basename(path)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = load_model(path)
     hook = KVRoundTrip()
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
-    hook.inv_freq = model.model.rotary_emb.inv_freq.float().cpu()
-    hook.center_keep = stationary_channels(hook.inv_freq, head_dim, args.served_context or args.ctx)
-    hook.page_keep = stationary_channels(hook.inv_freq, head_dim, PAGE_SIZE // 2)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rot = model.model.rotary_emb
+    for i in range(cfg.num_hidden_layers):  # Gemma 3: sliding and full layers turn at their own rates
+        inv = rot.inv_freq if hasattr(rot, "inv_freq") else getattr(rot, f"{cfg.layer_types[i]}_inv_freq")
+        hook.inv_freq[i] = inv.float().cpu()
+        hook.center_keep[i] = stationary_channels(hook.inv_freq[i], head_dim, args.served_context or args.ctx)
+        hook.page_keep[i] = stationary_channels(hook.inv_freq[i], head_dim, PAGE_SIZE // 2)
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         key, value = hook.apply(module.layer_idx, query, key, value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    hook.rotary_dims = 2 * model.model.rotary_emb.inv_freq.numel()
+    hook.rotary_dims = 2 * hook.inv_freq[0].numel()
     for i, layer in enumerate(model.model.layers):
         w = layer.self_attn.o_proj.weight.detach().float()
         hook.o_proj[i] = w.view(w.shape[0], model.config.num_attention_heads, -1)
     AttentionInterface.register("deepwell_kv", attention)
+    AttentionMaskInterface.register("deepwell_kv", sdpa_mask)  # Gemma 3's sliding-window masks, as sdpa's
     model.set_attn_implementation("deepwell_kv")
-    cfg = model.config
-    h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    h, d = cfg.num_key_value_heads, head_dim
     if sweep is not None:
         configs += [parse_config(f"{sweep.spec}:layers={i}") for i in range(cfg.num_hidden_layers)]
     # bf16 runs first in every window: it is the reference of "vs bf16" and of the KL column
@@ -694,8 +715,9 @@ def main() -> int:
     if args.baseline:
         configs.insert(1, Config("fp32", None))
 
-    ids = tok(corpus_text(), return_tensors="pt").input_ids[0]
-    pre = tok(args.prefix, return_tensors="pt").input_ids[0] if args.prefix else ids[:0]
+    ids = tok(corpus_text(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    # every window starts with the tokenizer's BOS where it adds one (Gemma; SmolLM2's adds none)
+    pre = tok(args.prefix, return_tensors="pt").input_ids[0]
     if pre.numel() >= args.ctx:
         ap.error(f"--prefix has {pre.numel()} tokens; the window is {args.ctx}")
     windows = math.ceil(args.tokens / args.ctx)
@@ -703,15 +725,15 @@ def main() -> int:
         raise SystemExit(f"corpus has only {ids.numel()} tokens")
     print(f"model {name}: {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} q heads, {h} kv heads, d={d}; "
           f"{windows} windows x {args.ctx} tokens of pydoc_data.topics; K centering on "
-          f"{int(hook.center_keep.sum())} of {d} channels (center=page: {int(hook.page_keep.sum())}); "
+          f"{int(hook.center_keep[0].sum())} of {d} channels (center=page: {int(hook.page_keep[0].sum())}; layer 0); "
           f"prefix ids {pre.tolist()}", flush=True)
     state = {c.spec: dict(scales={}, offsets={}, sink={}, voffsets={}, ucorr={}, alpha={}, rot={}, qcov={}, fb={},
                           vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0],
                           energy=[0.0, 0.0])
              for c in configs}
-    sink_id = tok.convert_tokens_to_ids("<|im_start|>")
+    sink_id = sink_token(tok)
     for c in configs:  # sinkc=cal: page 0 centered on the chat template's first token's key at position 0
-        if c.sinkc == "cal":
+        if c.sinkc in ("cal", "key0"):
             hook.select(c, state[c.spec], False, h, d)
             hook.capture_sink = True
             with torch.no_grad():
