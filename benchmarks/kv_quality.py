@@ -84,7 +84,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``vcenter=1`` (screening): V's calibration mean subtracted before encoding and added back
   (exact: the attention weights sum to 1);
 - ``hsel=1`` (screening): each layer's K Hadamard-rotated or not, whichever the calibration
-  window's queries weigh less error on (``prefer_rotation``; the choices are printed);
+  window's queries weigh less error on (``prefer_rotation``; the choices are printed); ``hsel=block``
+  weighs it by the queries' 16 x 16 diagonal blocks only (what the engine's calibration records);
 - ``temp=T`` (screening): the attention logits times ``1 + T`` (K scaled after decoding), a
   temperature against the quantization noise;
 - ``layers=0,3,5-7`` quantizes only those layers.
@@ -153,7 +154,7 @@ class Config:
     temp: float = 0.0  # temp=T (screening): attention logits times 1 + T (K scaled after decoding)
     kcorr: int = 0  # kcorr=R: K's error along the top R query directions stored exactly (screening)
     vcenter: bool = False  # vcenter=1: V's calibration mean subtracted, added to the output (screening)
-    hsel: bool = False  # hsel=1: per layer, K rotated or not, whichever the calibration's queries prefer
+    hsel: str = ""  # hsel=1|block: per layer, K rotated or not, whichever the calibration's queries prefer
 
     def quantizes(self, layer: int, kv: int) -> bool:
         return "kv"[kv] in self.only and (self.layers is None or layer in self.layers)
@@ -220,7 +221,7 @@ def parse_config(spec: str) -> Config:
         elif key == "temp":
             kw["temp"] = float(val)
         elif key == "hsel":
-            kw["hsel"] = choice(key, val, ("0", "1")) == "1"
+            kw["hsel"] = "" if choice(key, val, ("0", "1", "block")) == "0" else val
         elif key == "kcorr":
             kw["kcorr"] = int(val)
         elif key == "vcenter":
@@ -505,7 +506,11 @@ def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Te
             extra["feedback"] = fb.expand(n, *fb.shape).reshape(n * h, *fb.shape[1:])
         codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
         e = (lay.codec.decode(codes, sc, gg).view(n, h, d) - rows).double()
-        err[rot] = float(torch.einsum("nhd,hde,nhe->", e, cov, e))
+        if cfg.hsel == "block":  # the 16 x 16 diagonal blocks only: the products the engine records
+            eb = e.view(n, h, d // nvfp4.BLOCK, nvfp4.BLOCK)
+            err[rot] = float(torch.einsum("nhbi,hbij,nhbj->", eb, block_diagonal(cov), eb))
+        else:
+            err[rot] = float(torch.einsum("nhd,hde,nhe->", e, cov, e))
     return err[True] <= err[False]
 
 

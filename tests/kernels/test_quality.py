@@ -145,3 +145,33 @@ def test_page_centering_screening_option():
     assert bool((centered[:, 0, keep].abs() <= bound[keep].float()).all())
     fixed = k - mu  # a fixed offset: far from the mean at positions where RoPE turned the slow channels
     assert float(fixed[:, 0, keep].abs().max()) > 2 * float(centered[:, 0, keep].abs().max())
+
+
+def test_rotation_chosen_per_layer_screening_option():
+    """``hsel=1`` (screening) keeps K unrotated where the queries look only at a block the
+    rotation would flood with a large channel's error, and rotates keys whose blocks each hold
+    one spike (the small values round to zero unrotated), under isotropic queries."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from benchmarks.kv_quality import parse_config, prefer_rotation
+
+    assert parse_config("nvfp4+H:hsel=1").hsel == "1" and parse_config("fp8+H:hsel=block").hsel == "block"
+    with pytest.raises(ValueError):
+        parse_config("nvfp4+H:hsel=2")
+    gen = torch.Generator().manual_seed(0)
+    n, d = 512, 64
+    v = torch.randn(n, 1, d, generator=gen)
+    # queries [1, Hq=1, n, d] on channels 0-15 only; keys small there, one channel 50x larger
+    q = torch.zeros(1, 1, n, d)
+    q[..., :16] = torch.randn(1, 1, n, 16, generator=gen)
+    k = torch.randn(n, 1, d, generator=gen)
+    k[:, :, 40] *= 50.0
+    for spec in ("nvfp4+H:hsel=1", "nvfp4+H:hsel=block", "nvfp4+H:round=feedback:hsel=1", "fp8+H:hsel=1"):
+        assert prefer_rotation(parse_config(spec), q, k, v, 1, d) is False, spec
+    # isotropic queries; each 16-block one spike 30x its other values
+    q = torch.randn(1, 1, n, d, generator=gen)
+    k = torch.randn(n, 1, d, generator=gen) * 0.1
+    k[:, :, ::16] = 3.0 * torch.sign(torch.randn(n, 1, d // 16, generator=gen))
+    for spec in ("nvfp4+H:hsel=1", "nvfp4+H:hsel=block", "nvfp4+H:round=feedback:hsel=1"):
+        assert prefer_rotation(parse_config(spec), q, k, v, 1, d) is True, spec
