@@ -23,12 +23,15 @@ and it is the point:
   instructions per value and candidate plus ~3 of per-candidate constants, against ~15 with the
   fp32 tree (``nvfp4_tree``, still used for the final codes);
 - the query-weighted rounding of K (``kv_formats.feedback``) runs its sixteen sequential
-  column steps inside each thread of the pair on the whole block (both lanes repeat it, so no
-  value crosses lanes inside the recursion), instead of taking each column out of a row spread
-  over threads; the head's feedback matrices are copied to shared memory (``cp.async``) at the
-  program's start, while the search runs (read from global memory inside the recursion, where
-  the compiler places the loads, a step took 6.7-6.9 us against 5.4-5.6; an L1 prefetch at
-  the start did not help).
+  column steps in the pair of lanes of the block, each lane updating only its own eight
+  elements (``_feedback_codes``: the low lane's errors of steps 0-7 reach the high lane by one
+  shuffle each, outside the low lane's own chain; since 2026-12-03, before which both lanes
+  ran the whole recursion on a copy of the block: H200, A/B, nvfp4 3.93 -> 3.72 us at four
+  warps, fp8 2.69 -> 2.49), instead of taking each column out of a row spread over threads;
+  the head's feedback matrices are copied to shared memory (``cp.async``, each lane's eight
+  columns of a row: 16 KB per program at d = 256, 32 KB before) at the program's start, while
+  the search runs (read from global memory inside the recursion, where the compiler places the
+  loads, a step took 6.7-6.9 us against 5.4-5.6; an L1 prefetch at the start did not help).
 
 Measured on the H200 (``benchmarks/kv_attention.py --only append``: one layer of a 64-sequence
 decode step, 27B layout, CUDA-graph replay, same run; block scales counted, as the engine does):
@@ -199,13 +202,14 @@ def _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, str
 
 @gluon.jit
 def _copy_feedback(f_s, fb_ptr, hd, D: gl.constexpr, W: gl.constexpr):
-    """Start copying the head's K feedback matrices into ``f_s`` (row ``i * O + o``: row ``i``
-    of octet ``o``'s block matrix, both lanes of a block reading their own copy)."""
+    """Start copying the head's K feedback matrices into ``f_s`` (row ``i * O + o``: the eight
+    entries of row ``i`` of octet ``o``'s block matrix in the columns of the octet's own
+    elements, ``8 * (o & 1) ..``: each lane of a block reads only the columns it updates)."""
     O: gl.constexpr = D // 8
-    cl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [W, 1], [1, 0])
+    cl: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [W, 1], [1, 0])
     ci = gl.arange(0, 16 * O, layout=gl.SliceLayout(1, cl))  # row i * O + o
-    cj = gl.arange(0, 16, layout=gl.SliceLayout(0, cl))
-    coff = gl.expand_dims((ci // O) * 16 + ((ci % O) >> 1) * 256, 1) + gl.expand_dims(cj, 0)
+    cj = gl.arange(0, 8, layout=gl.SliceLayout(0, cl))
+    coff = gl.expand_dims((ci // O) * 16 + ((ci % O) >> 1) * 256 + (ci & 1) * 8, 1) + gl.expand_dims(cj, 0)
     async_copy.async_copy_global_to_shared(f_s, fb_ptr + hd * (D * 16) + coff)
     async_copy.commit_group()
 
@@ -445,20 +449,20 @@ def _rounded(col, inv_g, g, sv, tg, mg, FP8: gl.constexpr):
 @gluon.jit
 def _feedback_codes(x, half, inv_g, g, sv, f_s, l2: gl.constexpr, l3f: gl.constexpr, FP8: gl.constexpr):
     """The eight codes of this thread's values (``_rounded``), the block rounded with error
-    feedback (``kv_formats.feedback``, as ``triton_kernel.nvfp4_feedback`` / ``fp8_feedback``):
-    both lanes of a block run the recursion on all sixteen columns, so nothing crosses lanes
-    inside it. ``f_s`` (shared memory [16 O, 16]): row ``i`` of the 16 x 16 matrix of octet
-    ``o``'s block at row ``i O + o``, copied at the program's start (``_copy_feedback``).
-    Products and differences are rounded one by one (the launch disables FMA contraction)."""
+    feedback (``kv_formats.feedback``, as ``triton_kernel.nvfp4_feedback`` / ``fp8_feedback``).
+    Each lane of a block updates only its own eight elements: step ``i`` rounds element ``i``
+    in the lane that holds it (the other lane's rounding of its register ``i % 8`` is
+    discarded); for ``i < 8`` the low lane's error reaches the high lane by one shuffle (the
+    low lane's own chain has none), and from ``i = 8`` on only the high lane's elements after
+    ``i`` change. Entries left of the diagonal are zero (``F[i, k] = 0`` for ``k <= i``), so
+    updating an element at or before the step leaves it as it is. ``f_s`` (shared memory [16 O,
+    8]): the lane's eight columns of row ``i`` at row ``i O + o`` (``_copy_feedback``). Products
+    and differences are rounded one by one (the launch disables FMA contraction)."""
     lo = half == 0
-    w = ()
-    for e in gl.static_range(8):  # columns 0-7 of the block, then 8-15, in both of its lanes
-        w = w + (gl.where(lo, x[e], _bfly_f(x[e], 1)),)
-    for e in gl.static_range(8):
-        w = w + (gl.where(lo, _bfly_f(x[e], 1), x[e]),)
+    w = x
     R: gl.constexpr = l3f.warps_per_cta[0] * l3f.threads_per_warp[0]
     O: gl.constexpr = l3f.threads_per_warp[1]
-    rows0 = gl.zeros([R, O, 16], gl.float32, layout=l3f)
+    rows0 = gl.zeros([R, O, 8], gl.float32, layout=l3f)
     async_copy.wait_group(0)
     gl.thread_barrier()
     if FP8:
@@ -468,14 +472,16 @@ def _feedback_codes(x, half, inv_g, g, sv, f_s, l2: gl.constexpr, l3f: gl.conste
         tg, mg = _grid(sv, g)
     codes = ()
     for i in gl.static_range(16):
-        code, err = _rounded(w[i], inv_g, g, sv, tg, mg, FP8)
+        code, err = _rounded(w[i % 8], inv_g, g, sv, tg, mg, FP8)
         codes = codes + (code,)
         if i < 15:
-            fi = gl.expand_dims(f_s.slice(i * O, O).load(gl.SliceLayout(0, l3f)), 0)  # F[i, :]
-            f = _unbind16(gl.broadcast(fi, rows0)[0], l2)  # [R, O, 16] without arithmetic (x + 0.0: an FADD)
+            if i < 8:  # the high lane takes the low lane's error
+                err = gl.where(lo, err, _bfly_f(err, 1))
+            fi = gl.expand_dims(f_s.slice(i * O, O).load(gl.SliceLayout(0, l3f)), 0)  # F[i, own columns]
+            f = _unbind8(gl.broadcast(fi, rows0)[0], l2)  # [R, O, 8] without arithmetic (x + 0.0: an FADD)
             nw = ()
-            for k in gl.static_range(16):
-                if k > i:
+            for k in gl.static_range(8):
+                if i < 8 or k > i - 8:
                     nw = nw + (w[k] - err * f[k],)
                 else:
                     nw = nw + (w[k],)
@@ -519,11 +525,11 @@ def append_kernel(
     oct2 = gl.expand_dims(octet, 0) + zero2
     half = oct2 & 1
     if FEEDBACK:
-        # a quarter-warp's eight 16-byte reads (rows i O + o, eight octets) land in eight distinct
-        # bank groups when the swizzle phase steps every two 64-byte rows (one wavefront instead of
-        # two with a phase per row: K feedback 4.03 -> 3.89 us nvfp4, 3.13 -> 2.71 fp8, four warps)
-        f_s = gl.allocate_shared_memory(gl.float32, [16 * O, 16], gl.SwizzledSharedLayout(vec=4, per_phase=2, max_phase=4,
-                                                                                           order=[1, 0]))
+        # rows of 32 bytes (a lane's eight columns of row i): the swizzle phase steps every four
+        # rows, so a quarter-warp's eight 16-byte reads (rows i O + o, eight octets) land in eight
+        # distinct bank groups (with 64-byte rows before: phase per two rows, 4.03 -> 3.89 us nvfp4)
+        f_s = gl.allocate_shared_memory(gl.float32, [16 * O, 8], gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=2,
+                                                                                          order=[1, 0]))
     else:
         f_s = g_ptr  # a placeholder (unused)
     if kv == 0:
@@ -594,7 +600,7 @@ def _store_nvfp4(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache
     # element codes
     if FEEDBACK:
         if kv == 0:
-            nib = _feedback_codes(x, half, inv_g, g, s_best, f_s, l2, _octets_layout(O, W, 16), False)
+            nib = _feedback_codes(x, half, inv_g, g, s_best, f_s, l2, _octets_layout(O, W, 8), False)
         else:
             nib = _nearest_nibbles(x, a, s_best)
     else:
@@ -689,7 +695,7 @@ def _store_fp8(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_p
             _count_flags_wide(cnt_ptr + (kv * NUM_HEADS + hd) * 3, flags, ok)
     if FEEDBACK:
         if kv == 0:
-            code = _feedback_codes(x, half, inv_g, g, g, f_s, l2, _octets_layout(O, W, 16), True)
+            code = _feedback_codes(x, half, inv_g, g, g, f_s, l2, _octets_layout(O, W, 8), True)
             word_a, word_b = _code_words(code, zero2)
         else:
             word_a, word_b = _nearest_fp8_words(x, inv_g)

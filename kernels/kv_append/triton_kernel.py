@@ -500,8 +500,8 @@ def append(
     if kernel == "gluon":
         from kernels.kv_append import gluon_append
 
-        # with K feedback four rows share one copy of the feedback matrices (H200: nvfp4 3.89
-        # against 4.12 us at two warps, fp8 2.71 against 2.97); nearest rounding: one row per program
+        # with K feedback four rows share one copy of the feedback matrices (H200: nvfp4 3.72
+        # against 3.81 us at two warps, fp8 2.49 against 2.57); nearest rounding: one row per program
         gluon_append.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
                             num_warps=num_warps or (4 if k_feedback is not None else 1))
         return
