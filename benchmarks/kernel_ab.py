@@ -16,7 +16,7 @@ heads, 4 KV heads, d = 256):
 - ``kv_append``: one layer's append of a 64-sequence nvfp4 decode step (K centered, block
   scales counted; nearest rounding and query-weighted rounding of K);
 - ``gluon_append``: the same, and fp8's, through the Gluon append's ``launch`` directly (so a
-  base copy of that module is what runs), at one, two and four warps per program (a case that
+  base copy of that module is what runs), at one, two and four warps per program, nvfp4 at eight too (a case that
   one version refuses with ValueError, e.g. fp8 at four warps before its counts were widened,
   is reported as skipped).
 
@@ -133,7 +133,7 @@ def append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
 
 
 def gluon_append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
-    for fmt, warp_counts in (("nvfp4", (1, 2, 4)), ("fp8", (1, 2, 4))):
+    for fmt, warp_counts in (("nvfp4", (1, 2, 4, 8)), ("fp8", (1, 2, 4))):
         layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, True, True)
         for label, feedback in (("nearest", None), ("feedback", fb)):
             for warps in warp_counts:
