@@ -87,6 +87,8 @@ def append_build(mod: ModuleType, args: argparse.Namespace) -> tuple[object, dic
                  SCALE_OFF=layout.scale_offset, SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP,
                  UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS, ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, PDL=True,
                  FP8=args.fmt == "fp8")
+    if "FB_DOWN" in inspect.signature(mod.append_kernel.fn).parameters:  # K feedback's own list (since 2026-12-04)
+        const.update(FB_DOWN=nvfp4.FEEDBACK_DOWN, FB_LO=nvfp4.FEEDBACK_FOUR_LO, FB_HI=nvfp4.FEEDBACK_FOUR_HI)
     opts = {"num_warps": args.warps, "enable_fp_fusion": not args.feedback}
     if args.maxnreg:
         opts["maxnreg"] = args.maxnreg

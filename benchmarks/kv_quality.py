@@ -66,7 +66,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   rounding, V's by the codec;
 - ``fbsink=1`` with ``round=feedback``: the window's first token (the attention sink: with
   ``--prefix "<|im_start|>"``, a chat template's first token) rounded to nearest, as the
-  engine does for position 0;
+  engine does for position 0 (nvfp4: under K's ten-code scale list, as an append without
+  feedback; the rest of K under the feedback's shorter list);
 - ``vrot=1`` (screening) rotates V by the Hadamard transform before encoding and back after
   decoding: a cache holding rotated V whose attention output is rotated back once per row
   (the issue's cache keeps V unrotated);
@@ -309,6 +310,14 @@ def _enc_noclip(x, g, extra: int = 2):
     return _search(x, g, cands)
 
 
+def _enc_pairs(x, g, six: tuple[int, ...], four: tuple[int, ...]):
+    """Codes around c6 (offsets ``six``) then around c4 (offsets ``four``), in that order:
+    short lists for an append whose K programs search fewer candidates (screening)."""
+    c6, c4 = _code(x, g, 6.0).to(torch.int32), _code(x, g, 4.0).to(torch.int32)
+    cands = [c6 + j for j in six] + [c4 + j for j in four]
+    return _search(x, g, [torch.where(c6 > 0, c.clamp(1, 126), 0).to(torch.uint8) for c in cands])
+
+
 ENCODERS = {
     "default": None,
     "six": _enc_six,  # s = E4M3(amax / 6): the rule before the scale search
@@ -322,7 +331,20 @@ ENCODERS = {
     "d6": lambda x, g: _enc_span(x, g, -6, 0),  # c6-6 .. c4
     "d6up": lambda x, g: _enc_span(x, g, -6, 2),  # c6-6 .. c4+2
     "full": lambda x, g: _enc_span(x, g, -10, 4),  # c6-10 .. c4+4 (how far a search can go)
-    "noclip": _enc_noclip,  # no clipping: smallest code with 6 s >= amax .. c4+2
+    "noclip": _enc_noclip,
+    # the codec's ten-code K list (K's list before feedback got its own four, 2026-12-04)
+    "ten": lambda x, g: nvfp4.encode_with_scales(x, g, nvfp4.choose_scale_codes(x, g, clip=True)),
+    # short K lists (screening the append's cost): c6 + {...} then c4 + {...}
+    "s3": lambda x, g: _enc_pairs(x, g, (0, -1), (0,)),
+    "s4": lambda x, g: _enc_pairs(x, g, (0, -1), (0, -1)),
+    "s4b": lambda x, g: _enc_pairs(x, g, (0, -1, 1), (0,)),
+    "s4c": lambda x, g: _enc_pairs(x, g, (0, -1), (0, 1)),
+    "s5": lambda x, g: _enc_pairs(x, g, (0, -1, 1), (0, -1)),
+    "s4d": lambda x, g: _enc_pairs(x, g, (0,), (-1, 0, 1)),
+    "s4e": lambda x, g: _enc_pairs(x, g, (0, -1), (0, 2)),
+    "s3c": lambda x, g: _enc_pairs(x, g, (0,), (0, 1)),
+    "s5c": lambda x, g: _enc_pairs(x, g, (0, -1), (-1, 0, 1)),
+    "s5d": lambda x, g: _enc_pairs(x, g, (0, -1, -2), (0, 1)),  # no clipping: smallest code with 6 s >= amax .. c4+2
     # the codec's candidate list before it dropped K c0-3 and c0+8 (clipping for K only)
     "prev": lambda x, g, clip: nvfp4.encode_with_scales(x, g, nvfp4.choose_scale_codes(x, g, clip=clip, down=3, up=8)),
 }
@@ -667,6 +689,14 @@ class KVRoundTrip:
                         codes, sc = nvfp4.encode_with_feedback(rows.reshape(-1, d), gg, sc, extra["feedback"])
                     else:
                         codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
+                        if kv == 0 and cfg.feedback and cfg.fbsink and lay.fmt.value == "nvfp4":
+                            # the engine appends position 0 without feedback: K's own ten-code list
+                            first = torch.zeros(b, t, h, dtype=torch.bool, device=rows.device)
+                            first[:, 0] = True
+                            sel = first.reshape(-1)
+                            c0, s0 = lay.codec.encode(rows.reshape(-1, d)[sel], gg[sel], clip=True)
+                            codes, sc = codes.clone(), sc.clone()
+                            codes[sel], sc[sel] = c0, s0
                 deq = lay.codec.decode(codes, sc, gg).view(b * t, h, d)
             if kv == 0 and cfg.kcorr:  # the error's part along the strong query directions, kept
                 u = st["ucorr"][layer]

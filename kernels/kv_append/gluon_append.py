@@ -31,7 +31,11 @@ and it is the point:
   the head's feedback matrices are copied to shared memory (``cp.async``, each lane's eight
   columns of a row: 16 KB per program at d = 256, 32 KB before) at the program's start, while
   the search runs (read from global memory inside the recursion, where the compiler places the
-  loads, a step took 6.7-6.9 us against 5.4-5.6; an L1 prefetch at the start did not help).
+  loads, a step took 6.7-6.9 us against 5.4-5.6; an L1 prefetch at the start did not help);
+- K rows with feedback search the codec's three-code list (c6, c6-1, c4:
+  ``nvfp4.feedback_candidates``), the other rows its ten (K) / eight (V) codes: nvfp4 with K
+  feedback 3.74 -> 2.99 us at four warps (A/B, H200, 2026-12-04; docs/kernels.md "K feedback's
+  own scale list").
 
 Measured on the H200 (``benchmarks/kv_attention.py --only append``: one layer of a 64-sequence
 decode step, 27B layout, CUDA-graph replay, same run; block scales counted, as the engine does):
@@ -500,8 +504,9 @@ def append_kernel(
     stride_cp, stride_ckv, stride_ch, stride_on,
     D: gl.constexpr, HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr,
     COUNT: gl.constexpr, FEEDBACK: gl.constexpr, SCALE_OFF: gl.constexpr,
-    SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr, UP_SPAN: gl.constexpr, ERR_BITS: gl.constexpr,
-    ERR_EXP_FLOOR: gl.constexpr, PDL: gl.constexpr, FP8: gl.constexpr,
+    SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr, UP_SPAN: gl.constexpr, FB_DOWN: gl.constexpr,
+    FB_LO: gl.constexpr, FB_HI: gl.constexpr, ERR_BITS: gl.constexpr, ERR_EXP_FLOOR: gl.constexpr,
+    PDL: gl.constexpr, FP8: gl.constexpr,
 ):
     """nvfp4 (``FP8`` False: the block-scale search, E2M1 nibbles, page layout 3) or fp8 (each
     element E4M3-rounded; ``_store_fp8``) rows of one KV head of K or V."""
@@ -545,15 +550,15 @@ def append_kernel(
     else:
         _store_nvfp4(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_ptr, cnt_ptr,
                      stride_cp, stride_ckv, stride_ch, NUM_HEADS, D, SCALE_OFF, COUNT, FEEDBACK,
-                     SEARCH_DOWN, SEARCH_UP, UP_SPAN, ERR_BITS, ERR_EXP_FLOOR, l2, W)
+                     SEARCH_DOWN, SEARCH_UP, UP_SPAN, FB_DOWN, FB_LO, FB_HI, ERR_BITS, ERR_EXP_FLOOR, l2, W)
 
 
 @gluon.jit
 def _store_nvfp4(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache_ptr, cnt_ptr,
                  stride_cp, stride_ckv, stride_ch, NUM_HEADS, D: gl.constexpr, SCALE_OFF: gl.constexpr,
                  COUNT: gl.constexpr, FEEDBACK: gl.constexpr, SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr,
-                 UP_SPAN: gl.constexpr, ERR_BITS: gl.constexpr, ERR_EXP_FLOOR: gl.constexpr, l2: gl.constexpr,
-                 W: gl.constexpr):
+                 UP_SPAN: gl.constexpr, FB_DOWN: gl.constexpr, FB_LO: gl.constexpr, FB_HI: gl.constexpr,
+                 ERR_BITS: gl.constexpr, ERR_EXP_FLOOR: gl.constexpr, l2: gl.constexpr, W: gl.constexpr):
     """nvfp4 codes and block scales of the rows ``x`` (``kv_formats.nvfp4``): the block scale's
     search, the elements rounded to nearest or, for K with ``FEEDBACK``, with error feedback,
     then page layout 3's code words and the scale bytes."""
@@ -588,11 +593,17 @@ def _store_nvfp4(x, kv, hd, valid, slot, oct2, half, zero2, inv_g, g, f_s, cache
     best = c0
     best_err = _error(rz, ru, big_a, c0, half_unit)
     # the other candidates in the reference's order (unrolled: a loop measured 3.13 -> 3.37 us per step)
-    if clip:
-        for k in gl.static_range(1, SEARCH_DOWN + 1):
+    if FEEDBACK and clip:  # K rounded with feedback: c6, c6-1, c4 (nvfp4.feedback_candidates)
+        for k in gl.static_range(1, FB_DOWN + 1):
             best, best_err = _try(gl.maximum(c0 - k, 1), best, best_err, rz, ru, big_a, half_unit)
-    for k in gl.static_range(1, UP_SPAN + 1):
-        best, best_err = _try(gl.minimum(c0 + k, top), best, best_err, rz, ru, big_a, half_unit)
+        for j in gl.static_range(FB_LO, FB_HI + 1):
+            best, best_err = _try(gl.minimum(gl.maximum(c4 + j, 1), 126), best, best_err, rz, ru, big_a, half_unit)
+    else:
+        if clip:
+            for k in gl.static_range(1, SEARCH_DOWN + 1):
+                best, best_err = _try(gl.maximum(c0 - k, 1), best, best_err, rz, ru, big_a, half_unit)
+        for k in gl.static_range(1, UP_SPAN + 1):
+            best, best_err = _try(gl.minimum(c0 + k, top), best, best_err, rz, ru, big_a, half_unit)
     s_code = gl.where(c6 > 0, best, 0)
     s_best = gl.where(c6 > 0, e4m3_value(best), 0.0)
     if COUNT:  # zero / subnormal / saturated block scales (kernels.calibration), one lane per block
@@ -745,7 +756,9 @@ def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tens
         k_offset.stride(0) if k_offset is not None and k_offset.dim() == 3 else 0,
         D=d, HSCALE=hadamard_scale, HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None,
         COUNT=scale_counts is not None, FEEDBACK=k_feedback is not None, SCALE_OFF=layout.scale_offset,
-        SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
+        SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN,
+        FB_DOWN=nvfp4.FEEDBACK_DOWN, FB_LO=nvfp4.FEEDBACK_FOUR_LO, FB_HI=nvfp4.FEEDBACK_FOUR_HI,
+        ERR_BITS=nvfp4.ERR_BITS,
         ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, FP8=fp8, num_warps=num_warps, enable_fp_fusion=k_feedback is None,
         **pdl.launch_kwargs(k.device, "append"),
     )

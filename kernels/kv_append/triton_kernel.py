@@ -295,8 +295,8 @@ def kv_append_fwd_kernel(
     HADAMARD: tl.constexpr, HAS_OFFSET: tl.constexpr, COUNT: tl.constexpr, FEEDBACK: tl.constexpr,
     PAGE: tl.constexpr, CODE_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
-    SEARCH_DOWN: tl.constexpr, SEARCH_UP: tl.constexpr, UP_SPAN: tl.constexpr, ERR_BITS: tl.constexpr,
-    ERR_EXP_FLOOR: tl.constexpr, PDL: tl.constexpr,
+    SEARCH_DOWN: tl.constexpr, SEARCH_UP: tl.constexpr, UP_SPAN: tl.constexpr, FB_DOWN: tl.constexpr,
+    FB_LO: tl.constexpr, FB_HI: tl.constexpr, ERR_BITS: tl.constexpr, ERR_EXP_FLOOR: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
     pid_t = tl.program_id(0)
@@ -382,13 +382,20 @@ def kv_append_fwd_kernel(
         top = tl.maximum(top, c0)
         best_err = nvfp4_block_error(a, big_a, e4m3_value(c0), half_unit)
         best = c0
-        if clip:  # V has no candidates below c0 (skipping them changes nothing: ties keep the earlier)
-            for k in tl.static_range(1, SEARCH_DOWN + 1):
+        if FEEDBACK and clip:  # K rounded with feedback: c6, c6-1, c4 (nvfp4.feedback_candidates)
+            for k in tl.static_range(1, FB_DOWN + 1):
                 best, best_err = _try_scale(tl.maximum(c0 - k, 1), best, best_err, a, big_a, half_unit)
-        # (no early exit when every block of the program is past its top: measured 8% slower,
-        # the branches keep the compiler from interleaving the candidates)
-        for k in tl.static_range(1, UP_SPAN + 1):
-            best, best_err = _try_scale(tl.minimum(c0 + k, top), best, best_err, a, big_a, half_unit)
+            for j in tl.static_range(FB_LO, FB_HI + 1):
+                best, best_err = _try_scale(tl.minimum(tl.maximum(c4 + j, 1), 126), best, best_err, a, big_a,
+                                            half_unit)
+        else:
+            if clip:  # V has no candidates below c0 (skipping them changes nothing: ties keep the earlier)
+                for k in tl.static_range(1, SEARCH_DOWN + 1):
+                    best, best_err = _try_scale(tl.maximum(c0 - k, 1), best, best_err, a, big_a, half_unit)
+            # (no early exit when every block of the program is past its top: measured 8% slower,
+            # the branches keep the compiler from interleaving the candidates)
+            for k in tl.static_range(1, UP_SPAN + 1):
+                best, best_err = _try_scale(tl.minimum(c0 + k, top), best, best_err, a, big_a, half_unit)
         # the winner's element indices, evaluated once (not carried through the search)
         s_code = tl.where(c6 > 0, best, 0)
         if FEEDBACK:
@@ -528,8 +535,9 @@ def append(
         HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, COUNT=count is not None,
         FEEDBACK=k_feedback is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), SCALE_OFF=layout.scale_offset, BLOCK_T=bt,
-        SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS,
-        ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps or warps,
+        SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN,
+        FB_DOWN=nvfp4.FEEDBACK_DOWN, FB_LO=nvfp4.FEEDBACK_FOUR_LO, FB_HI=nvfp4.FEEDBACK_FOUR_HI,
+        ERR_BITS=nvfp4.ERR_BITS, ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, num_warps=num_warps or warps,
         # the feedback recursion rounds every product and difference on its own, as the reference
         enable_fp_fusion=k_feedback is None, **pdl.launch_kwargs(k.device, "append"),
     )

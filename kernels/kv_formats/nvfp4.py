@@ -36,8 +36,15 @@ the block scale is chosen by an error search:
    up to c0+8, which reached c4+2 also where c4 - c0 = 6), c0-3 won in fewer than 0.001% and
    c0+8 in none of SmolLM2's 737,280 K and V blocks of one window, and over 10 windows the
    shorter list measured KL 38.30 against 38.66 (1e-3 nats/token; perplexity +4.177% against
-   +4.187% vs bf16) — and saves two of the append's twelve evaluations. Why K and V differ: a scale that clips
-   shrinks a block's largest values, which lowers the squared error but biases them toward
+   +4.187% vs bf16) — and saves two of the append's twelve evaluations. K rows rounded with
+   error feedback (``feedback``, the engine's default for K) search three codes only, in this
+   order: ``c6``, ``c6-1`` (kept >= 1), ``c4`` — ``FEEDBACK_DOWN``, ``FEEDBACK_FOUR_LO ..
+   FEEDBACK_FOUR_HI``: the append's K programs run the sixteen-step recursion after the search,
+   and with ten codes they took 3.7-3.9 us per layer of a 64-sequence step (H200), with these
+   three 2.97 (four, ``c4+1`` added, 3.11-3.13). On SmolLM2 (``benchmarks/kv_quality.py``, 10
+   windows, docs/kernels.md) the three measured KL 19.81 against the ten's 18.26 (1e-3
+   nats/token; perplexity +2.246% against +2.193% vs bf16) and the four 19.72.
+   Why K and V differ: a scale that clips shrinks a block's largest values, which lowers the squared error but biases them toward
    zero; V's errors reach the attention output as a probability-weighted *sum* over tokens,
    so a bias shared by many tokens adds up, while a shift common to all keys cancels in the
    softmax. Measured on SmolLM2-135M (``benchmarks/kv_quality.py``, first 2 windows, 4094
@@ -91,6 +98,11 @@ SEARCH_UP = 2
 # 4-6, ratio <= 1.5 * 17/15; where it is 6 the list stops one short of c4 + 2, a code that
 # never won on SmolLM2: module doc)
 UP_SPAN = 7
+# K rows rounded with error feedback: codes c6, c6-1 .. c6-FEEDBACK_DOWN, then c4+FEEDBACK_FOUR_LO ..
+# c4+FEEDBACK_FOUR_HI (module doc: c6, c6-1, c4)
+FEEDBACK_DOWN = 1
+FEEDBACK_FOUR_LO = 0
+FEEDBACK_FOUR_HI = 0
 ERR_BITS = 12  # fixed-point fraction bits of the error: unit = 2**(exponent(amax) - 12)
 ERR_EXP_FLOOR = -20  # exponent(amax) is clamped here (zero / tiny blocks: no int32 overflow)
 _HALVES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # 2 * E2M1 value
@@ -175,6 +187,15 @@ def block_error(a: torch.Tensor, unit: torch.Tensor, s: torch.Tensor) -> tuple[t
     return (dd * dd).sum(-1, dtype=torch.int32), idx
 
 
+def feedback_candidates(c6: torch.Tensor, c4: torch.Tensor) -> list[torch.Tensor]:
+    """The shorter list of K rows rounded with error feedback (int32, evaluation order): ``c6``,
+    ``c6-1 .. c6-FEEDBACK_DOWN``, then ``c4+FEEDBACK_FOUR_LO .. c4+FEEDBACK_FOUR_HI``, kept in
+    1..126; duplicates are harmless (ties keep the earlier)."""
+    c6i, c4i = c6.to(torch.int32), c4.to(torch.int32)
+    return ([torch.clamp(c6i - k, 1, 126) for k in range(FEEDBACK_DOWN + 1)]
+            + [torch.clamp(c4i + j, 1, 126) for j in range(FEEDBACK_FOUR_LO, FEEDBACK_FOUR_HI + 1)])
+
+
 def search_inputs(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the scale search starts from, for fp32 rows [N, d]: (``c6`` uint8 [N, d/16], the
     E4M3 code of amax/6; ``a`` = |x| / g [N, d/16, 16]; ``m`` its block maxima; ``c4``, the code
@@ -187,14 +208,20 @@ def search_inputs(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch
     return c6, a, m, c4
 
 
-def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, down: int = SEARCH_DOWN,
-                       up: int = UP_SPAN) -> torch.Tensor:
+def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, feedback: bool = False,
+                       down: int = SEARCH_DOWN, up: int = UP_SPAN) -> torch.Tensor:
     """Block-scale codes uint8 [N, d/16] of fp32 rows [N, d] (the searched rule, module doc;
-    ``down`` / ``up`` lengthen or shorten the candidate list, for screening only)."""
+    ``feedback``: K rows rounded with error feedback, the three-code list; ``down`` / ``up``
+    lengthen or shorten the ten-code list, for screening only)."""
+    if feedback and not clip:
+        raise ValueError("the feedback list is K's (clip=True)")
     c6, a, m, c4 = search_inputs(x, g)
     exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=ERR_EXP_FLOOR)
     unit = e4m3._pow2(ERR_BITS - exp)
-    cands = scale_candidates(first_candidate(c6, m, clip), c4, clip, down, up)
+    if feedback:
+        cands = feedback_candidates(c6, c4)
+    else:
+        cands = scale_candidates(first_candidate(c6, m, clip), c4, clip, down, up)
     best = cands[0]
     best_err, _ = block_error(a, unit, e4m3.decode(best.to(torch.uint8)))
     for c in cands[1:]:
@@ -249,12 +276,13 @@ def encode(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True,
            feedback: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 rows [N, d], global scales [N] -> (codes uint8 [N, d/2], scales uint8 [N, d/16]).
     ``clip``: may the block scale clip the block's largest values (K: yes, V: no; module doc).
-    ``feedback`` [N, d/16, 16, 16]: round with error feedback (``kv_formats.feedback``)."""
+    ``feedback`` [N, d/16, 16, 16]: round with error feedback (``kv_formats.feedback``), the
+    block scales from the three-code list (``feedback_candidates``; K rows only)."""
     x = x.to(torch.float32)
     d = x.shape[1]
     if d % 32:
         raise ValueError(f"nvfp4 needs head_dim divisible by 32, got {d}")
-    s_code = choose_scale_codes(x, g, clip=clip)
+    s_code = choose_scale_codes(x, g, clip=clip, feedback=feedback is not None)
     if feedback is not None:
         return encode_with_feedback(x, g, s_code, feedback)
     return encode_with_scales(x, g, s_code)

@@ -51,8 +51,11 @@ pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 PAGES = 6
 TABLE = [4, 0, 5, 2, 1, 3]  # fragmented on purpose
-# (first-token KL, mean KL over the 8 teacher-forced positions)
-KL_BOUND = {("fp8", "auto"): (0.02, 0.007), ("int8", "auto"): (0.02, 0.01), ("nvfp4", "auto"): (0.08, 0.03),
+# (first-token KL, mean KL over the 8 teacher-forced positions). nvfp4's first token on this one
+# prompt swings with the encoder's choices: 0.082 / mean 0.0175 since K feedback searches three
+# block-scale codes (2026-12-04), 0.017 / 0.0157 with ten, 0.076 with nearest rounding; over eight
+# chat prompts (benchmarks/kv_chat_quality.py) first 0.034 / mean 0.035 against 0.033 / 0.030
+KL_BOUND = {("fp8", "auto"): (0.02, 0.007), ("int8", "auto"): (0.02, 0.01), ("nvfp4", "auto"): (0.1, 0.03),
             ("nvfp4", "off"): (0.15, 0.04)}
 CPU = torch.device("cpu")
 

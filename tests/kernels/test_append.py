@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.kv_append import reference as ref
-from kernels.kv_formats import KVLayout, e4m3, feedback
+from kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4
 from tests.kernels.helpers import POISON, fragmented_tables
 
 FORMATS = ["bf16", "fp8", "int8", "nvfp4"]
@@ -178,9 +178,10 @@ def test_triton_append_byte_identical_at_the_gpu_tokens_per_program(fmt, block_t
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_k_feedback_lowers_the_query_weighted_error(fmt):
-    """Zero feedback writes nearest rounding's bytes; calibrated feedback changes only K and
-    lowers K's error as the queries see it (mean of (q . e)^2 over fresh queries of the same
-    distribution), while raising its plain squared error."""
+    """Zero feedback writes nearest rounding's bytes (nvfp4: under the block scales of the
+    feedback's three-code list); calibrated feedback changes only K and lowers K's error as the
+    queries see it (mean of (q . e)^2 over fresh queries of the same distribution), while
+    raising its plain squared error."""
     lay = KVLayout.make(fmt, 1, 64, False)
     gen = torch.Generator().manual_seed(21)
     # strongly anisotropic inside each 16-block (the feedback works within blocks)
@@ -198,7 +199,13 @@ def test_k_feedback_lowers_the_query_weighted_error(fmt):
     ref.append(near, lay, k, v, slots, g)
     ref.append(zero, lay, k, v, slots, g, k_feedback=torch.zeros_like(fb))
     ref.append(fed, lay, k, v, slots, g, k_feedback=fb)
-    assert torch.equal(near, zero)
+    if fmt == "nvfp4":  # K's block scales from the three-code list, elements to nearest
+        assert torch.equal(near[:, 1], zero[:, 1])
+        x, gk = k.reshape(256, 64), g[0].expand(256)
+        want = nvfp4.decode(*nvfp4.encode_with_scales(x, gk, nvfp4.choose_scale_codes(x, gk, feedback=True)), gk)
+        assert torch.equal(ref.gather(zero, lay, torch.arange(4), 256, g)[0].reshape(256, 64), want)
+    else:
+        assert torch.equal(near, zero)
     assert torch.equal(near[:, 1], fed[:, 1]) and not torch.equal(near[:, 0], fed[:, 0])
     table = torch.arange(4)
     e_near = ref.gather(near, lay, table, 256, g)[0] - k

@@ -199,7 +199,8 @@ def test_nvfp4_error_fits_int32():
     unit = e4m3._pow2(nvfp4.ERR_BITS - exp)
     c6 = e4m3.encode_magnitude(m * nvfp4.INV_6)[0]
     c4 = e4m3.encode_magnitude(m * 0.25)[0]
-    for c in nvfp4.scale_candidates(c6.to(torch.int32), c4, True) + nvfp4.scale_candidates(nvfp4.first_candidate(c6, m, False), c4, False):
+    for c in (nvfp4.scale_candidates(c6.to(torch.int32), c4, True) + nvfp4.scale_candidates(nvfp4.first_candidate(c6, m, False), c4, False)
+              + nvfp4.feedback_candidates(c6, c4)):
         s = e4m3.decode(c.to(torch.uint8))
         err32, idx = nvfp4.block_error(a, unit, s)
         big_a = (a * unit[..., None]).double()
@@ -207,6 +208,31 @@ def test_nvfp4_error_fits_int32():
         step = (s * (unit * 0.5)).to(torch.int64)
         dd = (a * unit[..., None]).to(torch.int64) - nvfp4._HALVES[idx].to(torch.int64) * step[..., None]
         assert torch.equal(err32.to(torch.int64), (dd * dd).sum(-1))
+
+
+def test_nvfp4_feedback_list_is_three_codes():
+    """K rows rounded with error feedback search c6, c6-1, c4 (kept in 1..126), the least
+    fixed-point error winning and ties keeping the earlier; the ten-code list is K's otherwise."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(300, 64, generator=gen) * 10.0 ** torch.randint(-4, 4, (300, 1), generator=gen).float()
+    x[0, :16] = 0.0  # a zero block: scale 0
+    x[1, :16] = 448.0 * 7  # saturating: c6 = c4 = 126
+    x[2, :16] = torch.tensor([1.0] * 15 + [6.0])  # ties between candidates
+    g = torch.full((300,), 0.5)
+    got = nvfp4.choose_scale_codes(x, g, feedback=True).to(torch.int32)
+    c6, a, m, c4 = nvfp4.search_inputs(x, g)
+    exp = torch.clamp((m.view(torch.int32) >> 23) - 127, min=nvfp4.ERR_EXP_FLOOR)
+    unit = e4m3._pow2(nvfp4.ERR_BITS - exp)
+    c6i, c4i = c6.to(torch.int32), c4.to(torch.int32)
+    cands = [c6i, (c6i - 1).clamp(1, 126), c4i.clamp(1, 126)]
+    errs = torch.stack([nvfp4.block_error(a, unit, e4m3.decode(c.to(torch.uint8)))[0] for c in cands])
+    want = torch.stack(cands).gather(0, errs.argmin(0, keepdim=True))[0]  # argmin: the first minimum
+    want = torch.where(c6 > 0, want, 0)
+    assert torch.equal(got, want)
+    assert int(got[0, 0]) == 0 and int(got[1, 0]) == 126
+    assert bool((got > 0).any()) and not torch.equal(got, nvfp4.choose_scale_codes(x, g).to(torch.int32))
+    with pytest.raises(ValueError, match="K's"):
+        nvfp4.choose_scale_codes(x, g, clip=False, feedback=True)
 
 
 def test_nvfp4_element_rule_edge_blocks():
