@@ -1,6 +1,7 @@
 """KL of the engine's quantized KV cache to its fp32 pool on chat prompts (SmolLM2, CPU).
 
     python benchmarks/kv_chat_quality.py [--kv fp8,nvfp4] [--tokens 16] [--gguf PATH]
+        [--hadamard auto|on|off|layer] [--default-only]
 
 For each of eight chat prompts (a plain question, a coding-agent and a tool-calling system
 prompt, a traceback, a summary, a translation, two short questions) the fp32 pool's greedy
@@ -12,8 +13,9 @@ position and over all of them. Each format runs with the engine's default K roun
 nearest and without (``engine_service.kv_quant.position0_nearest`` switched for the run),
 then with nearest rounding everywhere; and the first of those with page 0's K centered on its
 page mean instead of on the sink key (``calibrate_kv(..., sink=False)``, the rule before
-2026-12-02). Prints one line per configuration, then the
-per-prompt figures (first / mean).
+2026-12-02). ``--hadamard`` is the engine's ``--kv-hadamard`` for every run; ``--default-only``
+runs the engine's defaults alone (nvfp4: the first configuration, fp8: the third). Prints one line per configuration,
+then the per-prompt figures (first / mean).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16, help="teacher-forced tokens per prompt")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hadamard", default="auto", choices=("auto", "on", "off", "layer"),
+                    help="the engine's --kv-hadamard for every run")
+    ap.add_argument("--default-only", action="store_true", help="only the engine's default configuration")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tokenizers import Tokenizer
@@ -96,12 +101,16 @@ def main() -> int:
         refs.append((ids, cont, forced(base, ids, cont)))
     default_rule = kv_quant.position0_nearest
     for fmt in args.kv.split(","):
-        for name, rounding, rule, sink in (("feedback, position 0 nearest", "auto", lambda lay: True, True),
-                                           ("the same, page 0 on its mean", "auto", lambda lay: True, False),
-                                           ("feedback on every token", "auto", lambda lay: False, True),
-                                           ("nearest", "nearest", default_rule, True)):
+        runs = (("feedback, position 0 nearest", "auto", lambda lay: True, True),
+                ("the same, page 0 on its mean", "auto", lambda lay: True, False),
+                ("feedback on every token", "auto", lambda lay: False, True),
+                ("nearest", "nearest", default_rule, True))
+        if args.default_only:
+            runs = (("the engine's defaults", "auto", default_rule, True),)
+        for name, rounding, rule, sink in runs:
             kv_quant.position0_nearest = rule
-            r = TorchModelRunner(base.model, torch.device("cpu"), torch.float32, fmt, 64, kv_k_rounding=rounding)
+            r = TorchModelRunner(base.model, torch.device("cpu"), torch.float32, fmt, 64, args.hadamard,
+                                 kv_k_rounding=rounding)
             r.allocate(PAGES, 0)
             calibrate_kv(source, r, sink=sink)
             rows = []

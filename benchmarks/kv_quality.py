@@ -86,7 +86,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   (exact: the attention weights sum to 1);
 - ``hsel=1`` (screening): each layer's K Hadamard-rotated or not, whichever the calibration
   window's queries weigh less error on (``prefer_rotation``; the choices are printed); ``hsel=block``
-  weighs it by the queries' 16 x 16 diagonal blocks only (what the engine's calibration records);
+  weighs it by the queries' 16 x 16 diagonal blocks only, the engine's own choice
+  (``kernels.calibration.k_error_energy``, ``--kv-hadamard layer``);
 - ``temp=T`` (screening): the attention logits times ``1 + T`` (K scaled after decoding), a
   temperature against the quantization noise;
 - ``layers=0,3,5-7`` quantizes only those layers.
@@ -117,7 +118,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels.calibration import ScaleCounter, calibrate, count_rows, k_offset, stationary_channels  # noqa: E402
+from kernels.calibration import (  # noqa: E402
+    ScaleCounter,
+    calibrate,
+    count_rows,
+    k_error_energy,
+    k_offset,
+    stationary_channels,
+)
 from kernels.hadamard import fwht  # noqa: E402
 from kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4  # noqa: E402
 from kernels.kv_formats.layout import PAGE_SIZE  # noqa: E402
@@ -520,7 +528,13 @@ def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Te
     for rot in (True, False):
         lay = KVLayout.make(cfg.fmt, h, d, rot)
         cov = q_covariance(qr, h, rot)
-        gg = calibrate(lay, kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)[0].expand(n, h).reshape(-1)
+        g2 = calibrate(lay, kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)
+        if cfg.hsel == "block":  # the engine's own rule (kv_calibration): its recorded block products
+            fb = feedback.from_block_covariance(block_diagonal(cov, cfg.fbspan), cfg.damp) if cfg.feedback else None
+            near = 1 if cfg.feedback and cfg.fbsink and lay.fmt.value == "nvfp4" else 0
+            err[rot] = k_error_energy(lay, kr, g2, block_diagonal(cov), fb, near)
+            continue
+        gg = g2[0].expand(n, h).reshape(-1)
         rows = fwht(kr) if rot else kr
         extra = {"clip": True} if lay.fmt.value == "nvfp4" else {}
         if cfg.feedback:
@@ -528,11 +542,7 @@ def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Te
             extra["feedback"] = fb.expand(n, *fb.shape).reshape(n * h, *fb.shape[1:])
         codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
         e = (lay.codec.decode(codes, sc, gg).view(n, h, d) - rows).double()
-        if cfg.hsel == "block":  # the 16 x 16 diagonal blocks only: the products the engine records
-            eb = e.view(n, h, d // nvfp4.BLOCK, nvfp4.BLOCK)
-            err[rot] = float(torch.einsum("nhbi,hbij,nhbj->", eb, block_diagonal(cov), eb))
-        else:
-            err[rot] = float(torch.einsum("nhd,hde,nhe->", e, cov, e))
+        err[rot] = float(torch.einsum("nhd,hde,nhe->", e, cov, e))
     return err[True] <= err[False]
 
 

@@ -12,7 +12,7 @@ K centering for ``--served-context`` positions, K rounding per ``--kv-k-rounding
 corpus is Python's ``pydoc_data.topics`` text in non-overlapping windows of ``--ctx``
 tokens, each prefilled in ``--chunk``-token chunks with every position's logits returned
 (``SeqSlice.all_logits``): the chunks read the cache the earlier ones wrote, as the engine's
-chunked prefill does. Config specs: ``KV[:hadamard=auto|on|off][:center=auto|on|off|page]
+chunked prefill does. Config specs: ``KV[:hadamard=auto|on|off|layer][:center=auto|on|off|page]
 [:rounding=auto|nearest|feedback][:sink=on|off]`` (the engine's ``--kv-*`` options; ``sink=off``
 calibrates page 0's K center as every page's instead of on the sink key, an ablation with no
 engine option); ``bf16`` runs first
@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16,fp8,int8,nvfp4,nvfp4:hadamard=off"
-OPTIONS = {"hadamard": ("auto", "on", "off"), "center": ("auto", "on", "off", "page"),
+OPTIONS = {"hadamard": ("auto", "on", "off", "layer"), "center": ("auto", "on", "off", "page"),
            "rounding": ("auto", "nearest", "feedback"), "sink": ("on", "off")}
 
 

@@ -11,8 +11,11 @@ applied at start-up (``engine_service.cli``):
 - ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv_quant``):
   it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
   when the runner is built); a page then costs its true quantized bytes, so the same
-  memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` (auto = on for nvfp4
-  and fp8) applies to quantized formats only; ``on`` with a float kv_dtype is an error.
+  memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` applies to quantized
+  formats only (``on`` or ``layer`` with a float kv_dtype is an error): ``layer`` (what auto means
+  for nvfp4 and fp8; an error for int8, which is not calibrated) rotates each attention layer's K
+  or not as the start-up calibration finds its queries see the smaller error
+  (``engine_service.kv_calibration``); auto is off for int8.
   ``kv_center_k`` centers K before quantizing (``engine_service.kv_calibration``): ``page``
   (what auto means for fp8 and nvfp4, the formats calibrated at start-up) by the calibration's
   mean turned to each key's page middle (``kernels.page_center``: more channels, at any context
@@ -36,7 +39,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 FLOAT_KV_DTYPES = ("auto", "bf16", "fp16", "fp32")
 QUANT_KV_DTYPES = ("fp8", "int8", "nvfp4")  # engine_service.kv_quant.QUANT_FORMATS
 KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
-KV_HADAMARD = ("auto", "on", "off")
+KV_HADAMARD = ("auto", "on", "off", "layer")
 KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv_quant.CENTER_K_MODES
 KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv_quant.K_ROUNDING_MODES
 CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv_quant.SCALED_FORMATS
@@ -62,8 +65,10 @@ class EngineConfig:
                                                             "(float pool), or fp8, int8, nvfp4 (quantized paged "
                                                             "cache; needs --page-size 64 and head_dim 64/128/256)",
                                                     "choices": KV_DTYPES})
-    kv_hadamard: str = field(default="auto", metadata={"help": "Hadamard rotation of K before quantizing: auto (on "
-                                                               "for nvfp4 and fp8), on, off (quantized kv dtypes only)",
+    kv_hadamard: str = field(default="auto", metadata={"help": "Hadamard rotation of K before quantizing: layer "
+                                                               "(chosen per attention layer by the start-up "
+                                                               "calibration; fp8, nvfp4), on, off, auto (layer for "
+                                                               "nvfp4 and fp8, off for int8); quantized kv dtypes only",
                                                        "choices": KV_HADAMARD})
     kv_center_k: str = field(default="auto", metadata={"help": "K centering before quantizing, exact for "
                                                                "attention: page (K's calibrated mean turned to "
@@ -128,9 +133,12 @@ class EngineConfig:
         c(not quant or self.page_size == QUANT_PAGE_SIZE, "page_size", self.page_size,
           f"must be {QUANT_PAGE_SIZE} with kv_dtype={self.kv_dtype} (the kernels' page); set --page-size "
           f"{QUANT_PAGE_SIZE} or use a float kv_dtype")
-        c(quant or self.kv_hadamard != "on", "kv_hadamard", self.kv_hadamard,
+        c(quant or self.kv_hadamard not in ("on", "layer"), "kv_hadamard", self.kv_hadamard,
           f"applies to quantized kv dtypes ({', '.join(QUANT_KV_DTYPES)}) only, not kv_dtype={self.kv_dtype}; "
           "use auto or off")
+        c(self.kv_hadamard != "layer" or not quant or self.kv_dtype in CALIBRATED_KV_DTYPES, "kv_hadamard",
+          self.kv_hadamard, f"layer is chosen by the start-up calibration of {', '.join(CALIBRATED_KV_DTYPES)}, "
+          f"which kv_dtype={self.kv_dtype} has none of; use on or off")
         c(self.num_pages >= 0, "num_pages", self.num_pages, "must be >= 0 (0 = from memory)")
         c(0.0 < self.memory_fraction <= 1.0, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         c(self.cpu_kv_gib > 0, "cpu_kv_gib", self.cpu_kv_gib, "must be > 0")

@@ -33,6 +33,17 @@ and ``calibrate_layers`` turns their means into the layer's feedback matrices
 (``kernels.kv_formats.feedback.from_block_covariance``), which the append then uses to
 pick K's codes.
 
+With the rotation chosen per layer (``--kv-hadamard layer``, what auto means for fp8 and
+nvfp4) ``RecordingPool`` sums the query products in both bases, and ``calibrate_layers``
+encodes each layer's centered calibration keys both ways by the cache's own rule (the basis's
+global scales and feedback, nvfp4's position 0 to nearest) and keeps the basis whose error the
+queries feel less (``kernels.calibration.k_error_energy``). The rotation spreads a key's
+energy evenly over its blocks, which helps when a few channels dominate K; with per-head
+RMS-normalized Q and K (QK-norm: Qwen3, Qwen3.5, Gemma 3) some layers' keys are better left as
+they are (Gemma 3 270M: KL to the bf16 cache -32% for nvfp4 against rotating every layer;
+SmolLM2 keeps all but its first layer rotated; docs/kernels.md). The choice is per layer, for
+all of its KV heads, and part of the digest.
+
 Only fp8 and nvfp4 use global scales; float pools and int8 skip calibration. The token ids
 come from the model's ``tokenizer.json``; a model without a usable one is calibrated on a
 fixed pseudo-random sequence of token ids (seeded, logged as ``source="random_ids"``):
@@ -43,13 +54,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine_service.layers.context import StepContext
 from engine_service.memory import FloatLayerKV, KVPool
-from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_offset
+from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_error_energy, k_offset
 from kernels.hadamard.reference import fwht
 from kernels.kv_formats import feedback
 from kernels.kv_formats.layout import PAGE_LAYOUT_VERSION, KVLayout
@@ -154,8 +166,7 @@ class _RecordingLayer:
     inner: FloatLayerKV
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    q_sums: _QuerySums
-    q_rotate: bool | None  # None: do not record queries; else rotate them first (K's stored basis)
+    q_sums: dict[bool, _QuerySums]  # basis (True: Hadamard-rotated) -> running sums
     num_kv_heads: int
 
     def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
@@ -164,41 +175,42 @@ class _RecordingLayer:
         self.inner.write(k, v, ctx)
 
     def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
-        if self.q_rotate is not None:
+        if self.q_sums:
             qs = q.detach().float()
-            prod, count = feedback.block_covariance(fwht(qs) if self.q_rotate else qs, self.num_kv_heads)
-            self.q_sums.add(prod.cpu(), count)
+            for rotated, sums in self.q_sums.items():
+                prod, count = feedback.block_covariance(fwht(qs) if rotated else qs, self.num_kv_heads)
+                sums.add(prod.cpu(), count)
         return self.inner.attend(q, ctx, scale)
 
 
 class RecordingPool:
-    """A scratch float ``KVPool`` whose layers record the K/V written to them and, with
-    ``q_rotate`` set (not None), the block products of the queries they attend with (in K's
-    stored basis: Hadamard-rotated when ``q_rotate``)."""
+    """A scratch float ``KVPool`` whose layers record the K/V written to them and, for each
+    basis in ``q_bases`` (True: Hadamard-rotated, False: as is), the block products of the
+    queries they attend with in that basis (K's stored basis when K is rotated likewise)."""
 
-    def __init__(self, pool: KVPool, q_rotate: bool | None = None) -> None:
+    def __init__(self, pool: KVPool, q_bases: Sequence[bool] = ()) -> None:
         self.pool = pool
-        self.q_rotate = q_rotate
+        self.q_bases = tuple(dict.fromkeys(bool(b) for b in q_bases))
         n = pool.layout.num_layers
         self.k: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        self.q_sums = [_QuerySums() for _ in range(n)]
+        self.q_sums = [{b: _QuerySums() for b in self.q_bases} for _ in range(n)]
 
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
 
     def layer(self, i: int) -> _RecordingLayer:
-        return _RecordingLayer(self.pool.layer(i), self.k[i], self.v[i], self.q_sums[i], self.q_rotate,
+        return _RecordingLayer(self.pool.layer(i), self.k[i], self.v[i], self.q_sums[i],
                                self.pool.layout.num_kv_heads)
 
     def captured(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer ``(k, v)`` fp32 ``[N, Hkv, D]`` (CPU)."""
         return [(torch.cat(k), torch.cat(v)) for k, v in zip(self.k, self.v, strict=True)]
 
-    def query_covariances(self) -> list[torch.Tensor]:
-        """Per layer the mean query block products fp64 ``[Hkv, d/16, 16, 16]`` (CPU); needs ``q_rotate``."""
-        return [s.mean() for s in self.q_sums]
+    def query_covariances(self) -> dict[bool, list[torch.Tensor]]:
+        """Per recorded basis, per layer the mean query block products fp64 ``[Hkv, d/16, 16, 16]`` (CPU)."""
+        return {b: [s[b].mean() for s in self.q_sums] for b in self.q_bases}
 
 
 @dataclass(frozen=True)
@@ -224,10 +236,20 @@ class KVCalibration:
     sink_keys: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     # query-weighted rounding of K: per attention layer fp32 [Hkv, d/16, 16, 16] (None: nearest)
     k_feedback: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    # per attention layer: is K Hadamard-rotated (empty: every layer as the layout says)
+    hadamard: tuple[bool, ...] = ()
+    # with the rotation chosen per layer: per layer (rotated, unrotated) K error energy under the
+    # calibration queries (``kernels.calibration.k_error_energy``), the figures the choice compared
+    rotation_energy: tuple[tuple[float, float], ...] | None = field(default=None, repr=False)
+
+    @property
+    def rotated_layers(self) -> int:
+        """Attention layers whose K is Hadamard-rotated (``hadamard``)."""
+        return sum(self.hadamard)
 
     def digest(self) -> str:
-        """sha256 (hex, 16 chars) of the format, the page layout's version, every global scale,
-        K offset and K feedback matrix: what the cached bytes mean. Pages kept outside this
+        """sha256 (hex, 16 chars) of the format, the page layout's version, the layers' K
+        rotation, every global scale, K offset and K feedback matrix: what the cached bytes mean. Pages kept outside this
         process (the KV daemon) may only be reused by an engine whose calibration has the same
         digest."""
         h = hashlib.sha256(self.kv_format.encode())
@@ -238,6 +260,8 @@ class KVCalibration:
             h.update(f";k_center=page;page={PAGE_SIZE}".encode())
         if self.sink_keys is not None:  # page 0's keys had the sink key subtracted instead
             h.update(b";page0=sink")
+        if self.hadamard:  # which layers' K (and Q) are rotated
+            h.update((";hadamard=" + "".join("1" if r else "0" for r in self.hadamard)).encode())
         for t in (*self.scales, *(self.k_offsets or ()), *(self.page_means or ()), *(self.sink_keys or ()),
                   *(self.k_feedback or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
@@ -251,7 +275,8 @@ class KVCalibration:
 
 def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.Tensor]], *, source: str,
                      tokens: int, name: str, center_k: torch.Tensor | None = None,
-                     q_covariances: list[torch.Tensor] | None = None,
+                     q_covariances: Mapping[bool, Sequence[torch.Tensor]] | None = None,
+                     k_feedback: bool = False, choose_rotation: bool = False, nearest_rows: int = 0,
                      page_rope: torch.Tensor | None = None, sink: bool = False) -> KVCalibration:
     """Global scales of every layer from its captured K/V, and their block-scale counts.
 
@@ -261,21 +286,33 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
     0 and averaged on ``center_k``'s channels, which the caller takes from ``page_stationary``);
     ``sink`` (with ``page_rope``): page 0 centered on the first captured key (position 0), which
     the mean then leaves out.
-    ``q_covariances``: per layer mean query block products in K's stored basis
-    (``RecordingPool.query_covariances``), turned into K feedback; None = nearest rounding."""
-    if q_covariances is not None and len(q_covariances) != len(captured):
-        raise ValueError(f"need query covariances for {len(captured)} layers, got {len(q_covariances)}")
+    ``q_covariances``: per basis (True: Hadamard-rotated) per layer the mean query block products
+    (``RecordingPool.query_covariances``). ``k_feedback``: K rounded with feedback made from
+    them in K's stored basis (else nearest rounding); the first ``nearest_rows`` keys (nvfp4's
+    position 0) to nearest all the same. ``choose_rotation``: each layer's K rotated or not,
+    whichever leaves the smaller error under its queries (``k_error_energy`` of the captured,
+    centered keys encoded by this very rule in both bases; needs both bases' products);
+    otherwise every layer as ``layout`` says."""
+    bases = (True, False) if choose_rotation else (layout.hadamard,)
+    if k_feedback or choose_rotation:
+        missing = [b for b in bases if q_covariances is None or b not in q_covariances]
+        if missing:
+            raise ValueError(f"need the query products in the {'rotated' if missing[0] else 'unrotated'} basis")
+        assert q_covariances is not None
+        for b in bases:
+            if len(q_covariances[b]) != len(captured):
+                raise ValueError(f"need query covariances for {len(captured)} layers, got {len(q_covariances[b])}")
     if page_rope is not None and center_k is None:
         raise ValueError("page centering needs the channels to center (center_k)")
     if sink and page_rope is None:
         raise ValueError("a sink key centers page 0 of a per-page centering (page_rope)")
     counter = ScaleCounter()
-    scales, offsets, sinks = [], [], []
+    scales, offsets, sinks, feedbacks, rotated, energies = [], [], [], [], [], []
     energy = centered_energy = 0.0
     if page_rope is not None:  # one table of page middles for every layer's calibration keys
         n_max = max((k.shape[0] for k, _ in captured), default=1)
         table = rope_table(page_rope, max_pages_for(n_max))
-    for k, v in captured:
+    for i, (k, v) in enumerate(captured):
         if center_k is not None:
             if page_rope is None:
                 mu = k_offset(k, center_k)
@@ -292,8 +329,23 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
             energy += float(k.double().square().sum())
             k = k - shift
             centered_energy += float(k.double().square().sum())
-        g = calibrate(layout, k, v)
-        counter.update(layout, k, v, g)
+        choice = {}  # basis -> (layout, global scales, feedback or None)
+        for rot in bases:
+            lay = replace(layout, hadamard=rot)
+            fb = feedback.from_block_covariance(q_covariances[rot][i]) if k_feedback and q_covariances else None
+            choice[rot] = (lay, calibrate(lay, k, v), fb)
+        if choose_rotation:
+            assert q_covariances is not None
+            e = {rot: k_error_energy(lay, k, g, q_covariances[rot][i], fb, min(nearest_rows, k.shape[0]))
+                 for rot, (lay, g, fb) in choice.items()}
+            energies.append((e[True], e[False]))
+            pick = e[True] <= e[False]
+        else:
+            pick = layout.hadamard
+        lay, g, fb = choice[pick]
+        rotated.append(pick)
+        feedbacks.append(fb)
+        counter.update(lay, k, v, g)
         scales.append(g)
     return KVCalibration(kv_format=name, source=source, tokens=tokens, scales=tuple(scales),
                          k=counter.k, v=counter.v,
@@ -302,5 +354,5 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
                          sink_keys=tuple(sinks) if sink else None,
                          centered_channels=int(center_k.sum()) if center_k is not None else 0,
                          k_energy_removed=1.0 - centered_energy / energy if energy > 0 else 0.0,
-                         k_feedback=None if q_covariances is None else
-                         tuple(feedback.from_block_covariance(c) for c in q_covariances))
+                         k_feedback=tuple(feedbacks) if k_feedback else None,  # type: ignore[arg-type]
+                         hadamard=tuple(rotated), rotation_energy=tuple(energies) if choose_rotation else None)

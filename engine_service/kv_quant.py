@@ -16,8 +16,10 @@ The backend is ``kernels.backend.get_backend(device)``: the plain-torch referenc
 the Triton kernels on CUDA; both write identical cache bytes.
 
 Layouts: ``quant_layout`` refuses (``KVSettingsError``, a ``ValueError``, saying what to change) a page size other
-than 64 and a head_dim outside (64, 128, 256). ``hadamard``: ``auto`` = the format's
-default (on for nvfp4 and fp8), ``on``, ``off``. Bytes per page of the whole model:
+than 64 and a head_dim outside (64, 128, 256). ``hadamard``: ``on``, ``off``, ``layer``
+(chosen per attention layer by the start-up calibration, ``kv_calibration``; fp8 / nvfp4;
+every layer rotated until then), ``auto`` = ``layer`` for fp8 and nvfp4, off for int8
+(``resolve_hadamard``); ``QuantKVPool.set_hadamard`` installs the per-layer choice. Bytes per page of the whole model:
 ``num_layers * layout.page_bytes`` (nvfp4 at d=256: 144 B per token per head for K and
 again for V, vs 512 for bf16).
 
@@ -50,7 +52,7 @@ from kernels.page_center import PageCenter
 QUANT_FORMATS = ("fp8", "int8", "nvfp4")
 K_ROUNDING_MODES = ("auto", "nearest", "feedback")  # feedback: fp8 / nvfp4 only (kernels.kv_formats.feedback)
 FEEDBACK_BY_DEFAULT = ("fp8", "nvfp4")  # auto: where query-weighted rounding measured better (docs/kernels.md)
-HADAMARD_MODES = ("auto", "on", "off")
+HADAMARD_MODES = ("auto", "on", "off", "layer")  # layer: chosen per attention layer at calibration
 CENTER_K_MODES = ("auto", "on", "off", "page")  # auto: page for the calibrated formats (kernels.page_center)
 SCALED_FORMATS = ("fp8", "nvfp4")  # formats whose global scales matter (calibrated)
 
@@ -63,25 +65,45 @@ def is_quantized(kv_dtype: str) -> bool:
     return kv_dtype in QUANT_FORMATS
 
 
-def quant_layout(fmt: str, num_kv_heads: int, head_dim: int, page_size: int, hadamard: str = "auto") -> KVLayout:
-    """The kernels' layout for one attention layer, or ``KVSettingsError`` naming the fix."""
-    if fmt not in QUANT_FORMATS:
-        raise KVSettingsError(f"kv dtype {fmt!r} is not a quantized format ({', '.join(QUANT_FORMATS)})")
+def resolve_hadamard(fmt: str, hadamard: str) -> str:
+    """``on`` / ``off`` / ``layer`` for a quantized ``fmt``, or ``KVSettingsError`` naming the fix:
+    auto is ``layer`` for the calibrated formats (fp8, nvfp4) and ``off`` for int8 (whose
+    per-token scales measured within +0.05% of bf16 unrotated); ``layer`` needs a calibrated
+    format (the choice is made by the calibration)."""
     if hadamard not in HADAMARD_MODES:
         raise KVSettingsError(f"kv_hadamard {hadamard!r} must be one of {', '.join(HADAMARD_MODES)}")
+    if hadamard == "auto":
+        return "layer" if fmt in SCALED_FORMATS else "off"
+    if hadamard == "layer" and fmt not in SCALED_FORMATS:
+        raise KVSettingsError(f"kv_hadamard 'layer' is chosen by the start-up calibration of {', '.join(SCALED_FORMATS)}, "
+                              f"which kv dtype {fmt!r} has none of: use on or off")
+    return hadamard
+
+
+def quant_layout(fmt: str, num_kv_heads: int, head_dim: int, page_size: int, hadamard: str = "auto") -> KVLayout:
+    """The kernels' layout for one attention layer (``layer``: rotated until the calibration
+    chooses per layer), or ``KVSettingsError`` naming the fix."""
+    if fmt not in QUANT_FORMATS:
+        raise KVSettingsError(f"kv dtype {fmt!r} is not a quantized format ({', '.join(QUANT_FORMATS)})")
+    mode = resolve_hadamard(fmt, hadamard)
     if page_size != PAGE_SIZE:
         raise KVSettingsError(f"kv dtype {fmt!r} needs page_size {PAGE_SIZE} (the kernels' page), got {page_size}: "
                          f"set --page-size {PAGE_SIZE} or use a float --kv-dtype (auto, bf16, fp16, fp32)")
     if head_dim not in HEAD_DIMS:
         raise KVSettingsError(f"kv dtype {fmt!r} needs head_dim in {HEAD_DIMS}, but this model's is {head_dim}: "
                          "use a float --kv-dtype (auto, bf16, fp16, fp32) for it")
-    rotate = None if hadamard == "auto" else hadamard == "on"
-    return KVLayout.make(fmt, num_kv_heads, head_dim, rotate)
+    return KVLayout.make(fmt, num_kv_heads, head_dim, mode != "off")
 
 
-def describe(layout: KVLayout) -> str:
-    """``nvfp4+hadamard`` style name (logs)."""
-    return f"{layout.fmt.value}{'+hadamard' if layout.hadamard else ''}"
+def describe(layout: KVLayout, rotated: Sequence[bool] = ()) -> str:
+    """``nvfp4+hadamard`` style name (logs): with per-layer flags ``rotated``, ``nvfp4`` (none),
+    ``nvfp4+hadamard`` (all) or ``nvfp4+hadamard[28/30]`` (28 of 30 layers rotated)."""
+    if not rotated:
+        return f"{layout.fmt.value}{'+hadamard' if layout.hadamard else ''}"
+    n = sum(bool(r) for r in rotated)
+    if n == 0:
+        return layout.fmt.value
+    return f"{layout.fmt.value}+hadamard" + ("" if n == len(rotated) else f"[{n}/{len(rotated)}]")
 
 
 KVBackend = ReferenceBackend | TritonBackend
@@ -152,7 +174,8 @@ class QuantLayerKV:
 
 
 class QuantKVPool:
-    """Every attention layer's quantized cache (same layout for all layers)."""
+    """Every attention layer's quantized cache: the same layout for all layers but for whether K
+    is Hadamard-rotated, which may differ per layer (``set_hadamard``)."""
 
     def __init__(self, layout: KVLayout, num_layers: int, num_pages: int, device: torch.device) -> None:
         if num_pages < 1:
@@ -187,6 +210,19 @@ class QuantKVPool:
 
     def layer(self, i: int) -> QuantLayerKV:
         return QuantLayerKV(self.caches[i], self.backend, self._stored if i == 0 else None)
+
+    def hadamard(self) -> list[bool]:
+        """Per attention layer: is its K (and the queries read against it) Hadamard-rotated."""
+        return [c.layout.hadamard for c in self.caches]
+
+    def set_hadamard(self, rotated: Sequence[bool]) -> None:
+        """Rotate K or not, per attention layer (before any token is stored: the bytes depend on it)."""
+        if len(rotated) != len(self.caches):
+            raise ValueError(f"need a K rotation flag for {len(self.caches)} attention layers, got {len(rotated)}")
+        if self._stored[0]:
+            raise RuntimeError("the K rotation is fixed once the pool holds tokens")
+        for c, r in zip(self.caches, rotated, strict=True):
+            c.layout = replace(c.layout, hadamard=bool(r))
 
     def scales(self) -> list[torch.Tensor]:
         """Copies of every layer's global scales fp32 ``[2, Hkv]`` (CPU)."""

@@ -26,12 +26,13 @@ Same code on CPU and CUDA; nothing here assumes a device.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from deepwell.logs import get_logger
+from engine_service import kv_quant
 from engine_service.kv_calibration import KVCalibration, RecordingPool, calibrate_layers
 from engine_service.kv_quant import (
     CENTER_K_MODES,
@@ -43,6 +44,7 @@ from engine_service.kv_quant import (
     describe,
     is_quantized,
     quant_layout,
+    resolve_hadamard,
 )
 from engine_service.layers.backend import ReferenceBackend, get_backend
 from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
@@ -95,8 +97,8 @@ class TorchModelRunner:
         self.page_size = page_size
         a = self.args
         quantized = is_quantized(kv_dtype)
-        if not quantized and kv_hadamard == "on":
-            raise KVSettingsError(f"kv_hadamard 'on' needs a quantized kv dtype (fp8, int8, nvfp4), "
+        if not quantized and kv_hadamard in ("on", "layer"):
+            raise KVSettingsError(f"kv_hadamard {kv_hadamard!r} needs a quantized kv dtype (fp8, int8, nvfp4), "
                                   f"not {kv_dtype!r}: use auto or off")
         if kv_center_k not in CENTER_K_MODES:
             raise KVSettingsError(f"kv_center_k {kv_center_k!r} must be one of {', '.join(CENTER_K_MODES)}")
@@ -127,6 +129,8 @@ class TorchModelRunner:
             quant_layout(kv_dtype, a.attention.num_kv_heads, a.attention.head_dim, page_size, kv_hadamard)
             if quantized and self.kv_layout.num_layers else None
         )
+        # layer: the calibration chooses each attention layer's K rotation (auto for fp8 / nvfp4)
+        self.kv_hadamard_per_layer = self.quant_layout is not None and resolve_hadamard(kv_dtype, kv_hadamard) == "layer"
         self.kv_calibration: KVCalibration | None = None
         self._kv_written = False  # a forward has written the serving KV pool (scales are then fixed)
         self.state_layout: StateLayout | None = None
@@ -212,12 +216,16 @@ class TorchModelRunner:
     def set_kv_scales(self, scales: Sequence[torch.Tensor], k_offsets: Sequence[torch.Tensor] | None = None,
                       k_feedback: Sequence[torch.Tensor] | None = None,
                       page_means: Sequence[torch.Tensor] | None = None,
-                      sink_keys: Sequence[torch.Tensor] | None = None) -> None:
+                      sink_keys: Sequence[torch.Tensor] | None = None,
+                      hadamard: Sequence[bool] | None = None) -> None:
         """Install per-layer global scales (and K centering offsets fp32 ``[Hkv, d]``, K rounding
         feedback fp32 ``[Hkv, d/16, 16, 16]``, or K centering per page: pre-RoPE means fp32
         ``[Hkv, d]``, ``kernels.page_center``, with the model's RoPE, and page 0's sink keys fp32
-        ``[Hkv, d]``) by hand (quantized KV only, before the first forward)."""
+        ``[Hkv, d]``, and whether each layer's K is Hadamard-rotated) by hand (quantized KV only,
+        before the first forward)."""
         pool = self._scales_settable()
+        if hadamard is not None:
+            pool.set_hadamard(hadamard)
         pool.set_scales(scales)
         if k_offsets is not None:
             pool.set_k_offsets(k_offsets)
@@ -245,6 +253,10 @@ class TorchModelRunner:
     def kv_k_offsets(self) -> list[torch.Tensor | None]:
         """Every attention layer's K centering offset fp32 ``[Hkv, d]`` (None: not centered)."""
         return self._quant_pool().k_offsets()
+
+    def kv_hadamard(self) -> list[bool]:
+        """Per attention layer: is its K Hadamard-rotated (quantized KV only)."""
+        return self._quant_pool().hadamard()
 
     def kv_k_feedback(self) -> list[torch.Tensor | None]:
         """Every attention layer's K rounding feedback fp32 ``[Hkv, d/16, 16, 16]`` (None: nearest)."""
@@ -290,8 +302,9 @@ class TorchModelRunner:
             raise ValueError(f"calibration token ids must be in [0, {self.vocab_size})")
         n, ps = len(ids), self.page_size
         pages = -(-n // ps)
-        scratch = RecordingPool(KVPool(self.kv_layout, pages, self._device, self.ops),
-                                q_rotate=self.quant_layout.hadamard if self.kv_k_rounding_feedback else None)
+        lay = self.quant_layout
+        bases = (True, False) if self.kv_hadamard_per_layer else (lay.hadamard,) if self.kv_k_rounding_feedback else ()
+        scratch = RecordingPool(KVPool(self.kv_layout, pages, self._device, self.ops), q_bases=bases)
         state = StatePool(self.state_layout, 1, self._device) if self.state_layout is not None else None
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long),
                              [SeqSlice(0 if state else -1, list(range(pages)), 0, n, need_logits=False)])
@@ -305,10 +318,14 @@ class TorchModelRunner:
                 keep, page_rope = page_stationary(inv_freq, self.quant_layout.head_dim), inv_freq
             else:
                 keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
-        report = calibrate_layers(self.quant_layout, scratch.captured(), source=source, tokens=n,
-                                  name=describe(self.quant_layout), center_k=keep, page_rope=page_rope,
-                                  q_covariances=scratch.query_covariances() if self.kv_k_rounding_feedback else None,
+        fb = self.kv_k_rounding_feedback
+        report = calibrate_layers(lay, scratch.captured(), source=source, tokens=n, name=describe(lay),
+                                  center_k=keep, page_rope=page_rope, q_covariances=scratch.query_covariances(),
+                                  k_feedback=fb, choose_rotation=self.kv_hadamard_per_layer,
+                                  nearest_rows=1 if fb and kv_quant.position0_nearest(lay) else 0,
                                   sink=sink and page_rope is not None)
+        report = replace(report, kv_format=describe(lay, report.hadamard))
+        pool.set_hadamard(report.hadamard)
         pool.set_scales(report.scales)
         if report.k_offsets is not None:
             pool.set_k_offsets(report.k_offsets)
@@ -328,6 +345,8 @@ class TorchModelRunner:
                  k_center="page" if report.page_means is not None else ("offset" if report.k_offsets else "off"),
                  k_page0=None if report.page_means is None else ("sink" if report.sink_keys is not None else "mean"),
                  k_rounding="feedback" if report.k_feedback else "nearest",
+                 k_rotated_layers=report.rotated_layers, k_rotation="layer" if self.kv_hadamard_per_layer
+                 else ("on" if lay.hadamard else "off"),
                  digest=report.digest(),
                  k_energy_removed=round(report.k_energy_removed, 4))
         return report

@@ -33,6 +33,12 @@ one bit of headroom. ``count_scales`` reports, per K and V, how many block scale
 or elements (fp8) are zero, subnormal (``0 < scale < 2**-6``, including those that round to
 zero) and saturated (``> 448``) — int8: token scales that are zero or saturated (above
 ``int8.SCALE_MAX``; it has no subnormal range); ``ScaleCounter`` accumulates those for metrics.
+
+``k_error_energy`` measures how well a layout stores a layer's calibration keys as the
+queries see it: K encoded exactly as the append would (rotated or not, with or without
+query-weighted rounding), and its error ``e`` weighed by the queries' mean block products,
+``sum e_b^T C_b e_b`` over keys and 16-blocks. Computed in both bases it chooses whether a
+layer's K is Hadamard-rotated (``engine_service.kv_calibration``, ``--kv-hadamard layer``).
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_append.reference import stored_rows
+from kernels.kv_append.reference import encode_rows, stored_rows
+from kernels.kv_formats import feedback as kfeedback
 from kernels.kv_formats import int8, nvfp4
 from kernels.kv_formats.e4m3 import E4M3_MAX, E4M3_MIN_NORMAL
 from kernels.kv_formats.layout import KVFormat, KVLayout, pow2_at_least
@@ -198,3 +205,30 @@ class ScaleCounter:
             self.k = self.k + counts
         else:
             self.v = self.v + counts
+
+
+def k_error_energy(layout: KVLayout, k: torch.Tensor, global_scales: torch.Tensor, q_blocks: torch.Tensor,
+                   k_feedback: torch.Tensor | None = None, nearest_rows: int = 0) -> float:
+    """``sum over keys, heads and 16-blocks of e_b^T C_b e_b``: the error ``e`` of K ``k`` [N, H, d]
+    (after RoPE and centering, unrotated) stored in ``layout`` (rotated first if it rotates)
+    under ``global_scales`` [2, H], weighed by the queries' mean block products ``q_blocks``
+    fp64 [H, d/16, 16, 16] in that stored basis (``kv_formats.feedback.block_covariance`` over
+    its count). ``k_feedback``: K rounded with it (as the append does), except the first
+    ``nearest_rows`` keys, rounded to nearest (nvfp4's position 0). See the module doc."""
+    n, h, d = k.shape
+    want = kfeedback.shape(h, d)
+    if tuple(q_blocks.shape) != want:
+        raise ValueError(f"q_blocks must be {list(want)}, got {list(q_blocks.shape)}")
+    if not 0 <= nearest_rows <= n:
+        raise ValueError(f"nearest_rows must be in [0, {n}], got {nearest_rows}")
+    rows = stored_rows(k.cpu(), layout, 0)
+    parts = []
+    for lo, hi, fb in ((0, nearest_rows, None), (nearest_rows, n, k_feedback)):
+        if hi > lo:
+            parts.append(encode_rows(k[lo:hi], layout, 0, global_scales, rows=rows[lo:hi], k_feedback=fb))
+    codes = torch.cat([c for c, _ in parts])
+    scales = torch.cat([s for _, s in parts])
+    g = global_scales[0].to(torch.float32).expand(n, h).reshape(-1)
+    got = layout.codec.decode(codes.reshape(n * h, -1), scales.reshape(n * h, -1), g).view(n, h, d)
+    e = (got - rows).double().view(n, h, d // kfeedback.BLOCK, kfeedback.BLOCK)
+    return float(torch.einsum("nhbi,hbij,nhbj->", e, q_blocks.double(), e))

@@ -87,19 +87,20 @@ def quant_runner(base: TorchModelRunner, kv: str, hadamard: str = "auto", calibr
         if fresh or key not in _CALIBRATED:
             _CALIBRATED[key] = calibrate_kv(smollm2_source(), r, sink=sink)
         elif (cal := _CALIBRATED[key]) is not None:
-            r.set_kv_scales(cal.scales, cal.k_offsets, cal.k_feedback, cal.page_means, cal.sink_keys)
+            r.set_kv_scales(cal.scales, cal.k_offsets, cal.k_feedback, cal.page_means, cal.sink_keys,
+                            cal.hadamard or None)
             r.kv_calibration = cal
     return r
 
 
 def copy_calibration(src: TorchModelRunner, dst: TorchModelRunner) -> None:
     """Install ``src``'s calibrated global scales, K offsets or page means and K feedback (if any)
-    in ``dst`` by hand."""
+    and its layers' K rotation in ``dst`` by hand."""
     offsets, fb, means = src.kv_k_offsets(), src.kv_k_feedback(), src.kv_page_means()
     sinks = src.kv_sink_keys()
     dst.set_kv_scales(src.kv_scales(), None if offsets[0] is None else offsets,  # type: ignore[arg-type]
                       None if fb[0] is None else fb, None if means[0] is None else means,  # type: ignore[arg-type]
-                      None if sinks[0] is None else sinks)  # type: ignore[arg-type]
+                      None if sinks[0] is None else sinks, src.kv_hadamard())  # type: ignore[arg-type]
 
 
 def greedy(runner: TorchModelRunner, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -190,6 +191,11 @@ def test_config_accepts_quantized_formats_and_refuses_bad_combinations() -> None
         EngineConfig(kv_dtype="nvfp4", page_size=16)
     with pytest.raises(configs.ConfigError, match=r"invalid kv_hadamard='on': applies to quantized kv dtypes"):
         EngineConfig(kv_dtype="bf16", kv_hadamard="on")
+    assert parse(["--kv-dtype", "nvfp4", "--kv-hadamard", "layer"]).kv_hadamard == "layer"
+    with pytest.raises(configs.ConfigError, match=r"invalid kv_hadamard='layer': layer is chosen by the start-up"):
+        EngineConfig(kv_dtype="int8", kv_hadamard="layer")
+    with pytest.raises(configs.ConfigError, match=r"invalid kv_hadamard='layer': applies to quantized kv dtypes"):
+        EngineConfig(kv_dtype="fp16", kv_hadamard="layer")
     with pytest.raises(configs.ConfigError, match=r"invalid kv_hadamard='yes'"):
         EngineConfig(kv_hadamard="yes")
     with pytest.raises(configs.ConfigError, match=r"invalid kv_dtype='q4'"):
@@ -218,6 +224,8 @@ def test_runner_refuses_what_the_kernels_cannot_hold(smol, tmp_path: Path) -> No
         TorchModelRunner(base.model, CPU, torch.float32, "nvfp4", 16)
     with pytest.raises(KVSettingsError, match="kv_hadamard 'on' needs a quantized kv dtype"):
         TorchModelRunner(base.model, CPU, torch.float32, "bf16", 64, "on")
+    with pytest.raises(KVSettingsError, match="kv_hadamard 'layer' needs a quantized kv dtype"):
+        TorchModelRunner(base.model, CPU, torch.float32, "bf16", 64, "layer")
     with pytest.raises(KVSettingsError, match="kv_center_k 'on' needs a calibrated kv dtype"):
         TorchModelRunner(base.model, CPU, torch.float32, "int8", 64, kv_center_k="on")
     with pytest.raises(KVSettingsError, match="kv_k_rounding 'feedback' needs a calibrated kv dtype"):
@@ -402,7 +410,7 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     assert replace(cal, sink_keys=tuple(t + 1.0 for t in cal.sink_keys)).digest() != cal.digest()
     assert cal.k_energy_removed > 2 * cal_fixed.k_energy_removed > 0
     twin = quant_runner(base, "nvfp4", center_k="page", calibrate=False)
-    twin.set_kv_scales(cal.scales, None, cal.k_feedback, cal.page_means, cal.sink_keys)
+    twin.set_kv_scales(cal.scales, None, cal.k_feedback, cal.page_means, cal.sink_keys, cal.hadamard)
     got = teacher_forced(twin, ids, ref_tokens[:2])
     want = teacher_forced(page, ids, ref_tokens[:2])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
@@ -459,7 +467,10 @@ def test_k_rounding_feedback_is_calibrated_and_reproducible(smol, fp32_reference
     assert r.kv_calibration is not None and r.kv_calibration.k_feedback is not None
     assert all(f is not None and f.shape == (3, 4, 16, 16) and bool(f.any()) for f in fb)
     assert r.kv_calibration.digest() != near.kv_calibration.digest()
-    assert all(torch.equal(a, b) for a, b in zip(r.kv_scales(), near.kv_scales(), strict=True))  # same scales
+    # the same scales where both chose the same K rotation (the choice depends on the rounding)
+    same = [a == b for a, b in zip(r.kv_hadamard(), near.kv_hadamard(), strict=True)]
+    assert any(same) and all(torch.equal(a, b) for a, b, s in zip(r.kv_scales(), near.kv_scales(), same, strict=True)
+                             if s)
     tokens, first = greedy(r, ids, 3)
     assert len(tokens) == 3 and all(0 <= t < r.vocab_size for t in tokens)
     again = TorchModelRunner(base.model, CPU, torch.float32, "nvfp4", 64, kv_k_rounding="feedback")
@@ -486,7 +497,8 @@ def test_feedback_leaves_position_zero_nearest_for_nvfp4(smol, kv: str) -> None:
     assert fb.kv_k_rounding_feedback
     near = TorchModelRunner(base.model, CPU, torch.float32, kv, 64, kv_k_rounding="nearest")
     near.allocate(PAGES, 0)
-    near.set_kv_scales(fb.kv_scales(), None, None, fb.kv_page_means(), fb.kv_sink_keys())  # type: ignore[arg-type]
+    near.set_kv_scales(fb.kv_scales(), None, None, fb.kv_page_means(), fb.kv_sink_keys(),  # type: ignore[arg-type]
+                       fb.kv_hadamard())
     ids = tok.encode(PROMPT).ids
     for r in (fb, near):
         r.forward(ForwardBatch(torch.tensor(ids), [SeqSlice(-1, TABLE, 0, len(ids))]))
@@ -537,6 +549,48 @@ def test_int8_and_float_pools_skip_calibration(smol) -> None:
     r = quant_runner(base, "int8")
     assert r.kv_calibration is None and all(bool((s == 1.0).all()) for s in r.kv_scales())
     assert calibrate_kv(smollm2_source(), base) is None and base.calibrate_kv([1, 2, 3]) is None
+
+
+def test_k_rotation_is_chosen_per_layer(smol, fp32_reference) -> None:
+    """``kv_hadamard`` auto (= layer for fp8 / nvfp4): the calibration encodes each layer's keys
+    rotated and not and keeps the basis whose error its queries weigh less; the pool's layers
+    follow, the digest names the choice, and the choice changes what is served (an all-rotated
+    twin under the same calibration computes other logits). ``on`` rotates every layer."""
+    from dataclasses import replace
+
+    base, _ = smol
+    ids, ref_tokens, _ = fp32_reference
+    for kv in ("fp8", "nvfp4"):
+        r = quant_runner(base, kv)
+        cal = r.kv_calibration
+        assert r.kv_hadamard_per_layer and cal is not None and cal.rotation_energy is not None
+        assert len(cal.hadamard) == len(cal.rotation_energy) == 30
+        assert list(cal.hadamard) == [e_rot <= e_plain for e_rot, e_plain in cal.rotation_energy]
+        assert r.kv_hadamard() == list(cal.hadamard) == [c.layout.hadamard for c in r.kv.caches]  # type: ignore[union-attr]
+        # SmolLM2: every layer rotated but the first (docs/kernels.md)
+        assert 0 < cal.rotated_layers < 30 and not cal.hadamard[0], cal.hadamard
+        assert cal.kv_format == f"{kv}+hadamard[{cal.rotated_layers}/30]"
+        assert replace(cal, hadamard=(True,) * 30).digest() != cal.digest()
+    on = quant_runner(base, "nvfp4", "on")
+    assert not on.kv_hadamard_per_layer and on.kv_hadamard() == [True] * 30
+    assert on.kv_calibration is not None and on.kv_calibration.rotation_energy is None
+    assert on.kv_calibration.hadamard == (True,) * 30 and on.kv_calibration.kv_format == "nvfp4+hadamard"
+    auto = quant_runner(base, "nvfp4")
+    twin = quant_runner(base, "nvfp4", calibrate=False)
+    copy_calibration(auto, twin)
+    twin_on = quant_runner(base, "nvfp4", calibrate=False)
+    copy_calibration(auto, twin_on)
+    twin_on.kv.set_hadamard([True] * 30)  # type: ignore[union-attr]
+    want = teacher_forced(auto, ids, ref_tokens[:1])[0]
+    assert torch.equal(teacher_forced(twin, ids, ref_tokens[:1])[0], want)
+    assert not torch.equal(teacher_forced(twin_on, ids, ref_tokens[:1])[0], want)
+    with pytest.raises(RuntimeError, match="K rotation is fixed once the pool holds tokens"):
+        twin.kv.set_hadamard([True] * 30)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="need a K rotation flag for 30 attention layers, got 2"):
+        quant_runner(base, "nvfp4", calibrate=False).kv.set_hadamard([True, False])  # type: ignore[union-attr]
+    assert TorchModelRunner(base.model, CPU, torch.float32, "int8", 64).quant_layout.hadamard is False  # type: ignore[union-attr]
+    with pytest.raises(KVSettingsError, match="kv_hadamard 'layer' is chosen by the start-up calibration"):
+        TorchModelRunner(base.model, CPU, torch.float32, "int8", 64, "layer")
 
 
 def test_calibration_leaves_no_trace(smol) -> None:
@@ -642,11 +696,15 @@ def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, t
         gen = torch.Generator().manual_seed(7)
         h = r.quant_layout.num_kv_heads  # type: ignore[union-attr]
         means = [torch.randn(h, head_dim, generator=gen) for _ in r.kv_scales()]
+        # the layers' K rotation mixed by hand (what --kv-hadamard layer may choose): the first
+        # attention layer's K rotated for fp8 / nvfp4, as is for int8, the next the other way
+        mixed = [(i % 2 == 0) == (kv != "int8") for i in range(len(means))]
         if kv in ("fp8", "nvfp4"):  # and page 0 centered on a sink key of its own
             sinks = [torch.randn(h, head_dim, generator=gen) * 3 for _ in means]
-            r.set_kv_scales(r.kv_scales(), None, None, means, sinks)
+            r.set_kv_scales(r.kv_scales(), None, None, means, sinks, mixed)
         else:
-            r.set_kv_scales(r.kv_scales(), means)
+            r.set_kv_scales(r.kv_scales(), means, hadamard=mixed)
+        assert r.kv_hadamard() == mixed
         results.append(_mixed_steps(r))
     (ref_logits, ref_bytes), (tri_logits, tri_bytes) = results
     # the append is bit-exact: the first attention layer's K/V depend on the tokens only, so its
@@ -722,6 +780,9 @@ def test_metrics_export_the_calibration(smol) -> None:
     # the default rounding of K is query-weighted (auto); --kv-k-rounding nearest turns it off
     assert got("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "feedback"}) == 1
     assert got("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "nearest"}) == 0
+    # K's rotation chosen per layer (auto): SmolLM2 keeps its first layer unrotated
+    assert got("deepwell_engine_kv_k_rotated_layers", {"model": "smol", "state": "rotated"}) == cal.rotated_layers
+    assert got("deepwell_engine_kv_k_rotated_layers", {"model": "smol", "state": "unrotated"}) == 30 - cal.rotated_layers > 0
     near = quant_runner(base, "fp8", k_rounding="nearest")
     mn = EngineMetrics("smol")
     mn.set_kv_calibration(near.kv_calibration)

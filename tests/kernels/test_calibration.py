@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.calibration import (ScaleCounter, calibrate, count_rows, count_scales, head_counts, k_offset,
-                                 stationary_channels)
+from kernels.calibration import (ScaleCounter, calibrate, count_rows, count_scales, head_counts, k_error_energy,
+                                 k_offset, stationary_channels)
 from kernels.hadamard import fwht
 from kernels.kv_formats import KVLayout
 
@@ -156,3 +156,78 @@ def test_k_centering_is_exact_for_attention_and_cuts_the_error():
             got, exact = _attend_shifted_keys(fmt, center)
             errs[center] = float((got - exact).norm() / exact.norm())
         assert errs[True] < 0.7 * errs[False], (fmt, errs)  # measured 0.65x (fp8), 0.59x (nvfp4)
+
+
+def _blocks_eye(h: int, d: int) -> torch.Tensor:
+    return torch.eye(16, dtype=torch.float64).expand(h, d // 16, 16, 16).clone()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_k_error_energy_is_the_stored_keys_error(fmt: str, rotate: bool) -> None:
+    """What ``k_error_energy`` weighs is exactly the error of the keys the append stores: K
+    appended to a paged cache (row 0 without feedback, the rest with it, as the engine stores
+    nvfp4's position 0) and read back, minus the rows in the stored basis; with the block
+    products the identity it is the plain squared error, with others the quadratic form."""
+    from kernels.kv_append import reference as append_ref
+    from kernels.kv_formats import feedback
+
+    gen = torch.Generator().manual_seed(11)
+    n, h, d = 70, 2, 64
+    lay = KVLayout.make(fmt, h, d, rotate)
+    k = torch.randn(n, h, d, generator=gen) * torch.linspace(0.2, 3.0, d)
+    v = torch.randn(n, h, d, generator=gen)
+    g = calibrate(lay, k, v)
+    # queries far from isotropic (a few strong directions), as real ones are
+    basis = torch.randn(3, d, generator=gen, dtype=torch.float64)
+    qf = torch.randn(4 * n, 2 * h, 3, generator=gen, dtype=torch.float64) @ basis
+    qf = qf + 0.1 * torch.randn(4 * n, 2 * h, d, generator=gen, dtype=torch.float64)
+    prod, count = feedback.block_covariance(qf, h)
+    cov = prod / count
+    fb = feedback.from_block_covariance(cov)
+    cache = lay.allocate(2, "cpu")
+    slots = torch.arange(n)
+    append_ref.append(cache, lay, k[:1], v[:1], slots[:1], g)
+    append_ref.append(cache, lay, k[1:], v[1:], slots[1:], g, k_feedback=fb)
+    got, _ = append_ref.gather(cache, lay, torch.tensor([0, 1]), n, g)
+    e = (got - append_ref.stored_rows(k, lay, 0)).double()
+    assert k_error_energy(lay, k, g, _blocks_eye(h, d), fb, nearest_rows=1) == pytest.approx(
+        float(e.square().sum()), rel=1e-9)
+    eb = e.view(n, h, d // 16, 16)
+    want = float(torch.einsum("nhbi,hbij,nhbj->", eb, cov, eb))
+    assert k_error_energy(lay, k, g, cov, fb, nearest_rows=1) == pytest.approx(want, rel=1e-9)
+    # feedback lowers the weighted error it was made for; nearest rounding throughout differs
+    assert k_error_energy(lay, k, g, cov, fb) < k_error_energy(lay, k, g, cov)
+
+
+def test_k_error_energy_tells_which_basis_stores_keys_better() -> None:
+    """Keys on fp8's grid store exactly as they are and not once rotated; keys with one large
+    channel per block (an outlier the rotation spreads) store better rotated (nvfp4)."""
+    h, d = 1, 64
+    eye = _blocks_eye(h, d)
+    grid = torch.tensor([0.0, 0.5, -1.0, 1.5, 2.0, -3.0, 0.25, 4.0]).repeat(40, h, d // 8)
+    plain, rot = (KVLayout.make("fp8", h, d, r) for r in (False, True))
+    for lay in (plain, rot):
+        g = calibrate(lay, grid, grid)
+        if not lay.hadamard:
+            assert k_error_energy(lay, grid, g, eye) == 0.0
+        else:
+            assert k_error_energy(lay, grid, g, eye) > 0.0
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(200, h, d, generator=gen) * 0.05
+    k[:, :, ::16] += 8.0 * torch.sign(torch.randn(200, h, d // 16, generator=gen))
+    energy = {}
+    for r in (False, True):
+        lay = KVLayout.make("nvfp4", h, d, r)
+        energy[r] = k_error_energy(lay, k, calibrate(lay, k, k), eye)
+    assert energy[True] < energy[False], energy
+
+
+def test_k_error_energy_rejects_bad_arguments() -> None:
+    lay = KVLayout.make("nvfp4", 2, 64)
+    k = torch.randn(5, 2, 64)
+    g = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="q_blocks must be"):
+        k_error_energy(lay, k, g, torch.zeros(2, 4, 16, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="nearest_rows"):
+        k_error_energy(lay, k, g, _blocks_eye(2, 64), nearest_rows=6)
