@@ -203,6 +203,7 @@ class TorchModelRunner:
             num_pages=num_pages,
             num_state_slots=num_state_slots if self.state_layout else 0,
             kv_format=describe(self.quant_layout) if self.quant_layout else self.kv_dtype_name,
+            k_rotation="per layer, chosen at calibration" if self.kv_hadamard_per_layer else None,
             kv_backend=self.kv.backend.name if isinstance(self.kv, QuantKVPool) else self.ops.name,
             bytes_per_page=self.kv_bytes_per_page,
             kv_bytes=num_pages * self.kv_bytes_per_page,
