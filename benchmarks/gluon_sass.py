@@ -2,7 +2,7 @@
 
     python benchmarks/gluon_sass.py decode --t 4             # the nvfp4 verify kernel, 27B layout
     python benchmarks/gluon_sass.py decode --t 4 --maxnreg 168 --sass t4.sass
-    python benchmarks/gluon_sass.py append --fmt nvfp4 --feedback --warps 4
+    python benchmarks/gluon_sass.py append --fmt nvfp4 --feedback --warps 4 [--hadamard-size 16]
     python benchmarks/gluon_sass.py decode --t 1 --module base_gluon_decode.py   # another version
 
 Registers per thread decide how many programs share an SM (``gluon_decode.programs_per_sm``),
@@ -83,12 +83,15 @@ def decode_build(mod: ModuleType, args: argparse.Namespace) -> tuple[object, dic
 def append_build(mod: ModuleType, args: argparse.Namespace) -> tuple[object, dict, dict]:
     """(kernel, constexprs, options) of ``gluon_append.launch`` (K offset, counts, rotation)."""
     layout = KVLayout.make(args.fmt, 4, args.d)
-    const = dict(D=args.d, HSCALE=args.d ** -0.5, HADAMARD=True, HAS_OFFSET=True, COUNT=True, FEEDBACK=args.feedback,
+    hs = args.hadamard_size or args.d
+    const = dict(D=args.d, HSCALE=hs ** -0.5, HADAMARD=True, HAS_OFFSET=True, COUNT=True, FEEDBACK=args.feedback,
                  SCALE_OFF=layout.scale_offset, SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP,
                  UP_SPAN=nvfp4.UP_SPAN, ERR_BITS=nvfp4.ERR_BITS, ERR_EXP_FLOOR=nvfp4.ERR_EXP_FLOOR, PDL=True,
                  FP8=args.fmt == "fp8")
     if "FB_DOWN" in inspect.signature(mod.append_kernel.fn).parameters:  # K feedback's own list (since 2026-12-04)
         const.update(FB_DOWN=nvfp4.FEEDBACK_DOWN, FB_LO=nvfp4.FEEDBACK_FOUR_LO, FB_HI=nvfp4.FEEDBACK_FOUR_HI)
+    if args.hadamard_size:  # K's Hadamard transform per block of this size (since 2026-12-05)
+        const.update(HSIZE=args.hadamard_size)
     opts = {"num_warps": args.warps, "enable_fp_fusion": not args.feedback}
     if args.maxnreg:
         opts["maxnreg"] = args.maxnreg
@@ -167,6 +170,7 @@ def main() -> int:
     ap.add_argument("--page-terms", action="store_true", help="decode: with the per-page K terms (page_bias)")
     ap.add_argument("--feedback", action="store_true", help="append: K with query-weighted rounding")
     ap.add_argument("--warps", type=int, default=1, help="append: warps per program")
+    ap.add_argument("--hadamard-size", type=int, default=0, help="append: K's Hadamard size (16: per block; 0: d)")
     ap.add_argument("--maxnreg", type=int, default=0, help="register cap (default: what the backend passes)")
     ap.add_argument("--ops", type=int, default=0, help="show this many of each loop's most common opcodes")
     ap.add_argument("--sass", default=None, help="write the SASS listing here")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -139,9 +140,11 @@ def gluon_append_cases(mods: dict[str, ModuleType]) -> Iterator[Case]:
             for warps in warp_counts:
                 fns = {}
                 for name, m in mods.items():
+                    # versions before 2026-12-05 took K's Hadamard scale as an argument
+                    hs = (hadamard_scale(D),) if "hadamard_scale" in inspect.signature(m.launch).parameters else ()
                     call = (lambda m=m, feedback=feedback, warps=warps, layout=layout, cache=cache, k=k, v=v,
-                            slots=slots, scales=scales, offset=offset, counts=counts: m.launch(
-                                cache, layout, k, v, slots, scales, offset, counts, feedback, hadamard_scale(D),
+                            slots=slots, scales=scales, offset=offset, counts=counts, hs=hs: m.launch(
+                                cache, layout, k, v, slots, scales, offset, counts, feedback, *hs,
                                 num_warps=warps))
                     fns[name] = lambda call=call: graph_time(call, 100)
                 yield (f"gluon append {fmt} 64 x {HKV}, {label}, {warps} warps", fns,

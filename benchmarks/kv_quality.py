@@ -68,6 +68,9 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
   ``--prefix "<|im_start|>"``, a chat template's first token) rounded to nearest, as the
   engine does for position 0 (nvfp4: under K's ten-code scale list, as an append without
   feedback; the rest of K under the feedback's shorter list);
+- ``hblock=S`` (screening; S = 16, 32, 64 or 128, without ``+H``): K and Q rotated by the
+  block-diagonal Hadamard transform of size S (each S consecutive channels mixed among
+  themselves only) instead of the full one; feedback matrices in that basis;
 - ``vrot=1`` (screening) rotates V by the Hadamard transform before encoding and back after
   decoding: a cache holding rotated V whose attention output is rotated back once per row
   (the issue's cache keeps V unrotated);
@@ -87,7 +90,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``hsel=1`` (screening): each layer's K Hadamard-rotated or not, whichever the calibration
   window's queries weigh less error on (``prefer_rotation``; the choices are printed); ``hsel=block``
   weighs it by the queries' 16 x 16 diagonal blocks only, the engine's own choice
-  (``kernels.calibration.k_error_energy``, ``--kv-hadamard layer``);
+  (``kernels.calibration.k_error_energy``, ``--kv-hadamard layer``); ``hsel=b16`` the same
+  among three: the full rotation, none, or ``hblock=16``;
 - ``temp=T`` (screening): the attention logits times ``1 + T`` (K scaled after decoding), a
   temperature against the quantization noise;
 - ``layers=0,3,5-7`` quantizes only those layers.
@@ -149,6 +153,7 @@ class Config:
     sink: int = 0
     balance: float = 0.0  # bal=P: Q/K channel balancing exponent (0: off)
     pca: bool = False  # rot=pca: K and Q in the eigenbasis of the calibration Q (screening)
+    hblock: int = 0  # hblock=S (screening): K and Q rotated by the block-diagonal Hadamard I (x) H_S instead
     signs: int = 0  # signs=SEED: random +-1 per channel on K (and Q) before the Hadamard (0: off)
     gptq: str = ""  # gptq=full: K rounded for the queries across whole rows (screening)
     damp: float = 0.01
@@ -207,6 +212,8 @@ def parse_config(spec: str) -> Config:
             kw["balance"] = float(val)
         elif key == "rot":
             kw["pca"] = choice(key, val, ("pca",)) == "pca"
+        elif key == "hblock":
+            kw["hblock"] = int(choice(key, val, ("16", "32", "64", "128")))
         elif key == "signs":
             kw["signs"] = int(val)
         elif key == "gptq":
@@ -230,7 +237,7 @@ def parse_config(spec: str) -> Config:
         elif key == "temp":
             kw["temp"] = float(val)
         elif key == "hsel":
-            kw["hsel"] = "" if choice(key, val, ("0", "1", "block")) == "0" else val
+            kw["hsel"] = "" if choice(key, val, ("0", "1", "block", "b16")) == "0" else val
         elif key == "kcorr":
             kw["kcorr"] = int(val)
         elif key == "vcenter":
@@ -251,6 +258,8 @@ def parse_config(spec: str) -> Config:
         raise ValueError(f"kscale= applies to nvfp4 K with round=feedback (not with fbsearch=): {spec!r}")
     if kw.get("fbsearch") and (fmt != "nvfp4" or "kfmt" in kw):
         raise ValueError(f"fbsearch= applies to nvfp4 K: {spec!r}")
+    if kw.get("hblock") and (had == "H" or kw.get("pca") or kw.get("hsel") or kw.get("signs") or kw.get("balance")):
+        raise ValueError(f"hblock= replaces the full Hadamard (no +H) and combines with no other K basis: {spec!r}")
     if kw.get("vrot") and kw.get("vround"):
         raise ValueError(f"vrot= and vround= do not combine (W_o's weights are in V's own basis): {spec!r}")
     if fmt not in ("fp8", "nvfp4") and kw.get("kfmt") not in ("fp8", "nvfp4"):
@@ -517,22 +526,33 @@ def balance(q: torch.Tensor, k: torch.Tensor, p: float, rotary_dims: int) -> tor
     return torch.exp(la).float()
 
 
-def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, h: int, d: int) -> bool:
+def hadamard_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` [..., d] with each ``size`` consecutive channels through the normalized Hadamard
+    transform (``I (x) H_size``; ``size = d`` is ``fwht`` itself, bit for bit); its own inverse."""
+    d = x.shape[-1]
+    return fwht(x.reshape(*x.shape[:-1], d // size, size)).reshape(x.shape)
+
+
+def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, h: int,
+                    d: int) -> bool | int:
     """Whether K encodes better Hadamard-rotated than as it is (``hsel=1``): each choice
     calibrated (global scale, and feedback matrices with ``round=feedback``) and encoded by the
     config's rule on the calibration window's keys ``kr`` [N, h, d] (centered), compared by the
-    error's energy under the window's queries ``q`` [b, Hq, t, d] (``e^T E[q q^T] e``, summed)."""
+    error's energy under the window's queries ``q`` [b, Hq, t, d] (``e^T E[q q^T] e``, summed).
+    ``hsel=b16``: the block products' rule among three, the full rotation (True), none (False)
+    and the Hadamard transform of each 16-channel block (16)."""
     n = kr.shape[0]
     qr = q.permute(0, 2, 1, 3).reshape(n, q.shape[1], d)
-    err = {}
-    for rot in (True, False):
-        lay = KVLayout.make(cfg.fmt, h, d, rot)
-        cov = q_covariance(qr, h, rot)
-        g2 = calibrate(lay, kr, vr, percentile=cfg.percentile, headroom=cfg.headroom)
-        if cfg.hsel == "block":  # the engine's own rule (kv_calibration): its recorded block products
+    err: dict[bool | int, float] = {}
+    for rot in (True, False, 16) if cfg.hsel == "b16" else (True, False):
+        lay = KVLayout.make(cfg.fmt, h, d, rot is True)
+        xr = hadamard_blocks(kr, 16) if rot == 16 and rot is not True else kr
+        cov = q_covariance(hadamard_blocks(qr.float(), 16) if xr is not kr else qr, h, rot is True)
+        g2 = calibrate(lay, xr, vr, percentile=cfg.percentile, headroom=cfg.headroom)
+        if cfg.hsel in ("block", "b16"):  # the engine's own rule (kv_calibration): its recorded block products
             fb = feedback.from_block_covariance(block_diagonal(cov, cfg.fbspan), cfg.damp) if cfg.feedback else None
             near = 1 if cfg.feedback and cfg.fbsink and lay.fmt.value == "nvfp4" else 0
-            err[rot] = k_error_energy(lay, kr, g2, block_diagonal(cov), fb, near)
+            err[rot] = k_error_energy(lay, xr, g2, block_diagonal(cov), fb, near)
             continue
         gg = g2[0].expand(n, h).reshape(-1)
         rows = fwht(kr) if rot else kr
@@ -543,6 +563,8 @@ def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Te
         codes, sc = lay.codec.encode(rows.reshape(-1, d), gg, **extra)
         e = (lay.codec.decode(codes, sc, gg).view(n, h, d) - rows).double()
         err[rot] = float(torch.einsum("nhd,hde,nhe->", e, cov, e))
+    if cfg.hsel == "b16":
+        return min(err, key=lambda r: (err[r], r is not True))  # ties: the full rotation
     return err[True] <= err[False]
 
 
@@ -618,6 +640,8 @@ class KVRoundTrip:
         rot = st["rot"].get(layer)
         if rot is not None:
             kr = torch.einsum("nhd,hde->nhe", kr, rot)
+        if cfg.hblock:
+            kr = hadamard_blocks(kr, cfg.hblock)
         if self.calibrating and cfg.balance:
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d).float()
             if rot is not None:
@@ -627,12 +651,19 @@ class KVRoundTrip:
             gen = torch.Generator().manual_seed(cfg.signs * 1000 + layer)
             sgn = torch.randint(0, 2, (h, d), generator=gen).float() * 2 - 1
             st["alpha"][layer] = st["alpha"].get(layer, torch.ones(h, d)) * sgn
+        hb = cfg.hblock  # K's block Hadamard size (0: none)
         if cfg.hsel:  # this layer's K rotated or not, as its calibration chose
             if self.calibrating:
                 st["hsel"][layer] = prefer_rotation(cfg, q, kr, vr, h, d)
-            lay = KVLayout.make(cfg.fmt, h, d, st["hsel"][layer])
+            chosen = st["hsel"][layer]
+            lay = KVLayout.make(cfg.fmt, h, d, chosen is True)
+            if chosen is not True and chosen == 16:
+                hb = 16
+                kr = hadamard_blocks(kr, 16)
         if self.calibrating and (cfg.gptq or cfg.feedback or cfg.kcorr):
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d)
+            if hb:  # the queries in K's basis (the transform is orthonormal and symmetric)
+                qr = hadamard_blocks(qr.float(), hb)
             st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
             if cfg.kcorr:  # the top R eigenvectors of the query covariance, K's basis [h, d, R]
                 st["ucorr"][layer] = torch.linalg.eigh(st["qcov"][layer])[1][..., -cfg.kcorr:].float()
@@ -719,6 +750,8 @@ class KVRoundTrip:
             deq = deq.view(b, t, h, d)
             if kv == 0 and alpha is not None:
                 deq = deq * alpha  # = multiplying Q by alpha instead
+            if kv == 0 and hb:  # its own inverse
+                deq = hadamard_blocks(deq, hb)
             if kv == 0 and rot is not None:
                 deq = torch.einsum("nhe,hde->nhd", deq.view(b * t, h, d), rot).view(deq.shape)
             if kv == 0 and mu is not None:
@@ -854,8 +887,10 @@ def main() -> int:
         for c in configs if w == 0 else ():
             if c.hsel:
                 chosen = state[c.spec]["hsel"]
-                print(f"{c.spec}: K rotated in layers {sorted(i for i, r in chosen.items() if r)} of {len(chosen)}",
-                      flush=True)
+                full = sorted(i for i, r in chosen.items() if r is True)
+                blocks = sorted(i for i, r in chosen.items() if r is not True and r == 16)
+                print(f"{c.spec}: K rotated in layers {full}" + (f", by 16-blocks in {blocks}" if blocks else "")
+                      + f" of {len(chosen)}", flush=True)
     return 0
 
 

@@ -132,8 +132,8 @@ def main() -> int:
         runners[s.text] = r
         if cal is not None:
             print(f"{s.text}: calibrated on {cal.tokens} tokens ({cal.source}), {cal.centered_channels} K channels "
-                  f"centered, K rounding {'feedback' if cal.k_feedback is not None else 'nearest'}, K rotated in "
-                  f"{cal.rotated_layers} of {len(cal.hadamard)} layers", flush=True)
+                  f"centered, K rounding {'feedback' if cal.k_feedback is not None else 'nearest'}, K rotation "
+                  f"{cal.kv_format}", flush=True)
     print(f"{windows} windows x {args.ctx} tokens of pydoc_data.topics in {args.chunk}-token chunks; "
           f"served context {served}", flush=True)
     stats = {s.text: dict(nll=0.0, kl=0.0, n=0, secs=0.0) for s in specs}

@@ -14,8 +14,8 @@ applied at start-up (``engine_service.cli``):
   memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` applies to quantized
   formats only (``on`` or ``layer`` with a float kv_dtype is an error): ``layer`` (what auto means
   for nvfp4 and fp8; an error for int8, which is not calibrated) rotates each attention layer's K
-  or not as the start-up calibration finds its queries see the smaller error
-  (``engine_service.kv_calibration``); auto is off for int8.
+  as a whole, not at all, or (nvfp4) per 16-element block, as the start-up calibration finds its
+  queries see the smallest error (``engine_service.kv_calibration``); auto is off for int8.
   ``kv_center_k`` centers K before quantizing (``engine_service.kv_calibration``): ``page``
   (what auto means for fp8 and nvfp4, the formats calibrated at start-up) by the calibration's
   mean turned to each key's page middle (``kernels.page_center``: more channels, at any context
@@ -67,8 +67,10 @@ class EngineConfig:
                                                     "choices": KV_DTYPES})
     kv_hadamard: str = field(default="auto", metadata={"help": "Hadamard rotation of K before quantizing: layer "
                                                                "(chosen per attention layer by the start-up "
-                                                               "calibration; fp8, nvfp4), on, off, auto (layer for "
-                                                               "nvfp4 and fp8, off for int8); quantized kv dtypes only",
+                                                               "calibration: whole head, none, or per 16-element "
+                                                               "block for nvfp4; fp8, nvfp4), on (whole head), off, "
+                                                               "auto (layer for nvfp4 and fp8, off for int8); "
+                                                               "quantized kv dtypes only",
                                                        "choices": KV_HADAMARD})
     kv_center_k: str = field(default="auto", metadata={"help": "K centering before quantizing, exact for "
                                                                "attention: page (K's calibrated mean turned to "

@@ -34,15 +34,18 @@ and ``calibrate_layers`` turns their means into the layer's feedback matrices
 pick K's codes.
 
 With the rotation chosen per layer (``--kv-hadamard layer``, what auto means for fp8 and
-nvfp4) ``RecordingPool`` sums the query products in both bases, and ``calibrate_layers``
-encodes each layer's centered calibration keys both ways by the cache's own rule (the basis's
-global scales and feedback, nvfp4's position 0 to nearest) and keeps the basis whose error the
-queries feel less (``kernels.calibration.k_error_energy``). The rotation spreads a key's
-energy evenly over its blocks, which helps when a few channels dominate K; with per-head
-RMS-normalized Q and K (QK-norm: Qwen3, Qwen3.5, Gemma 3) some layers' keys are better left as
-they are (Gemma 3 270M: KL to the bf16 cache -29% for nvfp4 and -39% for fp8 against rotating
-every layer; SmolLM2 keeps all but its first layer rotated, KL unchanged; docs/kernels.md). The choice is per layer, for
-all of its KV heads, and part of the digest.
+nvfp4) ``RecordingPool`` sums the query products in every candidate basis
+(``rotation_sizes``: the whole head's Hadamard transform, none, and for nvfp4 one transform per
+16-element block), and ``calibrate_layers`` encodes each layer's centered calibration keys in
+each by the cache's own rule (the basis's global scales and feedback, nvfp4's position 0 to
+nearest) and keeps the basis whose error the queries feel least
+(``kernels.calibration.k_error_energy``). The whole-head rotation spreads a key's energy evenly
+over all its blocks, which helps when a few channels dominate K; the per-block one evens out
+each nvfp4 block (its largest element against its block scale) without moving energy between
+blocks; with per-head RMS-normalized Q and K (QK-norm: Qwen3, Qwen3.5, Gemma 3) some layers'
+keys are better left as they are. Gemma 3 270M: KL to the bf16 cache -38% for nvfp4 (three
+ways) and -39% for fp8 (two) against rotating every layer as a whole; SmolLM2 unchanged
+(docs/kernels.md). The choice is per layer, for all of its KV heads, and part of the digest.
 
 Only fp8 and nvfp4 use global scales; float pools and int8 skip calibration. The token ids
 come from the model's ``tokenizer.json``; a model without a usable one is calibrated on a
@@ -55,7 +58,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -166,7 +169,7 @@ class _RecordingLayer:
     inner: FloatLayerKV
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    q_sums: dict[bool, _QuerySums]  # basis (True: Hadamard-rotated) -> running sums
+    q_sums: dict[int, _QuerySums]  # basis (the Hadamard size: 0 none, 16 per block, d whole) -> running sums
     num_kv_heads: int
 
     def write(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
@@ -177,20 +180,21 @@ class _RecordingLayer:
     def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
         if self.q_sums:
             qs = q.detach().float()
-            for rotated, sums in self.q_sums.items():
-                prod, count = feedback.block_covariance(fwht(qs) if rotated else qs, self.num_kv_heads)
+            for size, sums in self.q_sums.items():
+                prod, count = feedback.block_covariance(fwht(qs, size) if size else qs, self.num_kv_heads)
                 sums.add(prod.cpu(), count)
         return self.inner.attend(q, ctx, scale)
 
 
 class RecordingPool:
     """A scratch float ``KVPool`` whose layers record the K/V written to them and, for each
-    basis in ``q_bases`` (True: Hadamard-rotated, False: as is), the block products of the
-    queries they attend with in that basis (K's stored basis when K is rotated likewise)."""
+    basis in ``q_bases`` (a Hadamard size, ``KVLayout.hadamard_size``: 0 as is, 16 per 16-element
+    block, ``d`` the whole head), the block products of the queries they attend with in that
+    basis (K's stored basis when K is rotated likewise)."""
 
-    def __init__(self, pool: KVPool, q_bases: Sequence[bool] = ()) -> None:
+    def __init__(self, pool: KVPool, q_bases: Sequence[int] = ()) -> None:
         self.pool = pool
-        self.q_bases = tuple(dict.fromkeys(bool(b) for b in q_bases))
+        self.q_bases = tuple(dict.fromkeys(int(b) for b in q_bases))
         n = pool.layout.num_layers
         self.k: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -208,7 +212,7 @@ class RecordingPool:
         """Per layer ``(k, v)`` fp32 ``[N, Hkv, D]`` (CPU)."""
         return [(torch.cat(k), torch.cat(v)) for k, v in zip(self.k, self.v, strict=True)]
 
-    def query_covariances(self) -> dict[bool, list[torch.Tensor]]:
+    def query_covariances(self) -> dict[int, list[torch.Tensor]]:
         """Per recorded basis, per layer the mean query block products fp64 ``[Hkv, d/16, 16, 16]`` (CPU)."""
         return {b: [s[b].mean() for s in self.q_sums] for b in self.q_bases}
 
@@ -236,16 +240,16 @@ class KVCalibration:
     sink_keys: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
     # query-weighted rounding of K: per attention layer fp32 [Hkv, d/16, 16, 16] (None: nearest)
     k_feedback: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
-    # per attention layer: is K Hadamard-rotated (empty: every layer as the layout says)
-    hadamard: tuple[bool, ...] = ()
-    # with the rotation chosen per layer: per layer (rotated, unrotated) K error energy under the
-    # calibration queries (``kernels.calibration.k_error_energy``), the figures the choice compared
-    rotation_energy: tuple[tuple[float, float], ...] | None = field(default=None, repr=False)
+    # per attention layer K's Hadamard size (``KVLayout.hadamard_size``: 0 not rotated, 16 per
+    # 16-element block, d the whole head; empty: every layer as the layout says)
+    hadamard: tuple[int, ...] = ()
+    # with the rotation chosen per layer: per layer {size: K error energy under the calibration
+    # queries} (``kernels.calibration.k_error_energy``), the figures the choice compared
+    rotation_energy: tuple[dict[int, float], ...] | None = field(default=None, repr=False)
 
-    @property
-    def rotated_layers(self) -> int:
-        """Attention layers whose K is Hadamard-rotated (``hadamard``)."""
-        return sum(self.hadamard)
+    def layers_rotated(self, size: int) -> int:
+        """Attention layers whose K has Hadamard size ``size`` (``hadamard``; 0: not rotated)."""
+        return sum(1 for r in self.hadamard if r == size)
 
     def digest(self) -> str:
         """sha256 (hex, 16 chars) of the format, the page layout's version, the layers' K
@@ -260,8 +264,8 @@ class KVCalibration:
             h.update(f";k_center=page;page={PAGE_SIZE}".encode())
         if self.sink_keys is not None:  # page 0's keys had the sink key subtracted instead
             h.update(b";page0=sink")
-        if self.hadamard:  # which layers' K (and Q) are rotated
-            h.update((";hadamard=" + "".join("1" if r else "0" for r in self.hadamard)).encode())
+        if self.hadamard:  # which layers' K (and Q) are rotated, and by which transform
+            h.update((";hadamard=" + ",".join(str(r) for r in self.hadamard)).encode())
         for t in (*self.scales, *(self.k_offsets or ()), *(self.page_means or ()), *(self.sink_keys or ()),
                   *(self.k_feedback or ())):
             h.update(t.detach().cpu().to(torch.float32).contiguous().numpy().tobytes())
@@ -273,9 +277,18 @@ class KVCalibration:
         return float(vals.min()), float(vals.max())
 
 
+def rotation_sizes(layout: KVLayout) -> tuple[int, ...]:
+    """The K rotations a layer's calibration chooses among (``--kv-hadamard layer``), as Hadamard
+    sizes in order of preference between equals: the whole head, none and, for nvfp4, each
+    16-element block (its block scales' span; for fp8, whose error is relative to each element,
+    the block rotation measured worse on both models: docs/kernels.md)."""
+    d = layout.head_dim
+    return (d, 0, 16) if layout.fmt.value == "nvfp4" else (d, 0)
+
+
 def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.Tensor]], *, source: str,
                      tokens: int, name: str, center_k: torch.Tensor | None = None,
-                     q_covariances: Mapping[bool, Sequence[torch.Tensor]] | None = None,
+                     q_covariances: Mapping[int, Sequence[torch.Tensor]] | None = None,
                      k_feedback: bool = False, choose_rotation: bool = False, nearest_rows: int = 0,
                      page_rope: torch.Tensor | None = None, sink: bool = False) -> KVCalibration:
     """Global scales of every layer from its captured K/V, and their block-scale counts.
@@ -286,18 +299,19 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
     0 and averaged on ``center_k``'s channels, which the caller takes from ``page_stationary``);
     ``sink`` (with ``page_rope``): page 0 centered on the first captured key (position 0), which
     the mean then leaves out.
-    ``q_covariances``: per basis (True: Hadamard-rotated) per layer the mean query block products
-    (``RecordingPool.query_covariances``). ``k_feedback``: K rounded with feedback made from
-    them in K's stored basis (else nearest rounding); the first ``nearest_rows`` keys (nvfp4's
-    position 0) to nearest all the same. ``choose_rotation``: each layer's K rotated or not,
-    whichever leaves the smaller error under its queries (``k_error_energy`` of the captured,
-    centered keys encoded by this very rule in both bases; needs both bases' products);
-    otherwise every layer as ``layout`` says."""
-    bases = (True, False) if choose_rotation else (layout.hadamard,)
+    ``q_covariances``: per basis (a Hadamard size: ``rotation_sizes``) per layer the mean query
+    block products (``RecordingPool.query_covariances``). ``k_feedback``: K rounded with feedback
+    made from them in K's stored basis (else nearest rounding); the first ``nearest_rows`` keys
+    (nvfp4's position 0) to nearest all the same. ``choose_rotation``: each layer's K rotated by
+    the whole head's transform, not at all or (nvfp4) by one per 16-element block, whichever
+    leaves the smaller error under its queries (``k_error_energy`` of the captured, centered keys encoded by
+    this very rule in each basis; needs every basis's products; ties go to the whole transform,
+    then to none); otherwise every layer as ``layout`` says."""
+    bases = rotation_sizes(layout) if choose_rotation else (layout.hadamard_size,)
     if k_feedback or choose_rotation:
         missing = [b for b in bases if q_covariances is None or b not in q_covariances]
         if missing:
-            raise ValueError(f"need the query products in the {'rotated' if missing[0] else 'unrotated'} basis")
+            raise ValueError(f"need the query products in the basis of Hadamard size {missing[0]}")
         assert q_covariances is not None
         for b in bases:
             if len(q_covariances[b]) != len(captured):
@@ -331,17 +345,17 @@ def calibrate_layers(layout: KVLayout, captured: list[tuple[torch.Tensor, torch.
             centered_energy += float(k.double().square().sum())
         choice = {}  # basis -> (layout, global scales, feedback or None)
         for rot in bases:
-            lay = replace(layout, hadamard=rot)
+            lay = KVLayout.make(layout.fmt, layout.num_kv_heads, layout.head_dim, rot)
             fb = feedback.from_block_covariance(q_covariances[rot][i]) if k_feedback and q_covariances else None
             choice[rot] = (lay, calibrate(lay, k, v), fb)
         if choose_rotation:
             assert q_covariances is not None
             e = {rot: k_error_energy(lay, k, g, q_covariances[rot][i], fb, min(nearest_rows, k.shape[0]))
                  for rot, (lay, g, fb) in choice.items()}
-            energies.append((e[True], e[False]))
-            pick = e[True] <= e[False]
+            energies.append(e)
+            pick = min(bases, key=lambda r: e[r])  # the first of equals: bases' order
         else:
-            pick = layout.hadamard
+            pick = layout.hadamard_size
         lay, g, fb = choice[pick]
         rotated.append(pick)
         feedbacks.append(fb)

@@ -17,9 +17,10 @@ the Triton kernels on CUDA; both write identical cache bytes.
 
 Layouts: ``quant_layout`` refuses (``KVSettingsError``, a ``ValueError``, saying what to change) a page size other
 than 64 and a head_dim outside (64, 128, 256). ``hadamard``: ``on``, ``off``, ``layer``
-(chosen per attention layer by the start-up calibration, ``kv_calibration``; fp8 / nvfp4;
-every layer rotated until then), ``auto`` = ``layer`` for fp8 and nvfp4, off for int8
-(``resolve_hadamard``); ``QuantKVPool.set_hadamard`` installs the per-layer choice. Bytes per page of the whole model:
+(chosen per attention layer by the start-up calibration, ``kv_calibration``: the whole head's
+transform, none, or for nvfp4 one per 16-element block; fp8 / nvfp4; every layer rotated as a
+whole until then), ``auto`` = ``layer`` for fp8 and nvfp4, off for int8 (``resolve_hadamard``);
+``QuantKVPool.set_hadamard`` installs the per-layer choice (``KVLayout.hadamard_size``). Bytes per page of the whole model:
 ``num_layers * layout.page_bytes`` (nvfp4 at d=256: 144 B per token per head for K and
 again for V, vs 512 for bf16).
 
@@ -95,15 +96,19 @@ def quant_layout(fmt: str, num_kv_heads: int, head_dim: int, page_size: int, had
     return KVLayout.make(fmt, num_kv_heads, head_dim, mode != "off")
 
 
-def describe(layout: KVLayout, rotated: Sequence[bool] = ()) -> str:
-    """``nvfp4+hadamard`` style name (logs): with per-layer flags ``rotated``, ``nvfp4`` (none),
-    ``nvfp4+hadamard`` (all) or ``nvfp4+hadamard[28/30]`` (28 of 30 layers rotated)."""
-    if not rotated:
-        return f"{layout.fmt.value}{'+hadamard' if layout.hadamard else ''}"
-    n = sum(bool(r) for r in rotated)
-    if n == 0:
-        return layout.fmt.value
-    return f"{layout.fmt.value}+hadamard" + ("" if n == len(rotated) else f"[{n}/{len(rotated)}]")
+def _rotation_name(size: int, head_dim: int) -> str:
+    return "" if size == 0 else "+hadamard" if size == head_dim else f"+hadamard{size}"
+
+
+def describe(layout: KVLayout, sizes: Sequence[int] = ()) -> str:
+    """``nvfp4+hadamard`` style name (logs; ``+hadamard16``: one transform per 16-element block):
+    with per-layer Hadamard sizes ``sizes`` the one name they share, or the counts, e.g.
+    ``nvfp4+hadamard[whole 1, 16-blocks 16, none 1]``."""
+    fmt, d = layout.fmt.value, layout.head_dim
+    if len(set(sizes)) <= 1:
+        return fmt + _rotation_name(sizes[0] if sizes else layout.hadamard_size, d)
+    counts = [(n, sum(1 for s in sizes if s == size)) for n, size in (("whole", d), ("16-blocks", 16), ("none", 0))]
+    return f"{fmt}+hadamard[" + ", ".join(f"{n} {c}" for n, c in counts if c) + "]"
 
 
 KVBackend = ReferenceBackend | TritonBackend
@@ -211,18 +216,22 @@ class QuantKVPool:
     def layer(self, i: int) -> QuantLayerKV:
         return QuantLayerKV(self.caches[i], self.backend, self._stored if i == 0 else None)
 
-    def hadamard(self) -> list[bool]:
-        """Per attention layer: is its K (and the queries read against it) Hadamard-rotated."""
-        return [c.layout.hadamard for c in self.caches]
+    def hadamard(self) -> list[int]:
+        """Per attention layer K's (and its queries') Hadamard size (``KVLayout.hadamard_size``:
+        0 not rotated, 16 per 16-element block, head_dim the whole head)."""
+        return [c.layout.hadamard_size for c in self.caches]
 
-    def set_hadamard(self, rotated: Sequence[bool]) -> None:
-        """Rotate K or not, per attention layer (before any token is stored: the bytes depend on it)."""
-        if len(rotated) != len(self.caches):
-            raise ValueError(f"need a K rotation flag for {len(self.caches)} attention layers, got {len(rotated)}")
+    def set_hadamard(self, rotation: Sequence[bool | int]) -> None:
+        """K's rotation per attention layer (before any token is stored: the bytes depend on it):
+        True / False, or a Hadamard size 0, 16 or head_dim (``KVLayout.make``)."""
+        if len(rotation) != len(self.caches):
+            raise ValueError(f"need a K rotation for {len(self.caches)} attention layers, got {len(rotation)}")
         if self._stored[0]:
             raise RuntimeError("the K rotation is fixed once the pool holds tokens")
-        for c, r in zip(self.caches, rotated, strict=True):
-            c.layout = replace(c.layout, hadamard=bool(r))
+        lay = self.layout
+        layouts = [KVLayout.make(lay.fmt, lay.num_kv_heads, lay.head_dim, r) for r in rotation]  # checks each
+        for c, new in zip(self.caches, layouts, strict=True):
+            c.layout = new
 
     def scales(self) -> list[torch.Tensor]:
         """Copies of every layer's global scales fp32 ``[2, Hkv]`` (CPU)."""

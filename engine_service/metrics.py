@@ -12,9 +12,9 @@ scales - fp8: elements - of the calibration K/V under the calibrated global scal
 ``deepwell_engine_kv_k_centering{stat="channels|energy_removed"}`` (K centering: channels
 centered per head, 0 when off, and the share of the calibration K's energy it removed) and
 ``deepwell_engine_kv_k_rounding{mode="nearest|feedback"}`` (1 for the rounding of K the cache
-uses, ``--kv-k-rounding``; 0 for the other) and ``deepwell_engine_kv_k_rotated_layers{state="rotated|unrotated"}``
-(attention layers whose K is Hadamard-rotated or not, ``--kv-hadamard``; with ``layer`` the
-calibration's choice).
+uses, ``--kv-k-rounding``; 0 for the other) and ``deepwell_engine_kv_k_rotated_layers{rotation="whole|16-blocks|none"}``
+(attention layers whose K is Hadamard-rotated as a whole, per 16-element block, or not at all,
+``--kv-hadamard``; with ``layer`` the calibration's choice).
 While serving, ``deepwell_engine_kv_served_scales_total{kv="k|v",kind="zero|subnormal|saturated|total"}``
 counts the block scales (fp8: elements, int8: token scales) of every K/V the quantized cache
 stored (read from the device at most once a second): a growing saturated or subnormal share
@@ -67,8 +67,8 @@ class EngineMetrics(StepObserver):
                                    "Rounding of K in the quantized cache: 1 for the mode in use (nearest, or "
                                    "feedback: query-weighted), 0 for the other", labels + ["mode"], registry=r)
         self.kv_k_rotated = Gauge("deepwell_engine_kv_k_rotated_layers",
-                                  "Attention layers whose K is Hadamard-rotated (state=rotated) or not "
-                                  "(state=unrotated) in the quantized cache", labels + ["state"], registry=r)
+                                  "Attention layers of the quantized cache whose K is Hadamard-rotated as a "
+                                  "whole, per 16-element block, or not", labels + ["rotation"], registry=r)
         self.kv_served_scales = Counter("deepwell_engine_kv_served_scales",
                                         "Block scales (fp8: elements) of the K/V stored in the quantized cache, "
                                         "by kind", labels + ["kv", "kind"], registry=r)
@@ -92,8 +92,9 @@ class EngineMetrics(StepObserver):
         feedback = cal.k_feedback is not None
         self.kv_k_rounding.labels(m, "feedback").set(int(feedback))
         self.kv_k_rounding.labels(m, "nearest").set(int(not feedback))
-        self.kv_k_rotated.labels(m, "rotated").set(cal.rotated_layers)
-        self.kv_k_rotated.labels(m, "unrotated").set(len(cal.hadamard) - cal.rotated_layers)
+        whole = len(cal.hadamard) - cal.layers_rotated(16) - cal.layers_rotated(0)
+        for name, count in (("whole", whole), ("16-blocks", cal.layers_rotated(16)), ("none", cal.layers_rotated(0))):
+            self.kv_k_rotated.labels(m, name).set(count)
 
     def on_kv_scales(self, k: Any, v: Any) -> None:
         """Advance the served block-scale counters to the totals ``k``, ``v`` (``ScaleCounts``)."""

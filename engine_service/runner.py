@@ -33,7 +33,7 @@ import torch
 
 from deepwell.logs import get_logger
 from engine_service import kv_quant
-from engine_service.kv_calibration import KVCalibration, RecordingPool, calibrate_layers
+from engine_service.kv_calibration import KVCalibration, RecordingPool, calibrate_layers, rotation_sizes
 from engine_service.kv_quant import (
     CENTER_K_MODES,
     FEEDBACK_BY_DEFAULT,
@@ -218,12 +218,12 @@ class TorchModelRunner:
                       k_feedback: Sequence[torch.Tensor] | None = None,
                       page_means: Sequence[torch.Tensor] | None = None,
                       sink_keys: Sequence[torch.Tensor] | None = None,
-                      hadamard: Sequence[bool] | None = None) -> None:
+                      hadamard: Sequence[bool | int] | None = None) -> None:
         """Install per-layer global scales (and K centering offsets fp32 ``[Hkv, d]``, K rounding
         feedback fp32 ``[Hkv, d/16, 16, 16]``, or K centering per page: pre-RoPE means fp32
         ``[Hkv, d]``, ``kernels.page_center``, with the model's RoPE, and page 0's sink keys fp32
-        ``[Hkv, d]``, and whether each layer's K is Hadamard-rotated) by hand (quantized KV only,
-        before the first forward)."""
+        ``[Hkv, d]``, and each layer's K rotation: True / False or a Hadamard size 0 / 16 /
+        head_dim) by hand (quantized KV only, before the first forward)."""
         pool = self._scales_settable()
         if hadamard is not None:
             pool.set_hadamard(hadamard)
@@ -255,8 +255,9 @@ class TorchModelRunner:
         """Every attention layer's K centering offset fp32 ``[Hkv, d]`` (None: not centered)."""
         return self._quant_pool().k_offsets()
 
-    def kv_hadamard(self) -> list[bool]:
-        """Per attention layer: is its K Hadamard-rotated (quantized KV only)."""
+    def kv_hadamard(self) -> list[int]:
+        """Per attention layer K's Hadamard size (0 not rotated, 16 per 16-element block, head_dim
+        the whole head; quantized KV only)."""
         return self._quant_pool().hadamard()
 
     def kv_k_feedback(self) -> list[torch.Tensor | None]:
@@ -304,7 +305,8 @@ class TorchModelRunner:
         n, ps = len(ids), self.page_size
         pages = -(-n // ps)
         lay = self.quant_layout
-        bases = (True, False) if self.kv_hadamard_per_layer else (lay.hadamard,) if self.kv_k_rounding_feedback else ()
+        bases = (rotation_sizes(lay) if self.kv_hadamard_per_layer
+                 else (lay.hadamard_size,) if self.kv_k_rounding_feedback else ())
         scratch = RecordingPool(KVPool(self.kv_layout, pages, self._device, self.ops), q_bases=bases)
         state = StatePool(self.state_layout, 1, self._device) if self.state_layout is not None else None
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long),
@@ -346,8 +348,9 @@ class TorchModelRunner:
                  k_center="page" if report.page_means is not None else ("offset" if report.k_offsets else "off"),
                  k_page0=None if report.page_means is None else ("sink" if report.sink_keys is not None else "mean"),
                  k_rounding="feedback" if report.k_feedback else "nearest",
-                 k_rotated_layers=report.rotated_layers, k_rotation="layer" if self.kv_hadamard_per_layer
-                 else ("on" if lay.hadamard else "off"),
+                 k_rotated_whole=report.layers_rotated(lay.head_dim), k_rotated_16_blocks=report.layers_rotated(16),
+                 k_unrotated=report.layers_rotated(0),
+                 k_rotation="layer" if self.kv_hadamard_per_layer else ("on" if lay.hadamard else "off"),
                  digest=report.digest(),
                  k_energy_removed=round(report.k_energy_removed, 4))
         return report

@@ -503,7 +503,7 @@ def _workspace_centers(layer: KVCacheLayer, width: int) -> Tensor | None:
     from kernels.kv_dequant import reference as dq_ref
     from kernels.page_center import workspace_centers
 
-    c = workspace_centers(pc, width, layer.layout.hadamard, triton_fn.rotate)
+    c = workspace_centers(pc, width, layer.layout.hadamard_size, triton_fn.rotate)
     return dq_ref.center_values(layer.layout, layer.scales, c)
 
 
@@ -511,7 +511,7 @@ def _rotate_q(q: Tensor, layout: KVLayout) -> Tensor:
     """``reference.rotate_q`` as one Triton launch (bit-identical)."""
     from kernels.hadamard import triton_fn
 
-    return triton_fn.rotate(q) if layout.hadamard else q
+    return triton_fn.rotate(q, layout.hadamard_size) if layout.hadamard else q
 
 
 def get_backend(device: torch.device | str) -> ReferenceBackend | TritonBackend:

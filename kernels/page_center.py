@@ -206,17 +206,18 @@ def page_bias(pc: PageCenter, q: torch.Tensor, tokens_per_seq: int, columns: int
     return out
 
 
-def workspace_centers(pc: PageCenter, width: int, hadamard: bool,
-                      rotate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def workspace_centers(pc: PageCenter, width: int, hadamard: int,
+                      rotate: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
     """fp32 ``[width, Hkv, d]``: each page's offset ``c_P`` (``PageCenter.offsets`` of its first
     token: every token of a page has the same; pages past the table its last row), rotated like
-    K when ``hadamard`` (``rotate``: the reference ``fwht`` unless given a bit-identical one) --
-    what a dequantized workspace adds back to K so attention over it needs no page term."""
+    K by the Hadamard transform of size ``hadamard`` (``KVLayout.hadamard_size``; 0: not rotated;
+    ``rotate(x, size)``: the reference ``fwht`` unless given a bit-identical one) -- what a
+    dequantized workspace adds back to K so attention over it needs no page term."""
     from kernels.hadamard.reference import fwht
 
     pos = torch.arange(width, dtype=torch.int64, device=pc.table.device).clamp(max=pc.table.shape[0] - 1) * PAGE_SIZE
     c = pc.offsets(pos)
-    return ((rotate or fwht)(c) if hadamard else c).contiguous()
+    return ((rotate or fwht)(c, hadamard) if hadamard else c).contiguous()
 
 
 def page_stationary(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -9,6 +9,12 @@ repeats butterfly for butterfly (so quantized pages are bit-identical between ba
 for ``h = 1, 2, 4, ..., d/2`` view the row as ``[d / 2h, 2, h]`` and replace the pair
 ``(a, b)`` by ``(a + b, a - b)``; finally multiply by ``scale(d) = fp32(1 / sqrt(d))``
 (exact for d = 64 and 256).
+
+``fwht(x, size)`` with ``size`` < d is the block transform ``I (x) H_size``: each ``size``
+consecutive elements through the normalized transform of that size, i.e. the first
+``log2(size)`` butterfly stages above (which never pair elements of different blocks) and the
+multiply by ``scale(size)`` — the rotation of a K layout with ``hadamard_block`` (one per
+16-element nvfp4 block: energy evened out inside each block, not moved between blocks).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ def scale(d: int) -> float:
     return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32).item())
 
 
-def fwht(x: torch.Tensor) -> torch.Tensor:
-    """Normalized Hadamard transform of the last dim, computed in fp32 (returns fp32)."""
-    d = x.shape[-1]
-    if d not in SUPPORTED_DIMS:
-        raise ValueError(f"hadamard size must be one of {SUPPORTED_DIMS}, got {d}")
+def fwht(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """Normalized Hadamard transform of the last dim, computed in fp32 (returns fp32); with
+    ``size`` (dividing the last dim) of each ``size`` consecutive elements (module doc)."""
+    n = x.shape[-1]
+    d = n if size is None else size
+    if d not in SUPPORTED_DIMS or n % d:
+        raise ValueError(f"hadamard size must be one of {SUPPORTED_DIMS} and divide {n}, got {d}")
     lead = x.shape[:-1]
     y = x.to(torch.float32).reshape(-1, d)
     h = 1
@@ -38,7 +46,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
         y = torch.stack((a + b, a - b), dim=2).reshape(-1, d)
         h *= 2
-    return (y * scale(d)).reshape(*lead, d)
+    return (y * scale(d)).reshape(*lead, n)
 
 
 def matrix(d: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

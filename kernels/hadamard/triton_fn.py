@@ -50,16 +50,18 @@ def _rotate_kernel(x_ptr, y_ptr, n_rows, D: tl.constexpr, LOG2D: tl.constexpr, S
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``reference.fwht(x).to(x.dtype)`` in one kernel; ``x`` contiguous ``[..., D]``."""
+def rotate(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """``reference.fwht(x, size).to(x.dtype)`` in one kernel; ``x`` contiguous ``[..., D]``
+    (``size``: each ``size`` consecutive elements through the transform of that size)."""
     d = x.shape[-1]
-    if d not in SUPPORTED_DIMS:
-        raise ValueError(f"hadamard size must be one of {SUPPORTED_DIMS}, got {d}")
+    size = d if size is None else size
+    if size not in SUPPORTED_DIMS or d % size or d not in SUPPORTED_DIMS:
+        raise ValueError(f"hadamard size must be one of {SUPPORTED_DIMS} and divide {d}, got {size}")
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.numel() // d
     if n:
         block_r = max(1, min(16, 4096 // d))
-        _rotate_kernel[(triton.cdiv(n, block_r),)](x, y, n, D=d, LOG2D=int(math.log2(d)), SCALE=scale(d), BLOCK_R=block_r,
+        _rotate_kernel[(triton.cdiv(n, block_r),)](x, y, n, D=d, LOG2D=int(math.log2(size)), SCALE=scale(size), BLOCK_R=block_r,
                                                      **pdl.launch_kwargs(x.device, "rotate"))
     return y

@@ -90,6 +90,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from kernels import pdl
+from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.kv_append.triton_kernel import _count_scales, count_flags, e4m3_encode, e4m3_value, nvfp4_tree, scale_flags
 from kernels.kv_formats import nvfp4
 from kernels.kv_formats.layout import KVFormat, KVLayout
@@ -168,10 +169,12 @@ def _load_octets(ptr, rows, mask, stride, R: gl.constexpr, O: gl.constexpr, l2: 
 
 @gluon.jit
 def _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, stride_on, D: gl.constexpr,
-            HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr, l2: gl.constexpr, l3: gl.constexpr):
+            HSCALE: gl.constexpr, HADAMARD: gl.constexpr, HAS_OFFSET: gl.constexpr, l2: gl.constexpr, l3: gl.constexpr,
+            HO: gl.constexpr):
     """K rows as stored before rounding (``reference.stored_rows``): loaded as octets, minus the
     K offset (the head's, ``stride_on`` 0, or the token's), Hadamard-rotated (butterflies of span
-    1-4 in the thread, 8 .. d/2 by shuffles)."""
+    1-4 in the thread, 8 .. 4 HO by shuffles: ``HO`` octets per transform, D / 8 for the whole
+    row, 2 for each 16-element block)."""
     O: gl.constexpr = D // 8
     R: gl.constexpr = l2.warps_per_cta[0] * l2.threads_per_warp[0]
     x = _load_octets(k_ptr + hd * stride_kh, rows, in_range, stride_kn, R, O, l2, l3)
@@ -190,7 +193,7 @@ def _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, str
                 else:
                     y = y + (x[e - (1 << s)] - x[e],)
             x = y
-        for s in gl.static_range(_log2(O)):  # spans 8 .. d/2: lane ^ 2**s
+        for s in gl.static_range(_log2(HO)):  # spans 8 .. 4 HO: lane ^ 2**s
             lo = ((oct2 >> s) & 1) == 0
             y = ()
             for e in gl.static_range(8):
@@ -506,10 +509,11 @@ def append_kernel(
     COUNT: gl.constexpr, FEEDBACK: gl.constexpr, SCALE_OFF: gl.constexpr,
     SEARCH_DOWN: gl.constexpr, SEARCH_UP: gl.constexpr, UP_SPAN: gl.constexpr, FB_DOWN: gl.constexpr,
     FB_LO: gl.constexpr, FB_HI: gl.constexpr, ERR_BITS: gl.constexpr, ERR_EXP_FLOOR: gl.constexpr,
-    PDL: gl.constexpr, FP8: gl.constexpr,
+    PDL: gl.constexpr, FP8: gl.constexpr, HSIZE: gl.constexpr = 0,
 ):
     """nvfp4 (``FP8`` False: the block-scale search, E2M1 nibbles, page layout 3) or fp8 (each
-    element E4M3-rounded; ``_store_fp8``) rows of one KV head of K or V."""
+    element E4M3-rounded; ``_store_fp8``) rows of one KV head of K or V. ``HSIZE``: K's
+    Hadamard transform size (0: D; ``KVLayout.hadamard_size``) and ``HSCALE`` its scale."""
     pdl.enter(PDL)
     O: gl.constexpr = D // 8
     W: gl.constexpr = gl.num_warps()
@@ -541,7 +545,7 @@ def append_kernel(
         if FEEDBACK:  # the K feedback matrices of the head's blocks, one per octet, copied while the search runs
             _copy_feedback(f_s, fb_ptr, hd, D, W)
         x = _load_k(k_ptr, koff_ptr, rows, in_range, oct2, hd, stride_kn, stride_kh, stride_on, D, HSCALE,
-                    HADAMARD, HAS_OFFSET, l2, l3)
+                    HADAMARD, HAS_OFFSET, l2, l3, (HSIZE if HSIZE > 0 else D) // 8)
     else:
         x = _load_octets(v_ptr + hd * stride_vh, rows, in_range, stride_vn, R, O, l2, l3)
     if FP8:
@@ -739,7 +743,7 @@ def _is_sm90(index: int) -> bool:  # once per device: appends happen every step
 
 def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
            global_scales: torch.Tensor, k_offset: torch.Tensor | None, scale_counts: torch.Tensor | None,
-           k_feedback: torch.Tensor | None, hadamard_scale: float, num_warps: int = 1) -> None:
+           k_feedback: torch.Tensor | None, num_warps: int = 1) -> None:
     """Launch over already validated arguments (``triton_kernel.append`` checks them and picks
     this kernel where ``supported`` and ``available``)."""
     n = k.shape[0]
@@ -754,7 +758,8 @@ def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tens
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2),
         k_offset.stride(0) if k_offset is not None and k_offset.dim() == 3 else 0,
-        D=d, HSCALE=hadamard_scale, HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None,
+        D=d, HSCALE=hadamard_scale(layout.hadamard_size or d), HADAMARD=layout.hadamard,
+        HSIZE=0 if layout.hadamard_size in (0, d) else layout.hadamard_size, HAS_OFFSET=k_offset is not None,
         COUNT=scale_counts is not None, FEEDBACK=k_feedback is not None, SCALE_OFF=layout.scale_offset,
         SEARCH_DOWN=nvfp4.SEARCH_DOWN, SEARCH_UP=nvfp4.SEARCH_UP, UP_SPAN=nvfp4.UP_SPAN,
         FB_DOWN=nvfp4.FEEDBACK_DOWN, FB_LO=nvfp4.FEEDBACK_FOUR_LO, FB_HI=nvfp4.FEEDBACK_FOUR_HI,

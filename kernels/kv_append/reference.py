@@ -2,7 +2,7 @@
 
 ``append(cache, layout, k, v, slots, global_scales)`` writes token ``i`` of ``k``/``v``
 (``[N, num_kv_heads, head_dim]``, any float dtype) into slot ``slots[i]`` (``page * 64 +
-offset``; ``-1`` skips the token). K is rotated by ``hadamard.fwht`` first when
+offset``; ``-1`` skips the token). K is rotated by ``layout.rotate`` (``hadamard.fwht`` of the layout's size) first when
 ``layout.hadamard``; V never is. The bytes written are exactly ``codec.encode`` of the
 (rotated) fp32 rows (nvfp4: ``clip=True`` for K, ``clip=False`` for V), placed as ``layout``
 documents. Nothing else in the cache changes. ``k_feedback`` (fp8 / nvfp4 only, fp32
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.hadamard.reference import fwht
 from kernels.kv_formats import feedback
 from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 
@@ -96,7 +95,7 @@ def stored_rows(x: torch.Tensor, layout: KVLayout, kv: int, k_offset: torch.Tens
     if kv == 0 and k_offset is not None:
         rows = rows - k_offset.to(device=rows.device, dtype=torch.float32)
     if kv == 0 and layout.hadamard:
-        rows = fwht(rows)
+        rows = layout.rotate(rows)
     return rows
 
 

@@ -501,6 +501,7 @@ def append(
     if k_feedback is not None and (k_feedback.dtype != torch.float32 or not k_feedback.is_contiguous()):
         raise ValueError("k_feedback must be contiguous float32 [num_kv_heads, head_dim / 16, 16, 16]")
     d = layout.head_dim
+    hs = layout.hadamard_size or d  # K's Hadamard transform size (HADAMARD says whether it runs)
     count = scale_counts if layout.fmt is not KVFormat.BF16 else None
     if count is not None and (count.dtype != torch.int64 or not count.is_contiguous()):
         raise ValueError("scale_counts must be contiguous int64 [2, num_kv_heads, 3]")
@@ -509,7 +510,7 @@ def append(
 
         # with K feedback four rows share one copy of the feedback matrices (H200: nvfp4 3.72
         # against 3.81 us at two warps, fp8 2.49 against 2.57); nearest rounding: one row per program
-        gluon_append.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback, hadamard_scale(d),
+        gluon_append.launch(cache, layout, k, v, slots, global_scales, k_offset, count, k_feedback,
                             num_warps=num_warps or (4 if k_feedback is not None else 1))
         return
     # tokens per program, fastest measured on the H200 for a 64-sequence decode step (docs/kernels.md);
@@ -531,7 +532,7 @@ def append(
         n, layout.num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cache.stride(0), cache.stride(1), cache.stride(2), stride_on,
-        FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(d)), HSCALE=hadamard_scale(d),
+        FMT=FMT_ID[layout.fmt], D=d, LOG2D=int(math.log2(hs)), HSCALE=hadamard_scale(hs),
         HADAMARD=layout.hadamard, HAS_OFFSET=k_offset is not None, COUNT=count is not None,
         FEEDBACK=k_feedback is not None, PAGE=layout.page_size, CODE_BYTES=layout.code_bytes,
         SCALE_BYTES=max(layout.scale_bytes, 1), SCALE_OFF=layout.scale_offset, BLOCK_T=bt,

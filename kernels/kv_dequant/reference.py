@@ -52,7 +52,7 @@ def workspace_layout(layout: KVLayout) -> KVLayout:
     """The workspace's page geometry: bf16's for the same heads (64 rows of 2d bytes)."""
     if layout.fmt not in FORMATS:
         raise ValueError(f"only nvfp4, fp8 and int8 caches are dequantized into a workspace, got {layout.fmt.value}")
-    return KVLayout.make("bf16", layout.num_kv_heads, layout.head_dim, hadamard=layout.hadamard)
+    return KVLayout.make("bf16", layout.num_kv_heads, layout.head_dim, hadamard=layout.hadamard_size)
 
 
 def check(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,

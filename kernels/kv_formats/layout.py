@@ -18,6 +18,10 @@ tensor-core operand (tokens ``i`` with the same bits 1-2) are sixteen consecutiv
 16-byte shared-memory load per block instead of sixteen single bytes
 (``paged_attention.gluon_decode``). K's scales (read with K's rows) stay row-major.
 
+K's rows are stored in the basis ``KVLayout.rotate`` gives: Hadamard-rotated as a whole
+(``hadamard``), per 16-element block (``hadamard_block`` 16: ``I (x) H_16``), or as they are;
+queries are rotated alike before QK (``hadamard_size`` names the transform).
+
 Global scales of a layer: fp32 ``[2, num_kv_heads]`` (K row, V row), each a power of two
 (``1.0`` for formats that ignore them). A slot is ``page_id * page_size + offset``;
 slot ``-1`` means "skip this token" (padding).
@@ -32,6 +36,7 @@ from types import ModuleType
 
 import torch
 
+from kernels.hadamard.reference import fwht
 from kernels.kv_formats import bf16, fp8, int8, nvfp4
 
 PAGE_SIZE = 64
@@ -40,6 +45,7 @@ HEAD_DIMS = (64, 128, 256)
 # names what cached pages mean): 2 = nvfp4 V block scales block-major (module doc); 3 = nvfp4
 # code bytes with the low element's sign at bit 7 and index at bits 1-3 (``nvfp4`` module doc)
 PAGE_LAYOUT_VERSION = 3
+HADAMARD_BLOCKS = (0, 16)  # KVLayout.hadamard_block: 0 = the whole head's transform
 
 
 def scale_slot(i):
@@ -79,6 +85,8 @@ class KVLayout:
     head_dim: int = field(metadata={"help": "head dimension (64, 128 or 256)"})
     hadamard: bool = field(default=True, metadata={"help": "rotate K (and Q) by a Hadamard transform"})
     page_size: int = field(default=PAGE_SIZE, metadata={"help": "tokens per page"})
+    hadamard_block: int = field(default=0, metadata={
+        "help": "with hadamard: 0 = one transform of the whole head, 16 = one per 16-element block"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fmt", KVFormat(self.fmt))
@@ -88,11 +96,30 @@ class KVLayout:
             raise ValueError(f"invalid num_kv_heads={self.num_kv_heads}: must be >= 1")
         if self.page_size != PAGE_SIZE:
             raise ValueError(f"invalid page_size={self.page_size}: kernels are built for {PAGE_SIZE}")
+        if self.hadamard_block not in HADAMARD_BLOCKS or (self.hadamard_block and not self.hadamard):
+            raise ValueError(f"invalid hadamard_block={self.hadamard_block}: must be one of {HADAMARD_BLOCKS}, "
+                             "and 0 without hadamard")
 
     @classmethod
-    def make(cls, fmt: str | KVFormat, num_kv_heads: int, head_dim: int, hadamard: bool | None = None) -> KVLayout:
+    def make(cls, fmt: str | KVFormat, num_kv_heads: int, head_dim: int, hadamard: bool | int | None = None) -> KVLayout:
+        """``hadamard``: None = the format's default, True / False, or a rotation size: 0 (none),
+        ``head_dim`` (the whole head) or 16 (each 16-element block, ``hadamard_block``)."""
         f = KVFormat(fmt)
-        return cls(f, num_kv_heads, head_dim, default_hadamard(f) if hadamard is None else hadamard)
+        if hadamard is None:
+            return cls(f, num_kv_heads, head_dim, default_hadamard(f))
+        if isinstance(hadamard, bool) or hadamard in (0, head_dim):
+            return cls(f, num_kv_heads, head_dim, bool(hadamard))
+        return cls(f, num_kv_heads, head_dim, True, hadamard_block=int(hadamard))
+
+    @property
+    def hadamard_size(self) -> int:
+        """Size of K's Hadamard transform: ``head_dim``, ``hadamard_block``, or 0 (not rotated)."""
+        return (self.hadamard_block or self.head_dim) if self.hadamard else 0
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., head_dim] in K's stored basis (fp32): the reference ``fwht`` of this
+        layout's size, or ``x`` itself (as fp32) when K is not rotated."""
+        return fwht(x, self.hadamard_size) if self.hadamard else x.to(torch.float32)
 
     @property
     def codec(self) -> ModuleType:
@@ -139,10 +166,6 @@ class KVLayout:
         if self.scales_by_block(kv):
             return blk[None, :] * self.page_size + scale_slot(rows)[:, None]
         return rows[:, None] * self.scale_bytes + blk[None, :]
-
-    @property
-    def rotate_k(self) -> bool:
-        return self.hadamard
 
     def allocate(self, num_pages: int, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.zeros(num_pages, 2, self.num_kv_heads, self.head_page_bytes, dtype=torch.uint8, device=device)

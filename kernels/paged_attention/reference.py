@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.hadamard.reference import fwht
 from kernels.kv_append.reference import gather
 from kernels.kv_formats.layout import KVLayout
 from kernels.page_center import PageCenter
@@ -28,7 +27,7 @@ from kernels.page_center import PageCenter
 
 def rotate_q(q: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """Q into the K space: the Hadamard transform in fp32, back to q's dtype (both backends)."""
-    return fwht(q).to(q.dtype) if layout.hadamard else q
+    return layout.rotate(q).to(q.dtype) if layout.hadamard else q
 
 
 def check_inputs(
@@ -100,7 +99,7 @@ def paged_attention(
             # one offset per page (every key of a page has its page's), rotated like K, per key
             first = torch.arange(0, ctx, layout.page_size, device=page_center.table.device)
             c = page_center.offsets(first)
-            c = (fwht(c) if layout.hadamard else c).to(k.device)
+            c = (layout.rotate(c) if layout.hadamard else c).to(k.device)
             k = k + c.repeat_interleave(layout.page_size, dim=0)[:ctx]
         k, v = k.to(compute_dtype), v.to(compute_dtype)  # [ctx, H, d]
         qb = q[s0 : s0 + n_q].to(compute_dtype).view(n_q, h, group, d)

@@ -553,9 +553,10 @@ def test_int8_and_float_pools_skip_calibration(smol) -> None:
 
 def test_k_rotation_is_chosen_per_layer(smol, fp32_reference) -> None:
     """``kv_hadamard`` auto (= layer for fp8 / nvfp4): the calibration encodes each layer's keys
-    rotated and not and keeps the basis whose error its queries weigh less; the pool's layers
-    follow, the digest names the choice, and the choice changes what is served (an all-rotated
-    twin under the same calibration computes other logits). ``on`` rotates every layer."""
+    rotated as a whole, per 16-element block and not at all, and keeps the basis whose error its
+    queries weigh least; the pool's layers follow, the digest names the choice, and the choice
+    changes what is served (an all-rotated twin under the same calibration computes other
+    logits). ``on`` rotates every layer as a whole."""
     from dataclasses import replace
 
     base, _ = smol
@@ -565,16 +566,20 @@ def test_k_rotation_is_chosen_per_layer(smol, fp32_reference) -> None:
         cal = r.kv_calibration
         assert r.kv_hadamard_per_layer and cal is not None and cal.rotation_energy is not None
         assert len(cal.hadamard) == len(cal.rotation_energy) == 30
-        assert list(cal.hadamard) == [e_rot <= e_plain for e_rot, e_plain in cal.rotation_energy]
-        assert r.kv_hadamard() == list(cal.hadamard) == [c.layout.hadamard for c in r.kv.caches]  # type: ignore[union-attr]
-        # SmolLM2: every layer rotated but the first (docs/kernels.md)
-        assert 0 < cal.rotated_layers < 30 and not cal.hadamard[0], cal.hadamard
-        assert cal.kv_format == f"{kv}+hadamard[{cal.rotated_layers}/30]"
-        assert replace(cal, hadamard=(True,) * 30).digest() != cal.digest()
+        sizes = (64, 0, 16) if kv == "nvfp4" else (64, 0)  # fp8: no 16-block rotation (rotation_sizes)
+        assert all(tuple(e) == sizes for e in cal.rotation_energy)
+        assert list(cal.hadamard) == [min(sizes, key=lambda s, e=e: e[s]) for e in cal.rotation_energy]
+        assert r.kv_hadamard() == list(cal.hadamard) == [c.layout.hadamard_size for c in r.kv.caches]  # type: ignore[union-attr]
+        # SmolLM2: the first layer unrotated, the others per 16-block (nvfp4) or as a whole (docs/kernels.md)
+        counts = {s: cal.layers_rotated(s) for s in sizes}
+        assert cal.hadamard[0] == 0 and all(counts.values()), cal.hadamard
+        names = ", ".join(f"{n} {counts[s]}" for n, s in (("whole", 64), ("16-blocks", 16), ("none", 0)) if s in sizes)
+        assert cal.kv_format == f"{kv}+hadamard[{names}]"
+        assert replace(cal, hadamard=(64,) * 30).digest() != cal.digest()
     on = quant_runner(base, "nvfp4", "on")
-    assert not on.kv_hadamard_per_layer and on.kv_hadamard() == [True] * 30
+    assert not on.kv_hadamard_per_layer and on.kv_hadamard() == [64] * 30
     assert on.kv_calibration is not None and on.kv_calibration.rotation_energy is None
-    assert on.kv_calibration.hadamard == (True,) * 30 and on.kv_calibration.kv_format == "nvfp4+hadamard"
+    assert on.kv_calibration.hadamard == (64,) * 30 and on.kv_calibration.kv_format == "nvfp4+hadamard"
     auto = quant_runner(base, "nvfp4")
     twin = quant_runner(base, "nvfp4", calibrate=False)
     copy_calibration(auto, twin)
@@ -586,8 +591,10 @@ def test_k_rotation_is_chosen_per_layer(smol, fp32_reference) -> None:
     assert not torch.equal(teacher_forced(twin_on, ids, ref_tokens[:1])[0], want)
     with pytest.raises(RuntimeError, match="K rotation is fixed once the pool holds tokens"):
         twin.kv.set_hadamard([True] * 30)  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match="need a K rotation flag for 30 attention layers, got 2"):
+    with pytest.raises(ValueError, match="need a K rotation for 30 attention layers, got 2"):
         quant_runner(base, "nvfp4", calibrate=False).kv.set_hadamard([True, False])  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="invalid hadamard_block=32"):
+        quant_runner(base, "nvfp4", calibrate=False).kv.set_hadamard([32] * 30)  # type: ignore[union-attr]
     assert TorchModelRunner(base.model, CPU, torch.float32, "int8", 64).quant_layout.hadamard is False  # type: ignore[union-attr]
     with pytest.raises(KVSettingsError, match="kv_hadamard 'layer' is chosen by the start-up calibration"):
         TorchModelRunner(base.model, CPU, torch.float32, "int8", 64, "layer")
@@ -696,15 +703,15 @@ def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, t
         gen = torch.Generator().manual_seed(7)
         h = r.quant_layout.num_kv_heads  # type: ignore[union-attr]
         means = [torch.randn(h, head_dim, generator=gen) for _ in r.kv_scales()]
-        # the layers' K rotation mixed by hand (what --kv-hadamard layer may choose): the first
-        # attention layer's K rotated for fp8 / nvfp4, as is for int8, the next the other way
-        mixed = [(i % 2 == 0) == (kv != "int8") for i in range(len(means))]
+        # the layers' K rotation mixed by hand (what --kv-hadamard layer may choose): per 16-element
+        # block, as a whole, or not at all, a different pair for each format
+        mixed = {"nvfp4": [16, True], "fp8": [False, 16], "int8": [16, False]}[kv][: len(means)]
         if kv in ("fp8", "nvfp4"):  # and page 0 centered on a sink key of its own
             sinks = [torch.randn(h, head_dim, generator=gen) * 3 for _ in means]
             r.set_kv_scales(r.kv_scales(), None, None, means, sinks, mixed)
         else:
             r.set_kv_scales(r.kv_scales(), means, hadamard=mixed)
-        assert r.kv_hadamard() == mixed
+        assert r.kv_hadamard() == [head_dim if m is True else int(m) for m in mixed]
         results.append(_mixed_steps(r))
     (ref_logits, ref_bytes), (tri_logits, tri_bytes) = results
     # the append is bit-exact: the first attention layer's K/V depend on the tokens only, so its
@@ -781,8 +788,9 @@ def test_metrics_export_the_calibration(smol) -> None:
     assert got("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "feedback"}) == 1
     assert got("deepwell_engine_kv_k_rounding", {"model": "smol", "mode": "nearest"}) == 0
     # K's rotation chosen per layer (auto): SmolLM2 keeps its first layer unrotated
-    assert got("deepwell_engine_kv_k_rotated_layers", {"model": "smol", "state": "rotated"}) == cal.rotated_layers
-    assert got("deepwell_engine_kv_k_rotated_layers", {"model": "smol", "state": "unrotated"}) == 30 - cal.rotated_layers > 0
+    for name, size in (("whole", 64), ("16-blocks", 16), ("none", 0)):
+        want = cal.layers_rotated(size)
+        assert got("deepwell_engine_kv_k_rotated_layers", {"model": "smol", "rotation": name}) == want > 0
     near = quant_runner(base, "fp8", k_rounding="nearest")
     mn = EngineMetrics("smol")
     mn.set_kv_calibration(near.kv_calibration)

@@ -99,7 +99,7 @@ def _random_feedback(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return feedback.from_block_covariance(prod / count)
 
 
-def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_offset: bool = False,
+def _parity(fmt: str, d: int, hadamard: bool | int, n: int, seed: int, device: str, k_offset: bool = False,
             k_feedback: bool = False, block_t: int | None = None, impl: str = "auto", num_warps: int | None = None,
             zero_rows: int = 0) -> None:
     from kernels.kv_append import triton_kernel
@@ -149,7 +149,7 @@ def _parity(fmt: str, d: int, hadamard: bool, n: int, seed: int, device: str, k_
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("d,hadamard", [(64, True), (128, False), (256, True)])
+@pytest.mark.parametrize("d,hadamard", [(64, True), (128, False), (256, True), (128, 16)])  # 16: per 16-block
 def test_triton_append_byte_identical(fmt, d, hadamard):
     _parity(fmt, d, hadamard, 70 if d < 256 else 33, seed=d + len(fmt), device="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -162,7 +162,7 @@ def test_triton_append_with_k_offset_byte_identical(fmt, d, hadamard):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("d,hadamard", [(64, True), (128, False)])
+@pytest.mark.parametrize("d,hadamard", [(64, True), (128, False), (256, 16)])
 def test_triton_append_with_k_feedback_byte_identical(fmt, d, hadamard):
     _parity(fmt, d, hadamard, 24, seed=7 * d + len(fmt), device="cuda" if torch.cuda.is_available() else "cpu",
             k_offset=True, k_feedback=True)
@@ -300,6 +300,16 @@ def test_gluon_and_triton_append_kernels_byte_identical_full_size(fmt, impl, d, 
     # offset, with and without K feedback; without the rotation at d = 128
     n = (1 << 20) * 16 // (3 * d) + 1
     _parity(fmt, d, d != 128, n, seed=300 + d + fed, device="cuda", k_offset=True, k_feedback=fed, impl=impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("impl", ["triton", "gluon"])
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("fed", [False, True])
+def test_append_with_16_block_rotation_byte_identical(fmt, impl, d, fed):
+    # K rotated by one Hadamard transform per 16-element block (KVLayout.hadamard_block)
+    _parity(fmt, d, 16, 4099, seed=400 + d + fed, device="cuda", k_offset=True, k_feedback=fed, impl=impl)
 
 
 @pytest.mark.gpu

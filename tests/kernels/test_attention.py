@@ -189,7 +189,8 @@ def test_verify_equals_sequential_decode(backend_cls):
 
 
 def test_backends_agree_and_rotation_is_transparent():
-    """Hadamard on K and Q leaves attention unchanged up to quantization; backends agree."""
+    """Hadamard on K and Q — over the whole head or per 16-element block — leaves attention
+    unchanged up to quantization (prefill and decode); backends agree."""
     gen = torch.Generator().manual_seed(4)
     n, hq, d = 80, 4, 64
     k = torch.randn(n, 2, d, generator=gen).to(DEV)
@@ -198,15 +199,21 @@ def test_backends_agree_and_rotation_is_transparent():
     tables = torch.tensor([[1, 0]], dtype=torch.int32, device=DEV)
     slots = append_ref.slots_from_positions(tables, torch.zeros(n, dtype=torch.long, device=DEV), torch.arange(n, device=DEV))
     ctx = torch.tensor([n], dtype=torch.int32, device=DEV)
-    outs = {}
-    for name, lay in (("bf16", KVLayout.make("bf16", 2, d, False)), ("bf16h", KVLayout.make("bf16", 2, d, True))):
+    outs, last = {}, {}
+    for name, rot in (("bf16", False), ("bf16h", True), ("bf16h16", 16)):
+        lay = KVLayout.make("bf16", 2, d, rot)
         for be in (ReferenceBackend(), TritonBackend()):
             layer = KVCacheLayer.allocate(lay, 2, DEV)
             be.append(layer, k, v, slots)
             outs[name, be.name] = be.prefill_attention(q, layer, tables, ctx, [n], sm_scale=d**-0.5, out=torch.empty(n, hq, d, device=DEV))
-    assert rel_l2(outs["bf16", "triton"], outs["bf16", "reference"]) <= 1e-3
-    assert rel_l2(outs["bf16h", "triton"], outs["bf16h", "reference"]) <= 1e-3
-    assert rel_l2(outs["bf16h", "reference"], outs["bf16", "reference"]) <= 2e-2
+            last[name, be.name] = be.decode_attention(q[-1:], layer, tables, ctx, tokens_per_seq=1, sm_scale=d**-0.5,
+                                                      out=torch.empty(1, hq, d, device=DEV))
+    for name in ("bf16", "bf16h", "bf16h16"):
+        assert rel_l2(outs[name, "triton"], outs[name, "reference"]) <= 1e-3
+        assert rel_l2(last[name, "triton"], last[name, "reference"]) <= 1e-3
+        if name != "bf16":
+            assert rel_l2(outs[name, "reference"], outs["bf16", "reference"]) <= 2e-2
+            assert rel_l2(last[name, "reference"], last["bf16", "reference"]) <= 2e-2
 
 
 def test_backend_rejects_bad_shapes():

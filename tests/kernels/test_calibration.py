@@ -163,8 +163,8 @@ def _blocks_eye(h: int, d: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
-@pytest.mark.parametrize("rotate", [False, True])
-def test_k_error_energy_is_the_stored_keys_error(fmt: str, rotate: bool) -> None:
+@pytest.mark.parametrize("rotate", [False, True, 16])  # 16: one Hadamard transform per 16-element block
+def test_k_error_energy_is_the_stored_keys_error(fmt: str, rotate: bool | int) -> None:
     """What ``k_error_energy`` weighs is exactly the error of the keys the append stores: K
     appended to a paged cache (row 0 without feedback, the rest with it, as the engine stores
     nvfp4's position 0) and read back, minus the rows in the stored basis; with the block

@@ -330,7 +330,7 @@ def test_a_page_centered_workspace_holds_the_keys_with_their_offsets_back(fmt):
     layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=34)
     w = tables.shape[1]
     centers = dq_ref.center_values(layer.layout, layer.scales,
-                                   workspace_centers(layer.page_center, w, layer.layout.hadamard))
+                                   workspace_centers(layer.page_center, w, layer.layout.hadamard_size))
     a = dq_ref.dequantize(layer.data, layer.layout, tables, lens, dq_ref.allocate(layer.layout, tables).fill_(0x5A),
                           centers)
     b = dq_tk.dequantize(layer.data.to(DEV), layer.layout, tables.to(DEV), lens.to(DEV),
