@@ -320,11 +320,11 @@ def engine_call_variants(fmt: str, prefix: int, chunk: int, variants) -> dict:
                 **{k + "_ms": v * 1e3 for k, v in times.items()})
 
 
-def append_case(fmt: str, counted: bool, fed: bool):
+def append_case(fmt: str, counted: bool, fed: bool, rotation: bool | int | None = None):
     """One layer's append of a 64-sequence decode step: (layout, cache, k, v, slots, global
     scales, K offset (fp8/nvfp4), block-scale counts (``counted``, as the engine), K feedback
-    matrices (``fed``))."""
-    layout = KVLayout.make(fmt, HKV, D)
+    matrices (``fed``)); ``rotation``: K's Hadamard (``KVLayout.make``; 16: per 16-element block)."""
+    layout = KVLayout.make(fmt, HKV, D, rotation)
     cache = layout.allocate(64 * 4, "cuda")
     k = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
     v = torch.randn(64, HKV, D, device="cuda").to(torch.bfloat16)
@@ -358,8 +358,11 @@ def append_table() -> list[dict]:
               ("fp8", "auto", None, None, True, True), ("fp8", "auto", None, 2, True, True),
               ("fp8", "triton", None, None, True, True), ("int8", "auto", None, None, True, False),
               ("int8", "auto", None, None, False, False)]
-    for fmt, impl, bt, warps, counted, fed in cases:
-        layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, counted, fed)
+    # K rotated per 16-element block (what --kv-hadamard layer chooses for most nvfp4 layers of QK-norm models)
+    cases += [("nvfp4", "auto", None, None, True, True, 16), ("nvfp4", "auto", None, None, True, False, 16)]
+    for fmt, impl, bt, warps, counted, fed, *rot in cases:
+        rotation = rot[0] if rot else None
+        layout, cache, k, v, slots, scales, offset, counts, fb = append_case(fmt, counted, fed, rotation)
 
         def call():
             append_tk.append(cache, layout, k, v, slots, scales, offset, counts, fb, validate=False, block_t=bt,
@@ -369,9 +372,9 @@ def append_table() -> list[dict]:
         eager = bench(call)
         kernel = append_tk.append_kernel(layout, k.device, impl=impl, block_t=bt)
         rows.append(dict(fmt=fmt, kernel=kernel, block_t=bt or "default", warps=warps or "default", counted=counted,
-                         k_feedback=fed, graph_us=sec * 1e6, eager_us=eager * 1e6))
+                         k_feedback=fed, hadamard=layout.hadamard_size, graph_us=sec * 1e6, eager_us=eager * 1e6))
         print(f"append {fmt:6s} 64 tokens x 4 heads {kernel:6s} block_t={bt or 'default'} warps={warps or 'default'} "
-              f"counted={counted} k_feedback={fed}: "
+              f"counted={counted} k_feedback={fed} hadamard={layout.hadamard_size}: "
               f"{sec*1e6:6.2f} us/layer in a graph, {eager*1e6:6.2f} us eager", flush=True)
     return rows
 
