@@ -46,9 +46,10 @@ def test_triton_workspace_bytes_equal_reference_and_dequantized_cache(d, h, fmt)
         assert bool((untouched == 0x5A).all())  # pages past the context are not written
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
-def test_prefill_over_the_workspace_equals_the_packed_pages(fmt):
-    layout = KVLayout.make(fmt, 2, 64)
+@pytest.mark.parametrize("fmt,rot", [("nvfp4", None), ("fp8", None), ("int8", None), ("nvfp4", 16)])
+def test_prefill_over_the_workspace_equals_the_packed_pages(fmt, rot):
+    # rot: K's Hadamard (None: the format's default; 16: one transform per 16-element block)
+    layout = KVLayout.make(fmt, 2, 64, rot)
     case = build_case(layout, [150, 70], seed=3, device=DEV)
     gen = torch.Generator().manual_seed(4)
     ql = [40, 70]  # the second chunk is its whole context (no prefix)

@@ -170,7 +170,7 @@ def test_gluon_and_triton_appends_with_page_offsets_full_size(fmt, d, fed):
         assert torch.equal(got.cpu(), want), impl
 
 
-def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: int, hadamard: bool = True,
+def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: int, hadamard: bool | int = True,
            sink: bool = False):
     lay = KVLayout.make(fmt, hkv, d, hadamard)
     gen = torch.Generator().manual_seed(seed)
@@ -349,14 +349,15 @@ def test_a_page_centered_workspace_holds_the_keys_with_their_offsets_back(fmt):
                           centers[:1])
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
-def test_prefill_over_a_page_centered_workspace_matches_the_reference(fmt):
+@pytest.mark.parametrize("fmt,rot", [("nvfp4", True), ("fp8", True), ("nvfp4", 16)])
+def test_prefill_over_a_page_centered_workspace_matches_the_reference(fmt, rot):
     # the backend's long-chunk path (forced here by a threshold of one row): the workspace holds
-    # K with each page's offset back, the attention over it adds no term
+    # K with each page's offset back (rotated like K: rot 16, per 16-element block), the
+    # attention over it adds no term
     from kernels.paged_attention import reference as attn_ref
 
     ctx_lens = [150, 70]
-    layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=35)
+    layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=35, hadamard=rot)
     gen = torch.Generator().manual_seed(36)
     ql = [40, 70]
     q = torch.randn(sum(ql), 6, 64, generator=gen)
