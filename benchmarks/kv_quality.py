@@ -526,13 +526,6 @@ def balance(q: torch.Tensor, k: torch.Tensor, p: float, rotary_dims: int) -> tor
     return torch.exp(la).float()
 
 
-def hadamard_blocks(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``x`` [..., d] with each ``size`` consecutive channels through the normalized Hadamard
-    transform (``I (x) H_size``; ``size = d`` is ``fwht`` itself, bit for bit); its own inverse."""
-    d = x.shape[-1]
-    return fwht(x.reshape(*x.shape[:-1], d // size, size)).reshape(x.shape)
-
-
 def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, h: int,
                     d: int) -> bool | int:
     """Whether K encodes better Hadamard-rotated than as it is (``hsel=1``): each choice
@@ -546,8 +539,8 @@ def prefer_rotation(cfg: Config, q: torch.Tensor, kr: torch.Tensor, vr: torch.Te
     err: dict[bool | int, float] = {}
     for rot in (True, False, 16) if cfg.hsel == "b16" else (True, False):
         lay = KVLayout.make(cfg.fmt, h, d, rot is True)
-        xr = hadamard_blocks(kr, 16) if rot == 16 and rot is not True else kr
-        cov = q_covariance(hadamard_blocks(qr.float(), 16) if xr is not kr else qr, h, rot is True)
+        xr = fwht(kr, 16) if rot == 16 else kr  # (True == 16 is False)
+        cov = q_covariance(fwht(qr, 16) if rot == 16 else qr, h, rot is True)
         g2 = calibrate(lay, xr, vr, percentile=cfg.percentile, headroom=cfg.headroom)
         if cfg.hsel in ("block", "b16"):  # the engine's own rule (kv_calibration): its recorded block products
             fb = feedback.from_block_covariance(block_diagonal(cov, cfg.fbspan), cfg.damp) if cfg.feedback else None
@@ -641,7 +634,7 @@ class KVRoundTrip:
         if rot is not None:
             kr = torch.einsum("nhd,hde->nhe", kr, rot)
         if cfg.hblock:
-            kr = hadamard_blocks(kr, cfg.hblock)
+            kr = fwht(kr, cfg.hblock)
         if self.calibrating and cfg.balance:
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d).float()
             if rot is not None:
@@ -657,13 +650,13 @@ class KVRoundTrip:
                 st["hsel"][layer] = prefer_rotation(cfg, q, kr, vr, h, d)
             chosen = st["hsel"][layer]
             lay = KVLayout.make(cfg.fmt, h, d, chosen is True)
-            if chosen is not True and chosen == 16:
+            if chosen == 16:
                 hb = 16
-                kr = hadamard_blocks(kr, 16)
+                kr = fwht(kr, 16)
         if self.calibrating and (cfg.gptq or cfg.feedback or cfg.kcorr):
             qr = q.permute(0, 2, 1, 3).reshape(b * t, q.shape[1], d)
             if hb:  # the queries in K's basis (the transform is orthonormal and symmetric)
-                qr = hadamard_blocks(qr.float(), hb)
+                qr = fwht(qr, hb)
             st["qcov"][layer] = q_covariance(qr, h, (self.k_layout or lay).hadamard)
             if cfg.kcorr:  # the top R eigenvectors of the query covariance, K's basis [h, d, R]
                 st["ucorr"][layer] = torch.linalg.eigh(st["qcov"][layer])[1][..., -cfg.kcorr:].float()
@@ -750,8 +743,8 @@ class KVRoundTrip:
             deq = deq.view(b, t, h, d)
             if kv == 0 and alpha is not None:
                 deq = deq * alpha  # = multiplying Q by alpha instead
-            if kv == 0 and hb:  # its own inverse
-                deq = hadamard_blocks(deq, hb)
+            if kv == 0 and hb:
+                deq = fwht(deq, hb)  # its own inverse
             if kv == 0 and rot is not None:
                 deq = torch.einsum("nhe,hde->nhd", deq.view(b * t, h, d), rot).view(deq.shape)
             if kv == 0 and mu is not None:
@@ -888,7 +881,7 @@ def main() -> int:
             if c.hsel:
                 chosen = state[c.spec]["hsel"]
                 full = sorted(i for i, r in chosen.items() if r is True)
-                blocks = sorted(i for i, r in chosen.items() if r is not True and r == 16)
+                blocks = sorted(i for i, r in chosen.items() if r == 16)
                 print(f"{c.spec}: K rotated in layers {full}" + (f", by 16-blocks in {blocks}" if blocks else "")
                       + f" of {len(chosen)}", flush=True)
     return 0
