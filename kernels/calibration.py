@@ -35,10 +35,11 @@ zero) and saturated (``> 448``) — int8: token scales that are zero or saturate
 ``int8.SCALE_MAX``; it has no subnormal range); ``ScaleCounter`` accumulates those for metrics.
 
 ``k_error_energy`` measures how well a layout stores a layer's calibration keys as the
-queries see it: K encoded exactly as the append would (rotated or not, with or without
+queries see it: K encoded exactly as the append would (in its rotation, with or without
 query-weighted rounding), and its error ``e`` weighed by the queries' mean block products,
-``sum e_b^T C_b e_b`` over keys and 16-blocks. Computed in both bases it chooses whether a
-layer's K is Hadamard-rotated (``engine_service.kv_calibration``, ``--kv-hadamard layer``).
+``sum e_b^T C_b e_b`` over keys and 16-blocks. Computed in each candidate basis it chooses how a
+layer's K is Hadamard-rotated: as a whole, per 16-element block, or not at all
+(``engine_service.kv_calibration``, ``--kv-hadamard layer``).
 """
 
 from __future__ import annotations
