@@ -87,7 +87,9 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any) ->
 
 
 def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None) -> EngineCore:
-    """EngineCore over ``runner`` (which it allocates); then the KV calibration, if any."""
+    """EngineCore over ``runner`` (which it allocates); then the KV calibration, if any, and the
+    check of the device's KV kernels (``kv_selfcheck``: the Triton / Gluon kernels against the
+    reference on the calibration's K/V; where none agrees, ``ConfigError`` saying so)."""
     from engine_service.engine import EngineCore, EngineLimits
     from engine_service.service import default_sampling, eos_ids_of
 
@@ -99,6 +101,14 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     core = EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
                       defaults=default_sampling(source.generation_config), observer=observer)
     calibrate_kv(source, runner, served_context=core.max_context)
+    check = getattr(runner, "check_kv_kernels", None)
+    if check is not None:  # the device's KV kernels against the reference, before serving
+        from engine_service.kv_selfcheck import KVKernelCheckError
+
+        try:
+            check()
+        except KVKernelCheckError as exc:
+            raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r} on this device: {exc}") from None
     return core
 
 

@@ -122,6 +122,22 @@ def position0_nearest(layout: KVLayout) -> bool:
     return layout.fmt.value == "nvfp4"
 
 
+def append_tokens(backend: KVBackend, cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                  positions: torch.Tensor | None, sink_rows: Sequence[int]) -> None:
+    """Append K/V rows at ``slots`` the way the engine stores them: ``sink_rows`` are the rows
+    at a sequence's position 0; with query-weighted rounding of K and ``position0_nearest``
+    those are rounded to nearest (the attention sink: feedback calibrated on the average query
+    can put that one key's error where the queries leaning on it look; docs/kernels.md), in a
+    second append call."""
+    if cache.k_feedback is None or not sink_rows or not position0_nearest(cache.layout):
+        backend.append(cache, k, v, slots, positions)
+        return
+    rows = torch.tensor(list(sink_rows), dtype=torch.long, device=slots.device)
+    backend.append(replace(cache, k_feedback=None), k.index_select(0, rows), v.index_select(0, rows),
+                   slots.index_select(0, rows), None if positions is None else positions.index_select(0, rows))
+    backend.append(cache, k, v, slots.index_fill(0, rows, -1), positions)
+
+
 @dataclass(frozen=True)
 class QuantLayerKV:
     """``AttentionKV`` of one attention layer over its quantized paged cache. ``stored``
@@ -137,17 +153,7 @@ class QuantLayerKV:
         # K centered per page: the append turns the mean to each token's page (its position)
         pos = ctx.positions.to(slots.device) if self.cache.page_center is not None else None
         sinks = [s.offset for s in ctx.seqs if s.start == 0 and s.num_tokens > 0]
-        if self.cache.k_feedback is None or not sinks or not position0_nearest(self.cache.layout):
-            self.backend.append(self.cache, k, v, slots, pos)
-        else:
-            # nvfp4: position 0 of a sequence (the attention sink: a chat template's fixed
-            # first token) is rounded to nearest: feedback calibrated on the average query can
-            # put that one key's error where the queries leaning on it look (docs/kernels.md)
-            rows = torch.tensor(sinks, dtype=torch.long, device=slots.device)
-            self.backend.append(replace(self.cache, k_feedback=None), k.index_select(0, rows),
-                                v.index_select(0, rows), slots.index_select(0, rows),
-                                None if pos is None else pos.index_select(0, rows))
-            self.backend.append(self.cache, k, v, slots.index_fill(0, rows, -1), pos)
+        append_tokens(self.backend, self.cache, k, v, slots, pos, sinks)
         if self.stored is not None:
             self.stored[0] += k.shape[0]  # every row has a slot (the runner never skips one)
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from deepwell.logs import get_logger
-from engine_service import kv_quant
+from engine_service import kv_quant, kv_selfcheck
 from engine_service.kv_calibration import KVCalibration, RecordingPool, calibrate_layers, rotation_sizes
 from engine_service.kv_quant import (
     CENTER_K_MODES,
@@ -46,6 +46,7 @@ from engine_service.kv_quant import (
     quant_layout,
     resolve_hadamard,
 )
+from engine_service.kv_selfcheck import KVKernelCheck
 from engine_service.layers.backend import ReferenceBackend, get_backend
 from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
 from engine_service.layers.rope import inv_freq_and_scale
@@ -61,6 +62,7 @@ from engine_service.memory import (
 from engine_service.models import build_model, load_weights
 from engine_service.models.decoder import CausalLM
 from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
+from kernels.backend import ReferenceBackend as ReferenceKVBackend
 from kernels.calibration import ScaleCounts, stationary_channels
 from kernels.page_center import max_pages_for, page_stationary, rope_table
 
@@ -133,6 +135,7 @@ class TorchModelRunner:
         self.kv_hadamard_per_layer = self.quant_layout is not None and resolve_hadamard(kv_dtype, kv_hadamard) == "layer"
         self.kv_calibration: KVCalibration | None = None
         self._kv_written = False  # a forward has written the serving KV pool (scales are then fixed)
+        self._kv_samples: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # calibration K/V, for the check
         self.state_layout: StateLayout | None = None
         if a.gdn is not None and a.recurrent_layers:
             self.state_layout = StateLayout(
@@ -322,7 +325,10 @@ class TorchModelRunner:
             else:
                 keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
         fb = self.kv_k_rounding_feedback
-        report = calibrate_layers(lay, scratch.captured(), source=source, tokens=n, name=describe(lay),
+        captured = scratch.captured()
+        # kept for the kernel check before serving (``check_kv_kernels``)
+        self._kv_samples = [(k[:kv_selfcheck.CHECK_TOKENS], v[:kv_selfcheck.CHECK_TOKENS]) for k, v in captured]
+        report = calibrate_layers(lay, captured, source=source, tokens=n, name=describe(lay),
                                   center_k=keep, page_rope=page_rope, q_covariances=scratch.query_covariances(),
                                   k_feedback=fb, choose_rotation=self.kv_hadamard_per_layer,
                                   nearest_rows=1 if fb and kv_quant.position0_nearest(lay) else 0,
@@ -354,6 +360,28 @@ class TorchModelRunner:
                  digest=report.digest(),
                  k_energy_removed=round(report.k_energy_removed, 4))
         return report
+
+    def check_kv_kernels(self) -> KVKernelCheck | None:
+        """Before serving: compare the quantized pool's kernels on this device with the reference
+        (``kv_selfcheck``: cache bytes, decode and prefill attention, every layer's own settings)
+        on the calibration's K/V (synthetic ones for int8). None for float pools and on CPU (the
+        pool runs the reference itself). Falls back to the Triton append where the Gluon one
+        stores other bytes (logged as a warning); ``KVKernelCheckError`` where no kernel agrees."""
+        if self.quant_layout is None:
+            return None
+        pool = self._quant_pool()
+        if isinstance(pool.backend, ReferenceKVBackend):
+            return None
+        samples = self._kv_samples or kv_selfcheck.synthetic_samples(
+            len(pool.caches), pool.layout.num_kv_heads, pool.layout.head_dim, kv_selfcheck.CHECK_TOKENS)
+        self._kv_samples = None
+        check = kv_selfcheck.check_pool(pool, samples, self.args.attention.num_heads, self.dtype)
+        if check.fallback:
+            log.warning("kv_append_fallback", reason=check.fallback, append_kernel=check.append_kernel)
+        log.info("kv_kernels_checked", backend=check.backend, layers=check.layers, tokens=check.tokens,
+                 append_kernel=check.append_kernel, decode_error=f"{check.decode_error:.2e}",
+                 prefill_error=f"{check.prefill_error:.2e}", seconds=round(check.seconds, 3))
+        return check
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.kv is None and self.kv_layout.num_layers:

@@ -185,6 +185,8 @@ class ReferenceBackend:
 # decode / verify with up to this many tokens per sequence runs the Gluon kernel on Hopper (nvfp4,
 # fp8, int8 where tokens x query heads per KV head <= 32, ``gluon_decode.supported``)
 GLUON_MAX_TOKENS = 16
+# ``TritonBackend.append_impl``: the Gluon append where it applies, or always the Triton one
+APPEND_IMPLS = ("auto", "triton")
 # a quantized prefill whose longest chunk has at least this many query rows (tokens x query
 # heads of a KV head) unpacks the context once into an fp16 workspace (``kv_dequant``) and
 # attends over that: every row block otherwise unpacks every page again (H200, 27B layout, 64k
@@ -216,7 +218,9 @@ class TritonBackend:
 
     def __init__(self, max_splits: int = 64, gluon_max_tokens: int = GLUON_MAX_TOKENS,
                  prefill_dequant_min_rows: int | None = None,
-                 prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES) -> None:
+                 prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES, append_impl: str = "auto") -> None:
+        if append_impl not in APPEND_IMPLS:
+            raise ValueError(f"append_impl must be one of {APPEND_IMPLS}, got {append_impl!r}")
         if (prefill_dequant_min_rows is not None and prefill_dequant_min_rows < 1) or prefill_workspace_bytes < 0:
             raise ValueError(f"prefill_dequant_min_rows must be >= 1 and prefill_workspace_bytes >= 0, got "
                              f"{prefill_dequant_min_rows}, {prefill_workspace_bytes}")
@@ -224,6 +228,10 @@ class TritonBackend:
         self.gluon_max_tokens = gluon_max_tokens
         self.prefill_dequant_min_rows = prefill_dequant_min_rows
         self.prefill_workspace_bytes = prefill_workspace_bytes
+        # which append kernel serves (``kv_append.triton_kernel.append``'s ``impl``): "auto" the
+        # Gluon one where it applies; the engine's start-up check sets "triton" when the Gluon
+        # kernel's bytes differ from the reference codec's (``engine_service.kv_selfcheck``)
+        self.append_impl = append_impl
         self._budgets: dict[int, int] = {}  # CUDA device index -> workspace bytes (``_workspace_budget``)
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -232,7 +240,13 @@ class TritonBackend:
 
         triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales,
                              layer.append_offset(k.shape[0], positions, validate), layer.scale_counts,
-                             layer.k_feedback, validate=validate)
+                             layer.k_feedback, validate=validate, impl=self.append_impl)
+
+    def append_kernel(self, layout: KVLayout, device: torch.device) -> str:
+        """The kernel ``append`` runs for ``layout`` on ``device``: "gluon" or "triton"."""
+        from kernels.kv_append import triton_kernel
+
+        return triton_kernel.append_kernel(layout, device, impl=self.append_impl)
 
     def default_splits(self, batch: int, num_kv_heads: int, device: torch.device) -> int:
         """Enough programs for ~2 waves of the GPU, from the batch shape only, and at least two
