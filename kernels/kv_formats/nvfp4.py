@@ -105,6 +105,7 @@ FEEDBACK_FOUR_LO = 0
 FEEDBACK_FOUR_HI = 0
 ERR_BITS = 12  # fixed-point fraction bits of the error: unit = 2**(exponent(amax) - 12)
 ERR_EXP_FLOOR = -20  # exponent(amax) is clamped here (zero / tiny blocks: no int32 overflow)
+_SEARCH_ELEMENTS = 1 << 22  # elements x candidates the scale search evaluates at once (its memory)
 _HALVES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.int32)  # 2 * E2M1 value
 
 
@@ -222,12 +223,15 @@ def choose_scale_codes(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True, f
         cands = feedback_candidates(c6, c4)
     else:
         cands = scale_candidates(first_candidate(c6, m, clip), c4, clip, down, up)
-    best = cands[0]
-    best_err, _ = block_error(a, unit, e4m3.decode(best.to(torch.uint8)))
-    for c in cands[1:]:
-        err, _ = block_error(a, unit, e4m3.decode(c.to(torch.uint8)))
-        better = err < best_err
-        best, best_err = torch.where(better, c, best), torch.where(better, err, best_err)
+    # every candidate's error at once ([C, rows, B], rows in slices of bounded size); the least
+    # wins, ties the earliest listed (argmin's first minimum: as comparing them one by one with <)
+    stacked = torch.stack(cands)
+    best = torch.empty_like(cands[0])
+    step = max(1, _SEARCH_ELEMENTS // (stacked.shape[0] * x.shape[1]))
+    for r in range(0, x.shape[0], step):
+        sl = stacked[:, r : r + step]
+        err, _ = block_error(a[r : r + step], unit[r : r + step], e4m3.decode(sl.to(torch.uint8)))
+        best[r : r + step] = sl.gather(0, err.argmin(0, keepdim=True))[0]
     return torch.where(c6 > 0, best, 0).to(torch.uint8)
 
 
@@ -262,8 +266,18 @@ def encode_with_feedback(x: torch.Tensor, g: torch.Tensor, s_code: torch.Tensor,
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
     negative = torch.empty(n, d // BLOCK, BLOCK, dtype=torch.bool, device=x.device)
 
+    # e2m1_index's thresholds t * s, computed once for the sixteen columns (the same products
+    # and comparisons, fewer operations per step)
+    incl = [t for t, inclusive in THRESHOLDS if inclusive]
+    excl = [t for t, inclusive in THRESHOLDS if not inclusive]
+    thr_in = sb[..., None] * torch.tensor(incl, dtype=torch.float32, device=x.device)
+    thr_ex = sb[..., None] * torch.tensor(excl, dtype=torch.float32, device=x.device)
+    scaled = sb > 0
+
     def quantize(col: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = e2m1_index(col.abs() * inv_g, sb)
+        a = (col.abs() * inv_g)[..., None]
+        idx = (a >= thr_in).sum(-1, dtype=torch.int32) + (a > thr_ex).sum(-1, dtype=torch.int32)
+        idx = torch.where(scaled, idx, 0)
         mag = lut[idx] * sb * gv
         negative[:, :, i] = col < 0
         return idx, torch.where(col < 0, -mag, mag)
@@ -288,12 +302,25 @@ def encode(x: torch.Tensor, g: torch.Tensor, *, clip: bool = True,
     return encode_with_scales(x, g, s_code)
 
 
-def decode(codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """(codes [N, d/2], scales [N, d/16]) -> fp32 rows [N, d]."""
-    n = codes.shape[0]
+def element_values(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes uint8 [N, d/2] -> the E2M1 values fp32 [N, d] they hold (before scales)."""
     idx, neg = unpack_codes(codes)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = lut[idx]
-    val = torch.where(neg, -mag, mag)
+    mag = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[idx]
+    return torch.where(neg, -mag, mag)
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """fp32 [256, 2]: the (low, high) element values of every code byte (``element_values``)."""
+    return element_values(torch.arange(256, dtype=torch.uint8, device=device)[:, None]).contiguous()
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """(codes [N, d/2], scales [N, d/16]) -> fp32 rows [N, d]: ``element_values`` times each
+    block's E4M3 scale and the row's global scale (the elements through one table of the 256
+    code bytes: the same values, fewer operations)."""
+    n, half = codes.shape
+    pair = _byte_values(codes.device)[codes.long()]  # [N, d/2, 2]: low half, high half
+    val = pair.transpose(1, 2).reshape(n, 2 * half)
     s = e4m3.decode(scales).repeat_interleave(BLOCK, dim=-1)
     return val * s * g.to(torch.float32).view(n, 1)

@@ -129,6 +129,21 @@ def _search_oracle(x: torch.Tensor, g: float, clip: bool) -> torch.Tensor:
     return torch.where(c6 > 0, best, 0).to(torch.uint8)
 
 
+def test_nvfp4_decode_table_is_the_element_rule() -> None:
+    """``decode`` reads elements through a table of the 256 code bytes: the same values as the
+    element rule (``element_values``: unpacked index and sign) times the block and global
+    scales, in the half-split order (element j in byte j's low bits, j + d/2 in its high bits)."""
+    g = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 256, (40, 32), dtype=torch.uint8, generator=g)
+    scales = torch.randint(0, 127, (40, 4), dtype=torch.uint8, generator=g)
+    gs = torch.rand(40, generator=g) + 0.5
+    want = nvfp4.element_values(codes) * e4m3.decode(scales).repeat_interleave(16, -1) * gs[:, None]
+    assert torch.equal(nvfp4.decode(codes, scales, gs), want)
+    idx, neg = nvfp4.unpack_codes(codes)
+    assert torch.equal(nvfp4.element_values(codes).abs(), torch.tensor(nvfp4.E2M1_VALUES)[idx])
+    assert torch.equal(nvfp4.element_values(codes)[:, :32] < 0, neg[:, :32] & (idx[:, :32] > 0))
+
+
 @pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_nvfp4_matches_independent_oracle(d, clip):
