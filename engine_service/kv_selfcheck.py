@@ -9,14 +9,15 @@ global scales, K centering and rounding, position 0's rule included) through the
 backend and through the reference, into scratch pages (the pool itself is not touched), and
 compares:
 
-- the cache bytes, which must be equal. Where they are not and the append ran the Gluon
+- the cache bytes, which must be equal (an append that raises, e.g. a kernel this Triton
+  cannot compile, counts as unequal). Where they are not and the append ran the Gluon
   kernel, the backend falls back to the Triton append (``TritonBackend.append_impl``) and the
   bytes are compared again; unequal still: ``KVKernelCheckError``;
 - decode attention (the sample's last token over all of it), prefill attention (the whole
   sample as one chunk) and a short chunk (its last ``SUFFIX_TOKENS`` over the rest), with
   random queries over the reference's bytes: within ``ATTENTION_TOLERANCE`` relative L2 of
   the reference attention (the kernels' own tests hold them to 1e-3 of an fp64 evaluation, so
-  only a broken kernel fails this), else ``KVKernelCheckError``.
+  only a broken kernel fails this), else — or where one raises — ``KVKernelCheckError``.
 
 The first call also compiles each kernel the pool's layers use, ahead of the first request.
 """
@@ -90,10 +91,13 @@ def _first_mismatch(backend: KVBackend, caches: Sequence[KVCacheLayer], samples:
                     expected: Sequence[KVCacheLayer]) -> str:
     """"" when ``backend`` writes every layer's sample as the reference did, else where it does not."""
     for i, (c, (k, v), want) in enumerate(zip(caches, samples, expected, strict=True)):
-        got = _written(backend, c, k, v).data
+        kernel = backend.append_kernel(c.layout, want.data.device) if isinstance(backend, TritonBackend) else backend.name
+        try:
+            got = _written(backend, c, k, v).data
+        except Exception as exc:  # e.g. a kernel this Triton cannot compile: as wrong as other bytes
+            return f"layer {i} ({describe(c.layout)}): the {kernel} append failed ({type(exc).__name__}: {exc})"
         if not torch.equal(got, want.data):
             bad = int((got != want.data).sum())
-            kernel = backend.append_kernel(c.layout, got.device) if isinstance(backend, TritonBackend) else backend.name
             return (f"layer {i} ({describe(c.layout)}): the {kernel} append stored {bad} of {got.numel()} bytes "
                     "other than the reference codec")
     return ""
@@ -150,13 +154,15 @@ def check_pool(pool: QuantKVPool, samples: Sequence[tuple[torch.Tensor, torch.Te
     for i, cache in enumerate(expected):
         q = torch.randn(n, num_q_heads, d, generator=g).to(device=dev, dtype=dtype)
         for kind, rows in (("decode", 1), ("prefill", n), ("prefill", suffix)):
-            err = _rel(_attend(be, kind, q[-rows:], cache, table, lens, scale),
-                       _attend(ref, kind, q[-rows:], cache, table, lens, scale))
+            where = f"layer {i} ({describe(cache.layout)}): {be.name} {kind} attention of {rows} queries over {n} tokens"
+            try:
+                got = _attend(be, kind, q[-rows:], cache, table, lens, scale)
+            except Exception as exc:
+                raise KVKernelCheckError(f"{where} failed ({type(exc).__name__}: {exc}): {advice}") from exc
+            err = _rel(got, _attend(ref, kind, q[-rows:], cache, table, lens, scale))
             if not err <= ATTENTION_TOLERANCE:  # (NaN fails too)
-                raise KVKernelCheckError(
-                    f"layer {i} ({describe(cache.layout)}): {be.name} {kind} attention of {rows} queries over {n} "
-                    f"tokens differs from the reference by {err:.3g} relative L2 (at most {ATTENTION_TOLERANCE} "
-                    f"expected): {advice}")
+                raise KVKernelCheckError(f"{where} differs from the reference by {err:.3g} relative L2 (at "
+                                         f"most {ATTENTION_TOLERANCE} expected): {advice}")
             worst[kind] = max(worst[kind], err)
     kernel = be.append_kernel(caches[0].layout, dev) if isinstance(be, TritonBackend) else be.name
     return KVKernelCheck(be.name, len(caches), n, kernel, fallback, worst["decode"], worst["prefill"],

@@ -91,11 +91,15 @@ class _Faulty(TritonBackend):
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                positions: torch.Tensor | None = None, *, validate: bool = True) -> None:
+        if self.append_fault == "raise" and self.append_impl == "auto":
+            raise RuntimeError("PassManager::run failed")  # as a Gluon kernel this Triton cannot compile
         self.ref.append(layer, k, v, slots, positions)
         if self.append_fault == "always" or (self.append_fault == "gluon" and self.append_impl == "auto"):
             layer.data.view(-1)[-1] = 0x5A  # (the sample leaves the last page's end unwritten: 0)
 
     def decode_attention(self, q: torch.Tensor, layer: KVCacheLayer, *args: Any, **kw: Any) -> torch.Tensor:
+        if self.decode_noise < 0:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         out = self.ref.decode_attention(q, layer, *args, **kw)
         return out + self.decode_noise * out.abs().max()
 
@@ -111,6 +115,15 @@ def test_a_gluon_append_that_disagrees_falls_back_to_triton() -> None:
     assert "layer 0 (nvfp4+hadamard16): the gluon append stored 1 of" in check.fallback
 
 
+def test_a_gluon_append_that_raises_falls_back_to_triton() -> None:
+    pool, samples = _pool()
+    be = _Faulty(append_fault="raise")
+    check = check_pool(pool, samples, HQ, torch.float32, backend=be)
+    assert be.append_impl == "triton" and check.append_kernel == "triton"
+    assert check.fallback == ("layer 0 (nvfp4+hadamard16): the gluon append failed (RuntimeError: PassManager::run "
+                              "failed)")
+
+
 def test_an_append_that_disagrees_everywhere_stops_the_start() -> None:
     pool, samples = _pool()
     with pytest.raises(KVKernelCheckError, match=r"layer 0 .*the gluon append stored 1 of .*; layer 0 .*the triton "
@@ -123,6 +136,9 @@ def test_attention_that_disagrees_stops_the_start() -> None:
     with pytest.raises(KVKernelCheckError, match=r"layer 0 .*faulty decode attention of 1 queries over 70 tokens "
                                                  r"differs from the reference by"):
         check_pool(pool, samples, HQ, torch.float32, backend=_Faulty(decode_noise=0.05))
+    with pytest.raises(KVKernelCheckError, match=r"layer 0 .*faulty decode attention of 1 queries over 70 tokens "
+                                                 r"failed \(RuntimeError: CUDA error: an illegal memory access"):
+        check_pool(pool, samples, HQ, torch.float32, backend=_Faulty(decode_noise=-1))
     check = check_pool(pool, samples, HQ, torch.float32, backend=_Faulty(decode_noise=1e-4))  # rounding-sized: passes
     assert 0 < check.decode_error < 1e-3 and check.prefill_error == 0.0
 
