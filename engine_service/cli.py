@@ -180,6 +180,8 @@ async def serve(cfg: EngineConfig) -> int:
     core = await loop.run_in_executor(None, lambda: build_core(cfg, source, runner, observer=metrics))
     if runner.kv_calibration is not None:
         metrics.set_kv_calibration(runner.kv_calibration)
+    if getattr(runner, "kv_kernel_check", None) is not None:
+        metrics.set_kv_kernel_check(runner.kv_kernel_check)
     files = await loop.run_in_executor(None, load_files, source.files)
     text_cfg = source.text_config()
     info = build_model_info(

@@ -14,7 +14,10 @@ centered per head, 0 when off, and the share of the calibration K's energy it re
 ``deepwell_engine_kv_k_rounding{mode="nearest|feedback"}`` (1 for the rounding of K the cache
 uses, ``--kv-k-rounding``; 0 for the other) and ``deepwell_engine_kv_k_rotated_layers{rotation="whole|16-blocks|none"}``
 (attention layers whose K is Hadamard-rotated as a whole, per 16-element block, or not at all,
-``--kv-hadamard``; with ``layer`` the calibration's choice).
+``--kv-hadamard``; with ``layer`` the calibration's choice). On a GPU the start-up check of the KV
+kernels (``set_kv_kernel_check``, ``kv_selfcheck``) sets ``deepwell_engine_kv_append_kernel{kernel="gluon|triton"}``
+(1 for the append serving: triton after a fallback) and
+``deepwell_engine_kv_kernel_check_error{kind="decode|prefill"}`` (the largest relative L2 error against the reference).
 While serving, ``deepwell_engine_kv_served_scales_total{kv="k|v",kind="zero|subnormal|saturated|total"}``
 counts the block scales (fp8: elements, int8: token scales) of every K/V the quantized cache
 stored (read from the device at most once a second): a growing saturated or subnormal share
@@ -69,6 +72,12 @@ class EngineMetrics(StepObserver):
         self.kv_k_rotated = Gauge("deepwell_engine_kv_k_rotated_layers",
                                   "Attention layers of the quantized cache whose K is Hadamard-rotated as a "
                                   "whole, per 16-element block, or not", labels + ["rotation"], registry=r)
+        self.kv_append_kernel = Gauge("deepwell_engine_kv_append_kernel",
+                                      "KV append kernel serving after the start-up check: 1 for the one in use "
+                                      "(gluon, triton; triton after a fallback)", labels + ["kernel"], registry=r)
+        self.kv_check_error = Gauge("deepwell_engine_kv_kernel_check_error",
+                                    "Largest relative L2 error of the start-up check's attention against the "
+                                    "reference, by kind", labels + ["kind"], registry=r)
         self.kv_served_scales = Counter("deepwell_engine_kv_served_scales",
                                         "Block scales (fp8: elements) of the K/V stored in the quantized cache, "
                                         "by kind", labels + ["kv", "kind"], registry=r)
@@ -95,6 +104,14 @@ class EngineMetrics(StepObserver):
         whole = len(cal.hadamard) - cal.layers_rotated(16) - cal.layers_rotated(0)
         for name, count in (("whole", whole), ("16-blocks", cal.layers_rotated(16)), ("none", cal.layers_rotated(0))):
             self.kv_k_rotated.labels(m, name).set(count)
+
+    def set_kv_kernel_check(self, check: Any) -> None:
+        """Export a ``kv_selfcheck.KVKernelCheck`` (the start-up check of the device's KV kernels)."""
+        m = self.model
+        for kernel in ("gluon", "triton"):
+            self.kv_append_kernel.labels(m, kernel).set(int(check.append_kernel == kernel))
+        self.kv_check_error.labels(m, "decode").set(check.decode_error)
+        self.kv_check_error.labels(m, "prefill").set(check.prefill_error)
 
     def on_kv_scales(self, k: Any, v: Any) -> None:
         """Advance the served block-scale counters to the totals ``k``, ``v`` (``ScaleCounts``)."""

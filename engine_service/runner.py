@@ -136,6 +136,7 @@ class TorchModelRunner:
         self.kv_calibration: KVCalibration | None = None
         self._kv_written = False  # a forward has written the serving KV pool (scales are then fixed)
         self._kv_samples: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # calibration K/V, for the check
+        self.kv_kernel_check: KVKernelCheck | None = None  # the last ``check_kv_kernels``
         self.state_layout: StateLayout | None = None
         if a.gdn is not None and a.recurrent_layers:
             self.state_layout = StateLayout(
@@ -376,6 +377,7 @@ class TorchModelRunner:
             len(pool.caches), pool.layout.num_kv_heads, pool.layout.head_dim, kv_selfcheck.CHECK_TOKENS)
         self._kv_samples = None
         check = kv_selfcheck.check_pool(pool, samples, self.args.attention.num_heads, self.dtype)
+        self.kv_kernel_check = check
         if check.fallback:
             log.warning("kv_append_fallback", reason=check.fallback, append_kernel=check.append_kernel)
         log.info("kv_kernels_checked", backend=check.backend, layers=check.layers, tokens=check.tokens,

@@ -15,6 +15,7 @@ import torch
 from deepwell import configs
 from engine_service.kv_quant import QuantKVPool
 from engine_service.kv_selfcheck import KVKernelCheckError, check_pool, synthetic_samples
+from engine_service.metrics import EngineMetrics
 from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
 from kernels.calibration import calibrate
 from kernels.kv_formats.feedback import from_block_covariance
@@ -113,6 +114,12 @@ def test_a_gluon_append_that_disagrees_falls_back_to_triton() -> None:
     check = check_pool(pool, samples, HQ, torch.float32, backend=be)
     assert be.append_impl == "triton" and check.append_kernel == "triton"
     assert "layer 0 (nvfp4+hadamard16): the gluon append stored 1 of" in check.fallback
+    m = EngineMetrics("t")  # what /metrics shows of it
+    m.set_kv_kernel_check(check)
+    got = m.registry.get_sample_value
+    assert got("deepwell_engine_kv_append_kernel", {"model": "t", "kernel": "triton"}) == 1
+    assert got("deepwell_engine_kv_append_kernel", {"model": "t", "kernel": "gluon"}) == 0
+    assert got("deepwell_engine_kv_kernel_check_error", {"model": "t", "kind": "decode"}) == check.decode_error == 0
 
 
 def test_a_gluon_append_that_raises_falls_back_to_triton() -> None:
@@ -170,7 +177,7 @@ def test_runner_checks_its_kernels_after_calibration(tmp_path: Path) -> None:
     check = r.check_kv_kernels()
     assert check is not None and check.tokens == TOKENS and check.layers == len(r.kv_scales())
     assert check.fallback == "" and check.decode_error < 1e-3 and check.prefill_error < 1e-3
-    assert r._kv_samples is None  # released after the check
+    assert r._kv_samples is None and r.kv_kernel_check is check  # samples released after the check
 
 
 def test_build_core_turns_a_failed_check_into_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
