@@ -86,7 +86,8 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``kcorr=R`` (screening): K's coding error along the top ``R`` eigenvectors of the calibration
   query covariance kept exactly (as if R more numbers per key were stored);
 - ``vcenter=1`` (screening): V's calibration mean subtracted before encoding and added back
-  (exact: the attention weights sum to 1);
+  (exact: the attention weights sum to 1); ``vcenter=nosink``: the mean without the window's
+  first token, which keeps its own V (a cache would add back ``(1 - p_0)`` times the mean);
 - ``hsel=1`` (screening): each layer's K Hadamard-rotated or not, whichever the calibration
   window's queries weigh less error on (``prefer_rotation``; the choices are printed); ``hsel=block``
   weighs it by the queries' 16 x 16 diagonal blocks only, the engine's own choice
@@ -167,7 +168,7 @@ class Config:
     sinkc: str = ""  # sinkc=1|cal (center=page): page 0 on the window's first key / <|im_start|>'s key
     temp: float = 0.0  # temp=T (screening): attention logits times 1 + T (K scaled after decoding)
     kcorr: int = 0  # kcorr=R: K's error along the top R query directions stored exactly (screening)
-    vcenter: bool = False  # vcenter=1: V's calibration mean subtracted, added to the output (screening)
+    vcenter: str = ""  # vcenter=1|nosink: V's calibration mean subtracted, added to the output (screening)
     hsel: str = ""  # hsel=1|block: per layer, K rotated or not, whichever the calibration's queries prefer
 
     def quantizes(self, layer: int, kv: int) -> bool:
@@ -241,7 +242,7 @@ def parse_config(spec: str) -> Config:
         elif key == "kcorr":
             kw["kcorr"] = int(val)
         elif key == "vcenter":
-            kw["vcenter"] = choice(key, val, ("0", "1")) == "1"
+            kw["vcenter"] = "" if choice(key, val, ("0", "1", "nosink")) == "0" else val
         elif key == "damp":
             kw["damp"] = float(val)
         elif key == "sink":
@@ -674,10 +675,17 @@ class KVRoundTrip:
         alpha = st["alpha"].get(layer)
         if alpha is not None:
             kr = kr / alpha
+        vshift = None
         if cfg.vcenter:  # V's mean: the weights sum to 1, so the output takes it back exactly
+            # (nosink: neither in the mean nor shifted, the window's first token — a cache would add
+            # back (1 - p_0) times the mean)
+            rest = (torch.arange(t).repeat(b) > 0).view(-1, 1, 1) if cfg.vcenter == "nosink" else None
             if self.calibrating:
-                st["voffsets"][layer] = vr.mean(0)
-            vr = vr - st["voffsets"][layer]
+                st["voffsets"][layer] = vr.mean(0) if rest is None else vr[rest.view(-1)].mean(0)
+            vshift = st["voffsets"][layer].expand_as(vr)
+            if rest is not None:
+                vshift = torch.where(rest, vshift, torch.zeros(()))
+            vr = vr - vshift
         if cfg.vrot:  # V held rotated (scales calibrated on what is encoded)
             vr = fwht(vr)
         lays = (self.k_layout or lay, lay)
@@ -751,8 +759,8 @@ class KVRoundTrip:
                 deq = deq + mu.view(deq.shape) if mu.dim() == 3 else deq + mu  # the softmax cancels a fixed shift
             if kv == 0 and cfg.temp:
                 deq = deq * (1.0 + cfg.temp)
-            if kv == 1 and cfg.vcenter:
-                deq = deq + st["voffsets"][layer]
+            if kv == 1 and vshift is not None:
+                deq = deq + vshift.reshape(deq.shape)
             if cfg.sink:
                 deq[:, : cfg.sink] = (k if kv == 0 else v).permute(0, 2, 1, 3)[:, : cfg.sink]
             out[kv] = deq.permute(0, 2, 1, 3).to(k.dtype)
