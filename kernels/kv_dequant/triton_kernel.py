@@ -4,7 +4,8 @@ Grid ``[B * W, Hkv, 2]``: a program unpacks one (page, K|V, head) block of 64 ro
 nvfp4 element becomes the fp16 pattern ``sign << 15 | index << 9`` (its E2M1 value times
 ``2**-14``, page layout 3: low element sign bit 7 and index bits 1-3, high element index bits
 4-6 and sign bit 0) times its E4M3 block scale in fp16 (exact), as in the attention kernels;
-an fp8 byte its E4M3 value (hardware conversion) times ``2**-14`` (exact); an int8 code its
+an fp8 byte its E4M3 value (``kernels.e4m3_unpack``: the hardware's conversion from sm_89, integer
+operations before) times ``2**-14`` (exact); an int8 code its
 value times its token's fp32 scale, rounded to fp16 (``reference.value_shift``).
 """
 
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
 from kernels.kv_dequant import reference
 from kernels.kv_formats.layout import KVFormat, KVLayout
 
@@ -24,7 +26,7 @@ VALUE_SHIFT = tl.constexpr(reference.VALUE_SHIFT)
 def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
                    stride_cp, stride_ckv, stride_ch, stride_wp, stride_wkv, stride_wh,
                    D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr,
-                   CENTER: tl.constexpr = False):
+                   CENTER: tl.constexpr = False, FP8_HW: tl.constexpr = True):
     wp = tl.program_id(0)
     hd = tl.program_id(1)
     kv = tl.program_id(2)
@@ -40,7 +42,7 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
             code = tl.load(base + r[:, None] * D + c[None, :])
             out = ws_ptr + wp.to(tl.int64) * stride_wp + kv * stride_wkv + hd * stride_wh + r[:, None] * D + c[None, :]
             if FMT == 1:
-                val = (code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * VALUE_SHIFT).to(tl.float16)
+                val = (e4m3_f16(code, FP8_HW).to(tl.float32) * VALUE_SHIFT).to(tl.float16)
             else:
                 s = tl.load((base + SCALE_OFF).to(tl.pointer_type(tl.float32)) + r)
                 val = (code.to(tl.int8, bitcast=True).to(tl.float32) * s[:, None]).to(tl.float16)
@@ -64,8 +66,8 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
                 slot = 16 * ((r >> 1) & 3) + (r & 1) + 2 * (r >> 3)
                 s_idx = blk[None, :] * PAGE + slot[:, None]
                 s_step = NB * PAGE
-            s_lo = tl.load(base + SCALE_OFF + s_idx).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            s_hi = tl.load(base + SCALE_OFF + s_idx + s_step).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            s_lo = e4m3_f16(tl.load(base + SCALE_OFF + s_idx), FP8_HW)
+            s_hi = e4m3_f16(tl.load(base + SCALE_OFF + s_idx + s_step), FP8_HW)
             s_lo = tl.reshape(tl.broadcast_to(s_lo[:, :, None], [PAGE, NB, 16]), [PAGE, HALF])
             s_hi = tl.reshape(tl.broadcast_to(s_hi[:, :, None], [PAGE, NB, 16]), [PAGE, HALF])
             lo = ((code & 0x8E) << 8).to(tl.int16).to(tl.float16, bitcast=True) * s_lo
@@ -83,8 +85,11 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
 
 
 def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,
-               workspace: torch.Tensor, centers: torch.Tensor | None = None) -> torch.Tensor:
-    """Same bytes as ``reference.dequantize`` (``centers`` included); returns ``workspace``."""
+               workspace: torch.Tensor, centers: torch.Tensor | None = None, *,
+               fp8_hw: bool | None = None) -> torch.Tensor:
+    """Same bytes as ``reference.dequantize`` (``centers`` included); returns ``workspace``.
+    ``fp8_hw``: E4M3 bytes by the hardware's conversion (default where the device has one) or
+    by integer operations (``kernels.e4m3_unpack``; the same bytes)."""
     reference.check(cache, layout, block_tables, context_lens, workspace)
     reference.check_centers(layout, block_tables, centers)
     if not block_tables.is_contiguous():
@@ -98,6 +103,6 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
         cache.stride(0), cache.stride(1), cache.stride(2), ws.stride(0), ws.stride(1), ws.stride(2),
         D=layout.head_dim, SCALE_OFF=layout.scale_offset, PAGE=layout.page_size,
         FMT={KVFormat.NVFP4: 0, KVFormat.FP8: 1, KVFormat.INT8: 2}[layout.fmt], CENTER=centers is not None,
-        num_warps=4,
+        FP8_HW=has_fp8_conversion(cache.device) if fp8_hw is None else fp8_hw, num_warps=4,
     )
     return workspace

@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
 from kernels.kv_append.triton_kernel import FMT_ID
 from kernels.kv_formats.layout import KVFormat, KVLayout
 from kernels.paged_attention import nvfp4_ptx
@@ -175,7 +176,7 @@ def _load_pair(p, step, m, MASKED: tl.constexpr):
 
 @triton.jit
 def _load_nvfp4_half(base, offs_n, kmask, vsbase, D: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr,
-                     HI: tl.constexpr, BN: tl.constexpr):
+                     HI: tl.constexpr, BN: tl.constexpr, FP8_HW: tl.constexpr):
     """One half ([BN, D/2], low or high elements) of an nvfp4 V tile as in ``_load_halves``
     mode 5 (impure asm: the fp16 tile goes through shared memory), its block-major scales
     read at ``vsbase`` (``_v_scale_rows``)."""
@@ -187,19 +188,21 @@ def _load_nvfp4_half(base, offs_n, kmask, vsbase, D: tl.constexpr, DT: tl.conste
         c = tl.load(p, mask=kmask[:, None], other=0)
     else:
         c = tl.load(p)
-    sc = tl.reshape(tl.broadcast_to(sc.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16]), [BN, HALF])
+    sc = tl.reshape(tl.broadcast_to(e4m3_f16(sc, FP8_HW)[:, :, None], [BN, NB, 16]), [BN, HALF])
     return _e2m1_scaled_half_asm(c, sc, HI).to(DT)
 
 
 @triton.jit
 def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_OFF: tl.constexpr,
                  SB: tl.constexpr, DT: tl.constexpr, MASKED: tl.constexpr, UNPACK_ASM: tl.constexpr = False,
-                 NV_LOAD: tl.constexpr = 0, BN: tl.constexpr = 64, vsbase=None, BY_BLOCK: tl.constexpr = False):
+                 NV_LOAD: tl.constexpr = 0, BN: tl.constexpr = 64, vsbase=None, BY_BLOCK: tl.constexpr = False,
+                 FP8_HW: tl.constexpr = True):
     """Dequantized (lo, hi) halves [BN, D/2] of ``BN`` cached tokens, in DT (nvfp4: times
     2**-14): row ``r`` is token ``offs_n[r]`` of the (page, K|V, head) block at byte pointer
     ``base[r]`` (one or two pages per tile). Rows with kmask False are zero when MASKED.
     ``BY_BLOCK`` (nvfp4 V): block scales block-major, read from the pages' scale regions at
-    ``vsbase`` [BN / 64] (``_v_scale_rows``)."""
+    ``vsbase`` [BN / 64] (``_v_scale_rows``). ``FP8_HW``: E4M3 bytes (fp8 codes, nvfp4 block
+    scales) through the hardware's conversion, else integer operations (``e4m3_f16``)."""
     HALF: tl.constexpr = D // 2
     offs_c = tl.arange(0, HALF)
     m = kmask[:, None]
@@ -210,7 +213,7 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
     elif FMT == 1:
         p = base[:, None] + offs_n[:, None] * D + offs_c[None, :]
         lo, hi = _load_pair(p, HALF, m, MASKED)
-        return lo.to(tl.float8e4nv, bitcast=True).to(DT), hi.to(tl.float8e4nv, bitcast=True).to(DT)
+        return e4m3_f16(lo, FP8_HW).to(DT), e4m3_f16(hi, FP8_HW).to(DT)
     elif FMT == 2:
         p = base.to(tl.pointer_type(tl.int8))[:, None] + offs_n[:, None] * D + offs_c[None, :]
         lo, hi = _load_pair(p, HALF, m, MASKED)
@@ -245,8 +248,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
         if (NV_LOAD == 3 or NV_LOAD == 5) and UNPACK_ASM:
             s_lo, s_hi = _nvfp4_scale_pair(base, offs_n, kmask, offs_b, SCALE_OFF, SB, NB, BN, MASKED, vsbase,
                                            BY_BLOCK)
-            s_lo = tl.broadcast_to(s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
-            s_hi = tl.broadcast_to(s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None], [BN, NB, 16])
+            s_lo = tl.broadcast_to(e4m3_f16(s_lo, FP8_HW)[:, :, None], [BN, NB, 16])
+            s_hi = tl.broadcast_to(e4m3_f16(s_hi, FP8_HW)[:, :, None], [BN, NB, 16])
             if NV_LOAD == 5:  # codes are [BN, D/2]: so are their scales
                 s_lo = tl.reshape(s_lo, [BN, HALF])
                 s_hi = tl.reshape(s_hi, [BN, HALF])
@@ -265,8 +268,8 @@ def _load_halves(base, offs_n, kmask, FMT: tl.constexpr, D: tl.constexpr, SCALE_
         else:
             s_lo, s_hi = _nvfp4_scale_pair(base, offs_n, kmask, offs_b, SCALE_OFF, SB, NB, BN, MASKED, vsbase,
                                            BY_BLOCK)
-        s_lo = s_lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        s_hi = s_hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        s_lo = e4m3_f16(s_lo, FP8_HW)
+        s_hi = e4m3_f16(s_hi, FP8_HW)
         if BY_BLOCK and NV_LOAD == 1:  # per-block scales, spread over their 16 elements
             lo = lo * tl.reshape(tl.broadcast_to(s_lo[:, :, None], [BN, NB, 16]), [BN, HALF])
             hi = hi * tl.reshape(tl.broadcast_to(s_hi[:, :, None], [BN, NB, 16]), [BN, HALF])
@@ -291,7 +294,7 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
                  SCALE_OFF: tl.constexpr, SB: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr,
                  UNPACK_ASM: tl.constexpr, NV_LOAD_K: tl.constexpr, NV_LOAD_V: tl.constexpr, BN: tl.constexpr,
                  PAGE: tl.constexpr, P_LOG2: tl.constexpr, PAGE_MAX: tl.constexpr, MASKED: tl.constexpr,
-                 LAZY: tl.constexpr, RD: tl.constexpr, RDP: tl.constexpr):
+                 LAZY: tl.constexpr, RD: tl.constexpr, RDP: tl.constexpr, FP8_HW: tl.constexpr):
     """One key tile (pages ``p .. p + BN/PAGE - 1``) folded into the running softmax state;
     without ``MASKED`` every key of the tile must be visible to every row and inside the split
     (dead rows then get finite values, which are never stored). ``RD`` > 0: K is centered per
@@ -321,7 +324,8 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
         k_ok = (k_pos < kv_end) & in_split
     else:
         k_ok = k_pos >= 0  # every key (the loads ignore it without MASKED)
-    k_lo, k_hi = _load_halves(kbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, KDT, False, UNPACK_ASM, NV_LOAD_K, BN)
+    k_lo, k_hi = _load_halves(kbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, KDT, False, UNPACK_ASM, NV_LOAD_K, BN,
+                              FP8_HW=FP8_HW)
     s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
     if FMT == 2:
         ks = tl.load(kbase.to(tl.pointer_type(tl.float32)) + SCALE_OFF // 4 + offs_n)
@@ -384,7 +388,7 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
             pr16 = (pr * vs[None, :]).to(VDT)
         else:
             pr16 = pr.to(VDT)
-        if FMT == 1 and NV_LOAD_V >= 5 and UNPACK_ASM:
+        if FMT == 1 and NV_LOAD_V >= 5 and UNPACK_ASM and FP8_HW:
             # fp8 V through the impure conversion (halves one after the other)
             vp = vbase[:, None] + offs_n[:, None] * D + tl.arange(0, HALF)[None, :]
             v_lo = _e4m3_impure_asm(tl.load(vp, mask=k_ok[:, None], other=0))
@@ -396,16 +400,16 @@ def _attend_tile(p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv,
                 acc_hi += pv_hi
         elif FMT == 3 and NV_LOAD_V == 6 and UNPACK_ASM:
             # mode 6: as 5, the two halves one after the other
-            v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, vsbase, D, VDT, MASKED, False, BN)
+            v_lo = _load_nvfp4_half(vbase, offs_n, k_ok, vsbase, D, VDT, MASKED, False, BN, FP8_HW)
             pv_lo = tl.dot(pr16, v_lo)
-            v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, vsbase, D, VDT, MASKED, True, BN)
+            v_hi = _load_nvfp4_half(vbase, offs_n, k_ok, vsbase, D, VDT, MASKED, True, BN, FP8_HW)
             pv_hi = tl.dot(pr16, v_hi)
             if not PAGE_MAX:
                 acc_lo += pv_lo
                 acc_hi += pv_hi
         else:
             v_lo, v_hi = _load_halves(vbase, offs_n, k_ok, FMT, D, SCALE_OFF, SB, VDT, MASKED, UNPACK_ASM, NV_LOAD_V, BN,
-                                      vsbase, FMT == 3)
+                                      vsbase, FMT == 3, FP8_HW)
             if PAGE_MAX:
                 pv_lo = tl.dot(pr16, v_lo)
                 pv_hi = tl.dot(pr16, v_hi)
@@ -439,6 +443,7 @@ def paged_attention_fwd_kernel(
     NV_LOAD_V: tl.constexpr, P_LOG2: tl.constexpr, BN: tl.constexpr, PAGE_MAX: tl.constexpr, LAZY: tl.constexpr,
     GS_MUL: tl.constexpr,
     UNIFORM_T: tl.constexpr, WPS: tl.constexpr, RD: tl.constexpr, RDP: tl.constexpr, PDL: tl.constexpr,
+    FP8_HW: tl.constexpr = True,
 ):
     pdl.enter(PDL)
     HALF: tl.constexpr = D // 2
@@ -519,12 +524,12 @@ def paged_attention_fwd_kernel(
         acc_lo, acc_hi, m_i, l_i = _attend_tile(
             p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
             q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, tab_pages, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
-            UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, False, LAZY, RD, RDP)
+            UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, False, LAZY, RD, RDP, FP8_HW)
     for p in range(p_mid, p_hi, BN // PAGE):
         acc_lo, acc_hi, m_i, l_i = _attend_tile(
             p, p_hi, sub, offs_n, bt_row, cache_ptr, stride_cp, stride_ckv, stride_ch, kvh, kv_end, q_pos, row_ok,
             q_lo, q_hi, scale, acc_lo, acc_hi, m_i, l_i, ab, tab_ptr, tab_pages, inv_gk, FMT, D, SCALE_OFF, SB, KDT, VDT,
-            UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, True, LAZY, RD, RDP)
+            UNPACK_ASM, NV_LOAD_K, NV_LOAD_V, BN, PAGE, P_LOG2, PAGE_MAX, True, LAZY, RD, RDP, FP8_HW)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     inv_l = tl.where(l_i > 0, g_v / l_safe, 0.0)  # l_i and acc both carry 2**P_LOG2
@@ -680,6 +685,7 @@ def paged_attention(
     partial: tuple[torch.Tensor, torch.Tensor] | None = None,
     page_center: tuple[torch.Tensor, torch.Tensor] | None = None,
     page_bias: torch.Tensor | None = None,
+    fp8_hw: bool | None = None,
 ) -> torch.Tensor:
     """Same meaning as ``reference.paged_attention`` (Q already in the K space).
 
@@ -716,6 +722,10 @@ def paged_attention(
     ``uniform_t`` >= 1): those terms precomputed, fp32 ``[B, Hkv, >= W, >= T * G]`` in true score
     units (``page_bias.page_bias`` with ``scale = 1``; column ``t * G + g``): one load per row
     and page instead of an ``r``-term sum.
+
+    ``fp8_hw``: E4M3 bytes (fp8 codes, nvfp4 block scales) to fp16 by the hardware's conversion
+    (default where the device has one: ``fp8_hw``), else by integer operations (``e4m3_f16``;
+    the same values).
     """
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens,
                  None if uniform_t else q_start, None if uniform_t else q_len)
@@ -830,6 +840,7 @@ def paged_attention(
                                           else tl.bfloat16),
         VDT=tl.float32 if INTERPRET else (tl.bfloat16 if layout.fmt is KVFormat.BF16 and not dequantized else tl.float16),
         UNPACK_ASM=asm,
+        FP8_HW=has_fp8_conversion(q.device) if fp8_hw is None else fp8_hw,
         NV_LOAD_K=DEFAULT_NV_LOAD_K if nv_load_k is None else nv_load_k,
         NV_LOAD_V=nv_load_v,
         BN=layout.page_size * (pages_per_tile or default_pages_per_tile(layout, bm)),
