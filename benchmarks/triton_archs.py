@@ -1,14 +1,15 @@
 """Offline build of every Triton kernel the KV backend launches, for several NVIDIA GPU
 architectures — no GPU needed (Triton's bundled ``ptxas``).
 
-    python benchmarks/triton_archs.py [--arch 80 86 89 90] [--quick]
+    python benchmarks/triton_archs.py [--arch 80 86 89 90 100 103 120] [--quick]
 
 The backend (``kernels.backend.TritonBackend``) runs a few small appends, decodes (T = 1 and
 4), prefills (packed pages and the fp16 workspace) and page-centered calls per format on CPU
 tensors with ``JITFunction.run`` replaced by a recorder: every launch's arguments and
 constexprs are captured exactly as the launcher chose them, nothing runs. Each distinct launch
-is then compiled with ``triton.compile`` for each architecture (the constexpr ``FP8_HW`` as the
-launcher would set it there: ``kernels.e4m3_unpack``). Prints one line per launch and
+is then compiled with ``triton.compile`` for each architecture (the constexprs ``FP8_HW`` and
+``UNPACK_ASM`` as the launchers would set them there: ``kernels.e4m3_unpack.fp8_conversion_for``,
+``paged_attention.triton_kernel.unpack_asm_for``). Prints one line per launch and
 architecture; exit status 1 if any fails. ``--quick``: head_dim 64 only (the test suite's
 check, ``tests/kernels/test_archs.py``). The Gluon kernels (Hopper only) have their own offline
 build, ``benchmarks/gluon_sass.py``.
@@ -29,6 +30,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kernels.e4m3_unpack import fp8_conversion_for  # noqa: E402
+from kernels.paged_attention.triton_kernel import unpack_asm_for  # noqa: E402
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
            torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
@@ -103,8 +107,11 @@ def build(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> None:
     for name, p in params.items():
         if name not in values and p.default is not inspect.Parameter.empty:
             values[name] = p.default
-    if "FP8_HW" in params:  # as the launcher decides on a GPU of this architecture
-        values["FP8_HW"] = arch >= 89
+    cap = (arch // 10, arch % 10)  # as the launchers decide on a GPU of this architecture
+    if "FP8_HW" in params:
+        values["FP8_HW"] = fp8_conversion_for(cap)
+    if "UNPACK_ASM" in params:
+        values["UNPACK_ASM"] = bool(values["UNPACK_ASM"]) and unpack_asm_for(cap)
     signature, constexprs = {}, {}
     for name, p in params.items():
         v = values[name]
@@ -119,7 +126,8 @@ def build(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", type=int, nargs="+", default=[80, 86, 89, 90], help="compute capabilities, e.g. 80 90")
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 86, 89, 90, 100, 103, 120],
+                    help="compute capabilities, e.g. 80 90")
     ap.add_argument("--quick", action="store_true", help="head_dim 64 only")
     args = ap.parse_args(argv)
     launches = capture(args.quick)

@@ -19,13 +19,23 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def fp8_conversion_for(capability: tuple[int, int]) -> bool:
+    """Whether Triton's ``fp8e4nv`` type builds for a GPU of this compute capability (8.9 on)."""
+    return capability >= (8, 9)
+
+
 def has_fp8_conversion(device: torch.device) -> bool:
     """Whether kernels on ``device`` may use Triton's ``fp8e4nv`` type (E4M3 to fp16 by the
     hardware): CUDA compute capability 8.9 or later (Triton refuses the type below it), and
     the interpreter; A100-class GPUs (8.0, 8.6) take ``e4m3_f16``'s integer path."""
     if device.type != "cuda" or INTERPRET:
         return True
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+    return fp8_conversion_for(capability(device))
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability (asked once per device)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
+from kernels.e4m3_unpack import capability, e4m3_f16, has_fp8_conversion
 from kernels.kv_append.triton_kernel import FMT_ID
 from kernels.kv_formats.layout import KVFormat, KVLayout
 from kernels.paged_attention import nvfp4_ptx
@@ -160,6 +160,16 @@ def _nvfp4_scale_pair(base, offs_n, kmask, cols, SCALE_OFF: tl.constexpr, SB: tl
         return _v_scale_rows(vsbase, kmask, NB, BN, False, MASKED), _v_scale_rows(vsbase, kmask, NB, BN, True, MASKED)
     sp = base[:, None] + SCALE_OFF + offs_n[:, None] * SB + cols[None, :]
     return _load_pair(sp, NB, kmask[:, None], MASKED)
+
+
+def unpack_asm_for(cap: tuple[int, int], version: str = triton.__version__) -> bool:
+    """Whether the unpacking PTX blocks (``_e2m1_pairs_asm``, ``_e2m1_scaled_half_asm``,
+    ``_e4m3_impure_asm``) build for a GPU of compute capability ``cap`` with this Triton: not
+    for datacenter Blackwell (10.x) before Triton 3.9 (3.6's sm_100 pipeline stops with an LLVM
+    error on them; 3.9 builds them; ``benchmarks/triton_archs.py``), whose kernels then unpack
+    with plain Triton operations (the interpreter's path: the same values)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return cap[0] != 10 or (major, minor) >= (3, 9)
 
 
 @triton.jit
@@ -818,6 +828,7 @@ def paged_attention(
         ab, table, r = out, out, 0  # placeholders (unused)
     nw = num_warps or (4 if bm <= 64 else 8)
     asm = (not INTERPRET and DEFAULT_UNPACK_ASM) if unpack_asm is None else (unpack_asm and not INTERPRET)
+    asm = asm and (q.device.type != "cuda" or unpack_asm_for(capability(q.device)))
     # fastest measured on the H200 (docs/kernels.md): 2 stages; nvfp4 V in mode 5, except
     # mode 6 for 32-row blocks (with their two-page tiles mode 5 needs ~127 KB of shared memory)
     ns = num_stages or 2

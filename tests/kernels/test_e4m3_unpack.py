@@ -61,3 +61,15 @@ def test_the_hardware_path_is_taken_where_triton_has_the_type():
     assert has_fp8_conversion(torch.device("cpu"))  # the interpreter has it
     if torch.cuda.is_available():
         assert has_fp8_conversion(torch.device("cuda")) == (torch.cuda.get_device_capability() >= (8, 9))
+
+
+def test_the_unpacking_ptx_is_skipped_where_triton_cannot_build_it():
+    from kernels.e4m3_unpack import fp8_conversion_for
+    from kernels.paged_attention.triton_kernel import unpack_asm_for
+
+    assert [fp8_conversion_for(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))] == [
+        False, False, True, True, True, True]
+    # datacenter Blackwell with Triton 3.6 (the device's): an LLVM error on the PTX blocks
+    assert not unpack_asm_for((10, 0), "3.6.0") and not unpack_asm_for((10, 3), "3.8.1")
+    assert unpack_asm_for((10, 0), "3.9.0") and unpack_asm_for((9, 0), "3.6.0") and unpack_asm_for((12, 0), "3.6.0")
+    assert unpack_asm_for((8, 0), "3.6.0")
