@@ -9,8 +9,9 @@ tensors with ``JITFunction.run`` replaced by a recorder: every launch's argument
 constexprs are captured exactly as the launcher chose them, nothing runs. Each distinct launch
 is then compiled with ``triton.compile`` for each architecture (the constexprs ``FP8_HW`` and
 ``UNPACK_ASM`` as the launchers would set them there: ``kernels.e4m3_unpack.fp8_conversion_for``,
-``paged_attention.triton_kernel.unpack_asm_for``). Prints one line per launch and
-architecture; exit status 1 if any fails. ``--quick``: head_dim 64 only (the test suite's
+``paged_attention.triton_kernel.unpack_asm_for``), and its shared memory checked against what
+a block of that architecture may use (``SHARED_LIMIT``: over it, Triton refuses the launch).
+Prints one line per launch and architecture; exit status 1 if any fails. ``--quick``: head_dim 64 only (the test suite's
 check, ``tests/kernels/test_archs.py``). The Gluon kernels (Hopper only) have their own offline
 build, ``benchmarks/gluon_sass.py``.
 """
@@ -38,6 +39,10 @@ _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
            torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
 _LAUNCH_ONLY = ("num_ctas", "launch_pdl", "launch_cooperative_grid")
+# the most shared memory a block may opt into, per architecture (CUDA programming guide; A100 /
+# A800 for 8.0, RTX 30 / A10 / A40 for 8.6, Ada for 8.9, H100 / H200, B200 / GB300, RTX 50)
+SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 103: 232448,
+                120: 101376}
 
 
 def capture(quick: bool) -> list[tuple[JITFunction, tuple, dict]]:
@@ -99,8 +104,9 @@ def _type_of(v: object) -> str:
     raise TypeError(f"cannot type a launch argument of {type(v).__name__}")
 
 
-def build(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> None:
-    """Compile one captured launch for ``sm_{arch}`` (raises what Triton raises)."""
+def build(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> int:
+    """Compile one captured launch for ``sm_{arch}``; its shared memory in bytes (raises what
+    Triton raises)."""
     params = inspect.signature(fn.fn).parameters
     values = dict(zip(params, args, strict=False))
     values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS + _LAUNCH_ONLY})
@@ -120,8 +126,9 @@ def build(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> None:
         else:
             signature[name] = _type_of(v)
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-    triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
-                   options=options)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+                              options=options)
+    return int(compiled.metadata.shared)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         what = fn.fn.__name__ + "".join(f" {k}={kw[k]}" for k in ("FMT", "D", "BLOCK_M", "UNIFORM_T") if k in kw)
         for arch in args.arch:
             try:
-                build(fn, a, kw, arch)
-                result = "ok"
+                shared = build(fn, a, kw, arch)
+                limit = SHARED_LIMIT.get(arch)
+                if limit is not None and shared > limit:  # Triton refuses the launch on such a GPU
+                    failed += 1
+                    result = f"FAIL {shared} bytes of shared memory, the GPU has {limit} per block"
+                else:
+                    result = f"ok ({shared // 1024} KB shared)"
             except Exception as exc:  # report every failure, not just the first
                 failed += 1
                 lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and set(ln.strip()) != {"^"}]

@@ -30,7 +30,7 @@ def test_every_backend_kernel_builds_for_sm80(tmp_path: Path) -> None:
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("sm_80 ")]
-    assert len(lines) >= 20 and all(ln.endswith(": ok") for ln in lines)
+    assert len(lines) >= 20 and all(": ok (" in ln for ln in lines)
     for kernel in ("kv_append_fwd_kernel", "paged_attention_fwd_kernel FMT=1", "paged_attention_fwd_kernel FMT=3",
                    "paged_attention_fwd_kernel FMT=4", "dequant_kernel FMT=1", "page_bias_kernel", "merge_kernel"):
         assert any(kernel in ln for ln in lines), kernel
