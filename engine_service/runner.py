@@ -327,8 +327,8 @@ class TorchModelRunner:
                 keep = stationary_channels(inv_freq, self.quant_layout.head_dim, max_position or self.max_context)
         fb = self.kv_k_rounding_feedback
         captured = scratch.captured()
-        # kept for the kernel check before serving (``check_kv_kernels``)
-        self._kv_samples = [(k[:kv_selfcheck.CHECK_TOKENS], v[:kv_selfcheck.CHECK_TOKENS]) for k, v in captured]
+        if not isinstance(pool.backend, ReferenceKVBackend):  # kept for the kernel check before serving
+            self._kv_samples = [(k[:kv_selfcheck.CHECK_TOKENS], v[:kv_selfcheck.CHECK_TOKENS]) for k, v in captured]
         report = calibrate_layers(lay, captured, source=source, tokens=n, name=describe(lay),
                                   center_k=keep, page_rope=page_rope, q_covariances=scratch.query_covariances(),
                                   k_feedback=fb, choose_rotation=self.kv_hadamard_per_layer,
@@ -368,14 +368,14 @@ class TorchModelRunner:
         on the calibration's K/V (synthetic ones for int8). None for float pools and on CPU (the
         pool runs the reference itself). Falls back to the Triton append where the Gluon one
         stores other bytes (logged as a warning); ``KVKernelCheckError`` where no kernel agrees."""
+        samples, self._kv_samples = self._kv_samples, None
         if self.quant_layout is None:
             return None
         pool = self._quant_pool()
         if isinstance(pool.backend, ReferenceKVBackend):
             return None
-        samples = self._kv_samples or kv_selfcheck.synthetic_samples(
+        samples = samples or kv_selfcheck.synthetic_samples(
             len(pool.caches), pool.layout.num_kv_heads, pool.layout.head_dim, kv_selfcheck.CHECK_TOKENS)
-        self._kv_samples = None
         check = kv_selfcheck.check_pool(pool, samples, self.args.attention.num_heads, self.dtype)
         self.kv_kernel_check = check
         if check.fallback:
