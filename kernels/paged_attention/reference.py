@@ -102,11 +102,13 @@ def paged_attention(
             c = (layout.rotate(c) if layout.hadamard else c).to(k.device)
             k = k + c.repeat_interleave(layout.page_size, dim=0)[:ctx]
         k, v = k.to(compute_dtype), v.to(compute_dtype)  # [ctx, H, d]
-        qb = q[s0 : s0 + n_q].to(compute_dtype).view(n_q, h, group, d)
-        scores = torch.einsum("thgd,khd->hgtk", qb, k) * sm_scale
+        # softmax(q k^T * sm_scale, causal: new token i at position ctx - n_q + i) v, each query
+        # head over its group's KV head (query head h * group + g uses KV head h)
+        qb = q[s0 : s0 + n_q].to(compute_dtype).transpose(0, 1)  # [Hq, n_q, d]
         qpos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
-        kpos = torch.arange(ctx, device=q.device)[None, :]
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[s0 : s0 + n_q] = torch.einsum("hgtk,khd->thgd", probs, v).reshape(n_q, hq, d)
+        seen = torch.arange(ctx, device=q.device)[None, :] <= qpos  # [n_q, ctx]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qb[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=seen, scale=sm_scale,
+            enable_gqa=group > 1)
+        out[s0 : s0 + n_q] = o[0].transpose(0, 1)
     return out

@@ -36,6 +36,29 @@ def _oracle(case, q, starts, lens):
     )
 
 
+def test_reference_attention_is_the_textbook_formula():
+    """The reference (the tests' fp64 oracle) against softmax attention written out per query
+    head and token: query head ``h * G + g`` over KV head ``h``, new token ``i`` of ``n`` at
+    position ``ctx - n + i`` seeing keys up to its own, over the dequantized cache."""
+    case = build_case(KVLayout.make("nvfp4", 2, 64), [70, 5, 130], seed=9)
+    hq, group = 6, 3
+    ql = [4, 5, 1]
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(sum(ql), hq, 64, generator=gen)
+    starts = torch.tensor([0, 4, 9], dtype=torch.int32)
+    got = attn_ref.paged_attention(q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens,
+                                   starts, torch.tensor(ql, dtype=torch.int32), 0.125, compute_dtype=torch.float64)
+    for b, (n, ctx) in enumerate(zip(ql, case.context_lens.tolist(), strict=True)):
+        k, v = append_ref.gather(case.cache, case.layout, case.block_tables[b], ctx, case.scales)
+        for i in range(n):
+            row = int(starts[b]) + i
+            seen = ctx - n + i + 1
+            for head in range(hq):
+                kv = head // group
+                w = torch.softmax((k[:seen, kv].double() @ q[row, head].double()) * 0.125, 0)
+                assert torch.allclose(got[row, head], w @ v[:seen, kv].double(), rtol=1e-12, atol=1e-12)
+
+
 CASES = [
     # fmt, d, Hq, Hkv, context lens, query lens
     ("nvfp4", 64, 9, 3, [1, 15, 16, 17], [1, 1, 1, 1]),
