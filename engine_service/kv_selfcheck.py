@@ -134,8 +134,11 @@ def check_pool(pool: QuantKVPool, samples: Sequence[tuple[torch.Tensor, torch.Te
             for k, v in samples]
     ref = ReferenceBackend()
     expected = [_written(ref, c, k, v) for c, (k, v) in zip(caches, data, strict=True)]
-    advice = (f"serve with another --kv-dtype (bf16 is always exact), and report it with this message "
-              f"(torch {torch.__version__}, triton {_triton_version()}, device {_device_name(dev)})")
+    blocks = any(c.layout.hadamard_block for c in caches)
+    advice = ("serve with another --kv-dtype (bf16 is always exact)"
+              + (" or with --kv-hadamard on (no layer's K rotated per 16-element block)" if blocks else "")
+              + f", and report it with this message (torch {torch.__version__}, triton {_triton_version()}, "
+              f"device {_device_name(dev)})")
     fallback = _first_mismatch(be, caches, data, expected)
     if fallback and isinstance(be, TritonBackend) and be.append_impl == "auto" and \
             be.append_kernel(caches[0].layout, dev) == "gluon":

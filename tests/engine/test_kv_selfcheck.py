@@ -134,7 +134,8 @@ def test_a_gluon_append_that_raises_falls_back_to_triton() -> None:
 def test_an_append_that_disagrees_everywhere_stops_the_start() -> None:
     pool, samples = _pool()
     with pytest.raises(KVKernelCheckError, match=r"layer 0 .*the gluon append stored 1 of .*; layer 0 .*the triton "
-                                                 r"append stored 1 of .*another --kv-dtype \(bf16 is always exact\)"):
+                                                 r"append stored 1 of .*another --kv-dtype \(bf16 is always exact\) or with "
+                                                 r"--kv-hadamard on"):
         check_pool(pool, samples, HQ, torch.float32, backend=_Faulty(append_fault="always"))
 
 
