@@ -17,7 +17,9 @@ compares:
   sample as one chunk) and a short chunk (its last ``SUFFIX_TOKENS`` over the rest), with
   random queries over the reference's bytes: within ``ATTENTION_TOLERANCE`` relative L2 of
   the reference attention (the kernels' own tests hold them to 1e-3 of an fp64 evaluation, so
-  only a broken kernel fails this), else — or where one raises — ``KVKernelCheckError``.
+  only a broken kernel fails this). A Gluon decode that misses it (or raises) is replaced by
+  the Triton decode kernel (``TritonBackend.gluon_max_tokens = 0``; the layers checked before
+  are checked again on it); anything else that misses it: ``KVKernelCheckError``.
 
 The first call also compiles each kernel the pool's layers use, ahead of the first request.
 """
@@ -47,7 +49,8 @@ class KVKernelCheckError(RuntimeError):
 class KVKernelCheck:
     """What ``check_pool`` compared: ``append_kernel`` is the append serving after the check
     ("gluon" / "triton"), ``fallback`` why it left the Gluon kernel ("" when it did not),
-    the errors the largest relative L2 over the layers."""
+    ``decode_kernel`` / ``decode_fallback`` the same for decode, the errors the largest
+    relative L2 over the layers."""
 
     backend: str
     layers: int
@@ -57,6 +60,8 @@ class KVKernelCheck:
     decode_error: float
     prefill_error: float
     seconds: float
+    decode_kernel: str = ""  # the decode serving after the check ("gluon" / "triton")
+    decode_fallback: str = ""  # why decode left the Gluon kernel ("" when it did not)
 
 
 def synthetic_samples(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
@@ -110,6 +115,21 @@ def _attend(backend: KVBackend, kind: str, q: torch.Tensor, cache: KVCacheLayer,
     return backend.prefill_attention(q, cache, table, lens, [q.shape[0]], sm_scale=scale)
 
 
+def _compare(backend: KVBackend, kind: str, q: torch.Tensor, cache: KVCacheLayer, table: torch.Tensor,
+             lens: torch.Tensor, scale: float, want: torch.Tensor) -> tuple[str, float]:
+    """("", relative L2 error) of ``backend``'s attention against ``want``, or (what went
+    wrong, its error): an exception, or an error over ``ATTENTION_TOLERANCE`` (NaN included)."""
+    try:
+        got = _attend(backend, kind, q, cache, table, lens, scale)
+    except Exception as exc:  # e.g. a kernel this Triton cannot compile
+        return f"failed ({type(exc).__name__}: {exc})", float("nan")
+    err = _rel(got, want)
+    if not err <= ATTENTION_TOLERANCE:
+        return (f"differs from the reference by {err:.3g} relative L2 (at most {ATTENTION_TOLERANCE} expected)",
+                err)
+    return "", err
+
+
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     w = want.double()
     return float((got.double() - w).norm() / w.norm().clamp_min(1e-30))
@@ -149,6 +169,8 @@ def check_pool(pool: QuantKVPool, samples: Sequence[tuple[torch.Tensor, torch.Te
         raise KVKernelCheckError(f"{fallback}: {advice}")
     g = torch.Generator().manual_seed(seed)
     d = pool.layout.head_dim
+    group = num_q_heads // pool.layout.num_kv_heads
+    decode_fallback = ""
     scale = 1.0 / math.sqrt(d)
     suffix = min(SUFFIX_TOKENS, n - 1)
     table = torch.arange(expected[0].data.shape[0], dtype=torch.int32, device=dev)[None]
@@ -157,19 +179,32 @@ def check_pool(pool: QuantKVPool, samples: Sequence[tuple[torch.Tensor, torch.Te
     for i, cache in enumerate(expected):
         q = torch.randn(n, num_q_heads, d, generator=g).to(device=dev, dtype=dtype)
         for kind, rows in (("decode", 1), ("prefill", n), ("prefill", suffix)):
-            where = f"layer {i} ({describe(cache.layout)}): {be.name} {kind} attention of {rows} queries over {n} tokens"
-            try:
-                got = _attend(be, kind, q[-rows:], cache, table, lens, scale)
-            except Exception as exc:
-                raise KVKernelCheckError(f"{where} failed ({type(exc).__name__}: {exc}): {advice}") from exc
-            err = _rel(got, _attend(ref, kind, q[-rows:], cache, table, lens, scale))
-            if not err <= ATTENTION_TOLERANCE:  # (NaN fails too)
-                raise KVKernelCheckError(f"{where} differs from the reference by {err:.3g} relative L2 (at "
-                                         f"most {ATTENTION_TOLERANCE} expected): {advice}")
+            want = _attend(ref, kind, q[-rows:], cache, table, lens, scale)
+            problem, err = _compare(be, kind, q[-rows:], cache, table, lens, scale, want)
+            gluon = kind == "decode" and isinstance(be, TritonBackend) and be.uses_gluon(cache.layout, group, 1, dev)
+            if problem and gluon:  # the Triton decode kernel instead of the Gluon one, checked again
+                assert isinstance(be, TritonBackend)
+                decode_fallback = f"layer {i} ({describe(cache.layout)}): the gluon decode {problem}"
+                be.gluon_max_tokens = 0
+                for earlier in expected[:i]:  # the layers already checked, on the Triton kernel now
+                    q0 = torch.randn(1, num_q_heads, d, generator=g).to(device=dev, dtype=dtype)
+                    bad, e0 = _compare(be, kind, q0, earlier, table, lens, scale,
+                                       _attend(ref, kind, q0, earlier, table, lens, scale))
+                    if bad:
+                        raise KVKernelCheckError(f"{decode_fallback}; the triton decode {bad}: {advice}")
+                    worst[kind] = max(worst[kind], e0)
+                problem, err = _compare(be, kind, q[-rows:], cache, table, lens, scale, want)
+            if problem:
+                where = (f"layer {i} ({describe(cache.layout)}): {be.name} {kind} attention of {rows} queries over "
+                         f"{n} tokens")
+                raise KVKernelCheckError(f"{decode_fallback + '; ' if decode_fallback else ''}{where} {problem}: "
+                                         f"{advice}")
             worst[kind] = max(worst[kind], err)
     kernel = be.append_kernel(caches[0].layout, dev) if isinstance(be, TritonBackend) else be.name
+    decode = ("gluon" if be.uses_gluon(pool.layout, group, 1, dev) else "triton") if isinstance(be, TritonBackend) \
+        else be.name
     return KVKernelCheck(be.name, len(caches), n, kernel, fallback, worst["decode"], worst["prefill"],
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, decode, decode_fallback)
 
 
 def _triton_version() -> str:

@@ -16,7 +16,8 @@ uses, ``--kv-k-rounding``; 0 for the other) and ``deepwell_engine_kv_k_rotated_l
 (attention layers whose K is Hadamard-rotated as a whole, per 16-element block, or not at all,
 ``--kv-hadamard``; with ``layer`` the calibration's choice). On a GPU the start-up check of the KV
 kernels (``set_kv_kernel_check``, ``kv_selfcheck``) sets ``deepwell_engine_kv_append_kernel{kernel="gluon|triton"}``
-(1 for the append serving: triton after a fallback) and
+(1 for the append serving: triton after a fallback), ``deepwell_engine_kv_decode_kernel{kernel}``
+(the same for decode attention) and
 ``deepwell_engine_kv_kernel_check_error{kind="decode|prefill"}`` (the largest relative L2 error against the reference).
 While serving, ``deepwell_engine_kv_served_scales_total{kv="k|v",kind="zero|subnormal|saturated|total"}``
 counts the block scales (fp8: elements, int8: token scales) of every K/V the quantized cache
@@ -75,6 +76,10 @@ class EngineMetrics(StepObserver):
         self.kv_append_kernel = Gauge("deepwell_engine_kv_append_kernel",
                                       "KV append kernel serving after the start-up check: 1 for the one in use "
                                       "(gluon, triton; triton after a fallback)", labels + ["kernel"], registry=r)
+        self.kv_decode_kernel = Gauge("deepwell_engine_kv_decode_kernel",
+                                      "KV decode attention kernel serving after the start-up check: 1 for the one "
+                                      "in use (gluon, triton; triton after a fallback)", labels + ["kernel"],
+                                      registry=r)
         self.kv_check_error = Gauge("deepwell_engine_kv_kernel_check_error",
                                     "Largest relative L2 error of the start-up check's attention against the "
                                     "reference, by kind", labels + ["kind"], registry=r)
@@ -110,6 +115,7 @@ class EngineMetrics(StepObserver):
         m = self.model
         for kernel in ("gluon", "triton"):
             self.kv_append_kernel.labels(m, kernel).set(int(check.append_kernel == kernel))
+            self.kv_decode_kernel.labels(m, kernel).set(int(check.decode_kernel == kernel))
         self.kv_check_error.labels(m, "decode").set(check.decode_error)
         self.kv_check_error.labels(m, "prefill").set(check.prefill_error)
 

@@ -366,8 +366,8 @@ class TorchModelRunner:
         """Before serving: compare the quantized pool's kernels on this device with the reference
         (``kv_selfcheck``: cache bytes, decode and prefill attention, every layer's own settings)
         on the calibration's K/V (synthetic ones for int8). None for float pools and on CPU (the
-        pool runs the reference itself). Falls back to the Triton append where the Gluon one
-        stores other bytes (logged as a warning); ``KVKernelCheckError`` where no kernel agrees."""
+        pool runs the reference itself). Falls back to the Triton append / decode where the Gluon
+        one disagrees (logged as a warning); ``KVKernelCheckError`` where no kernel agrees."""
         samples, self._kv_samples = self._kv_samples, None
         if self.quant_layout is None:
             return None
@@ -380,8 +380,11 @@ class TorchModelRunner:
         self.kv_kernel_check = check
         if check.fallback:
             log.warning("kv_append_fallback", reason=check.fallback, append_kernel=check.append_kernel)
+        if check.decode_fallback:
+            log.warning("kv_decode_fallback", reason=check.decode_fallback, decode_kernel=check.decode_kernel)
         log.info("kv_kernels_checked", backend=check.backend, layers=check.layers, tokens=check.tokens,
-                 append_kernel=check.append_kernel, decode_error=f"{check.decode_error:.2e}",
+                 append_kernel=check.append_kernel, decode_kernel=check.decode_kernel,
+                 decode_error=f"{check.decode_error:.2e}",
                  prefill_error=f"{check.prefill_error:.2e}", seconds=round(check.seconds, 3))
         return check
 

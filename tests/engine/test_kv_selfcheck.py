@@ -72,7 +72,7 @@ def test_cuda_kernels_pass_the_check(fmt: str, d: int) -> None:
     pool, samples = _pool(fmt, rotations, d, hkv=4, tokens=300, device="cuda")
     check = check_pool(pool, samples, 24, torch.bfloat16)
     print(check)
-    assert check.fallback == "" and check.tokens == 300
+    assert check.fallback == "" and check.decode_fallback == "" and check.tokens == 300
     assert check.decode_error < 1e-2 and check.prefill_error < 1e-2
 
 
@@ -82,10 +82,14 @@ class _Faulty(TritonBackend):
 
     name = "faulty"
 
-    def __init__(self, append_fault: str = "", decode_noise: float = 0.0) -> None:
+    def __init__(self, append_fault: str = "", decode_noise: float = 0.0, gluon_decode: bool = False) -> None:
         super().__init__()
         self.ref = ReferenceBackend()
-        self.append_fault, self.decode_noise = append_fault, decode_noise
+        self.append_fault, self.decode_noise, self.gluon_decode = append_fault, decode_noise, gluon_decode
+
+    def uses_gluon(self, layout: KVLayout, group: int, tokens_per_seq: int, device: torch.device) -> bool:
+        # gluon_decode: a Gluon decode (off once gluon_max_tokens is 0), the only one with the noise
+        return self.gluon_decode and tokens_per_seq <= self.gluon_max_tokens
 
     def append_kernel(self, layout: KVLayout, device: torch.device) -> str:
         return "gluon" if self.append_impl == "auto" else "triton"
@@ -102,6 +106,8 @@ class _Faulty(TritonBackend):
         if self.decode_noise < 0:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         out = self.ref.decode_attention(q, layer, *args, **kw)
+        if self.gluon_decode and not self.uses_gluon(layer.layout, 3, 1, q.device):
+            return out  # the Triton decode: right
         return out + self.decode_noise * out.abs().max()
 
     def prefill_attention(self, q: torch.Tensor, layer: KVCacheLayer, *args: Any, **kw: Any) -> torch.Tensor:
@@ -149,6 +155,20 @@ def test_attention_that_disagrees_stops_the_start() -> None:
         check_pool(pool, samples, HQ, torch.float32, backend=_Faulty(decode_noise=-1))
     check = check_pool(pool, samples, HQ, torch.float32, backend=_Faulty(decode_noise=1e-4))  # rounding-sized: passes
     assert 0 < check.decode_error < 1e-3 and check.prefill_error == 0.0
+
+
+def test_a_gluon_decode_that_disagrees_falls_back_to_triton() -> None:
+    pool, samples = _pool()
+    be = _Faulty(decode_noise=0.05, gluon_decode=True)
+    check = check_pool(pool, samples, HQ, torch.float32, backend=be)
+    assert be.gluon_max_tokens == 0 and check.decode_kernel == "triton" and check.append_kernel == "gluon"
+    assert check.decode_fallback.startswith("layer 0 (nvfp4+hadamard16): the gluon decode differs from the reference")
+    assert check.decode_error < 0.05  # the Gluon decode's error is not the one serving
+    m = EngineMetrics("t")
+    m.set_kv_kernel_check(check)
+    assert m.registry.get_sample_value("deepwell_engine_kv_decode_kernel", {"model": "t", "kernel": "triton"}) == 1
+    ok = check_pool(pool, samples, HQ, torch.float32, backend=_Faulty(gluon_decode=True))  # a right Gluon decode stays
+    assert (ok.decode_kernel, ok.decode_fallback) == ("gluon", "")
 
 
 def test_check_refuses_bad_samples() -> None:
