@@ -11,6 +11,8 @@ reference on CPU). Packages:
 - ``kv_append``: fused (rotate) + quantize + scatter into pages; Triton is byte-identical;
 - ``paged_attention``: decode / speculative verify (split-K) and prefill over the cache;
 - ``calibration``: power-of-two global scales and block-scale health counters.
+- ``pdl``, ``cuda_arch``, ``e4m3_unpack``: shared launch helpers (programmatic dependent
+  launch, the device's compute capability, E4M3 bytes to fp16 on every GPU generation).
 
 Only torch, triton and numpy are imported (no ``deepwell`` services, no structlog), so the
 kernels and their benchmarks run on a bare GPU image. Full description: ``docs/kernels.md``.

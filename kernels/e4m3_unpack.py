@@ -9,12 +9,13 @@ integer operations otherwise — the same fp16 values either way (E4M3 is exact 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.cuda_arch import capability
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -31,16 +32,6 @@ def has_fp8_conversion(device: torch.device) -> bool:
     if device.type != "cuda" or INTERPRET:
         return True
     return fp8_conversion_for(capability(device))
-
-
-def capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA device's compute capability (asked once per device)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 @triton.jit

@@ -22,13 +22,14 @@ misbehaves), ``all``, or a comma-separated list. The Triton interpreter and CPUs
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kernels.cuda_arch import capability
 
 ENV = "DEEPWELL_PDL"
 
@@ -74,12 +75,7 @@ def enabled(device: torch.device, kernel: str) -> bool:
         raise ValueError(f"unknown kernel family {kernel!r}; one of {KERNELS}")
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1" or kernel not in selected():
         return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _capable(index: int) -> bool:  # once per device: every launch asks
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    return capability(device) >= (9, 0)
 
 
 def launch_kwargs(device: torch.device, kernel: str) -> dict:

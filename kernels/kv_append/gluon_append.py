@@ -79,7 +79,6 @@ since the recursion's broadcasts add no zeros, 3.29 with the hardware conversion
 
 from __future__ import annotations
 
-import functools
 import os
 import struct
 
@@ -90,6 +89,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from kernels import pdl
+from kernels.cuda_arch import capability
 from kernels.hadamard.reference import scale as hadamard_scale
 from kernels.kv_append.triton_kernel import _count_scales, count_flags, e4m3_encode, e4m3_value, nvfp4_tree, scale_flags
 from kernels.kv_formats import nvfp4
@@ -732,13 +732,7 @@ def supported(layout: KVLayout) -> bool:
 
 def available(device: torch.device) -> bool:
     """Hopper and not the interpreter."""
-    return device.type == "cuda" and not INTERPRET and _is_sm90(device.index if device.index is not None
-                                                                 else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _is_sm90(index: int) -> bool:  # once per device: appends happen every step
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return device.type == "cuda" and not INTERPRET and capability(device) == (9, 0)
 
 
 def launch(cache: torch.Tensor, layout: KVLayout, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

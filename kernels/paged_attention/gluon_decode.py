@@ -63,7 +63,6 @@ int8 at 82-95% of HBM at batch x context >= 1M tokens against the Triton kernel'
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -74,6 +73,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from kernels import pdl
+from kernels.cuda_arch import capability
 from kernels.kv_formats import int8
 from kernels.kv_formats.layout import KVFormat, KVLayout
 from kernels.paged_attention import nvfp4_ptx
@@ -726,13 +726,7 @@ def supported(layout: KVLayout, group: int, tokens_per_seq: int = 1) -> bool:
 
 def available(device: torch.device) -> bool:
     """Hopper (sm_90: warpgroup MMA) and not the interpreter."""
-    return device.type == "cuda" and not INTERPRET and _is_sm90(device.index if device.index is not None
-                                                                 else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _is_sm90(index: int) -> bool:  # once per device: decode calls ask every step
-    return torch.cuda.get_device_capability(index) == (9, 0)
+    return device.type == "cuda" and not INTERPRET and capability(device) == (9, 0)
 
 
 def num_columns(tokens_per_seq: int, group: int) -> int:

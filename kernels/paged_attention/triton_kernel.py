@@ -67,7 +67,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.e4m3_unpack import capability, e4m3_f16, has_fp8_conversion
+from kernels.cuda_arch import capability
+from kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
 from kernels.kv_append.triton_kernel import FMT_ID
 from kernels.kv_formats.layout import KVFormat, KVLayout
 from kernels.paged_attention import nvfp4_ptx
