@@ -99,7 +99,7 @@ def paged_attention(
             # one offset per page (every key of a page has its page's), rotated like K, per key
             first = torch.arange(0, ctx, layout.page_size, device=page_center.table.device)
             c = page_center.offsets(first)
-            c = (layout.rotate(c) if layout.hadamard else c).to(k.device)
+            c = layout.rotate(c).to(k.device)
             k = k + c.repeat_interleave(layout.page_size, dim=0)[:ctx]
         k, v = k.to(compute_dtype), v.to(compute_dtype)  # [ctx, H, d]
         # softmax(q k^T * sm_scale, causal: new token i at position ctx - n_q + i) v, each query

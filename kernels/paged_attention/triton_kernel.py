@@ -163,12 +163,14 @@ def _nvfp4_scale_pair(base, offs_n, kmask, cols, SCALE_OFF: tl.constexpr, SB: tl
     return _load_pair(sp, NB, kmask[:, None], MASKED)
 
 
+@functools.lru_cache(maxsize=None)
 def unpack_asm_for(cap: tuple[int, int], version: str = triton.__version__) -> bool:
     """Whether the unpacking PTX blocks (``_e2m1_pairs_asm``, ``_e2m1_scaled_half_asm``,
     ``_e4m3_impure_asm``) build for a GPU of compute capability ``cap`` with this Triton: not
     for datacenter Blackwell (10.x) before Triton 3.9 (3.6's sm_100 pipeline stops with an LLVM
     error on them; 3.9 builds them; ``benchmarks/triton_archs.py``), whose kernels then unpack
-    with plain Triton operations (the interpreter's path: the same values)."""
+    with plain Triton operations (the interpreter's path: the same values). Cached: every
+    launch asks."""
     major, minor = (int(x) for x in version.split(".")[:2])
     return cap[0] != 10 or (major, minor) >= (3, 9)
 
