@@ -31,6 +31,7 @@ import torch  # noqa: E402
 import engine_service.kv_quant as kv_quant  # noqa: E402
 from benchmarks.kv_quality import find_gguf  # noqa: E402
 from engine_service.cli import calibrate_kv  # noqa: E402
+from engine_service.kv_quant import HADAMARD_MODES  # noqa: E402
 from engine_service.loading import open_model  # noqa: E402
 from engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
 from engine_service.runner_api import ForwardBatch, SeqSlice  # noqa: E402
@@ -75,7 +76,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16, help="teacher-forced tokens per prompt")
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hadamard", default="auto", choices=("auto", "on", "off", "layer"),
+    ap.add_argument("--hadamard", default="auto", choices=HADAMARD_MODES,
                     help="the engine's --kv-hadamard for every run")
     ap.add_argument("--default-only", action="store_true", help="only the engine's default configuration")
     args = ap.parse_args()

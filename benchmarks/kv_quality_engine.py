@@ -34,9 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from engine_service.kv_quant import CENTER_K_MODES, HADAMARD_MODES, K_ROUNDING_MODES  # noqa: E402
+
 DEFAULT_CONFIGS = "bf16,fp8,int8,nvfp4,nvfp4:hadamard=off"
-OPTIONS = {"hadamard": ("auto", "on", "off", "layer"), "center": ("auto", "on", "off", "page"),
-           "rounding": ("auto", "nearest", "feedback"), "sink": ("on", "off")}
+# the engine's --kv-hadamard / --kv-center-k / --kv-k-rounding choices, and whether page 0 is
+# centered on the sink key
+OPTIONS = {"hadamard": HADAMARD_MODES, "center": CENTER_K_MODES, "rounding": K_ROUNDING_MODES, "sink": ("on", "off")}
 
 
 @dataclass(frozen=True)
