@@ -91,7 +91,7 @@ def main() -> None:
     calibrate_kv(source, runner)  # quantized fp8 / nvfp4 only, as the engine does at start-up
     prefill_tps(core, 1, 32)  # warm-up
     print(f"model={path} device={args.device} dtype={args.dtype} kv={runner.kv_dtype_name}"
-          f"{'+hadamard' if runner.quant_layout is not None and runner.quant_layout.hadamard else ''} "
+          f"{'+hadamard' if runner.kv_spec.quant_layout is not None and runner.kv_spec.quant_layout.hadamard else ''} "
           f"bytes/page={runner.memory_spec().bytes_per_page} threads={torch.get_num_threads()} "
           f"prompt={args.prompt} decode={args.decode} token_budget={args.token_budget}")
     for c in args.concurrency:

@@ -10,7 +10,7 @@ start-up calibration on the built-in text, as ``deepwell up`` does), and the KL 
 of its next-token distribution from the fp32 pool's is averaged: at the first generated
 position and over all of them. Each format runs with the engine's default K rounding
 (query-weighted, ``--kv-k-rounding auto``) twice: with a sequence's position 0 rounded to
-nearest and without (``engine_service.kv_quant.position0_nearest`` switched for the run),
+nearest and without (``engine_service.kv.quant_pool.position0_nearest`` switched for the run),
 then with nearest rounding everywhere; and the first of those with page 0's K centered on its
 page mean instead of on the sink key (``calibrate_kv(..., sink=False)``, the rule before
 2026-12-02). ``--hadamard`` is the engine's ``--kv-hadamard`` for every run; ``--default-only``
@@ -28,10 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import engine_service.kv_quant as kv_quant  # noqa: E402
+import engine_service.kv.quant_pool as kv_quant  # noqa: E402
+from engine_service.kv.settings import KVSettings  # noqa: E402
 from benchmarks.kv_quality import find_gguf  # noqa: E402
 from engine_service.cli import calibrate_kv  # noqa: E402
-from engine_service.kv_quant import HADAMARD_MODES  # noqa: E402
+from engine_service.kv.quant_pool import HADAMARD_MODES  # noqa: E402
 from engine_service.loading import open_model  # noqa: E402
 from engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
 from engine_service.runner_api import ForwardBatch, SeqSlice  # noqa: E402
@@ -110,8 +111,8 @@ def main() -> int:
             runs = (("the engine's defaults", "auto", default_rule, True),)
         for name, rounding, rule, sink in runs:
             kv_quant.position0_nearest = rule
-            r = TorchModelRunner(base.model, torch.device("cpu"), torch.float32, fmt, 64, args.hadamard,
-                                 kv_k_rounding=rounding)
+            r = TorchModelRunner(base.model, torch.device("cpu"), torch.float32,
+                                 KVSettings(fmt, hadamard=args.hadamard, k_rounding=rounding), 64)
             r.allocate(PAGES, 0)
             calibrate_kv(source, r, sink=sink)
             rows = []

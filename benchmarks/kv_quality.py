@@ -98,7 +98,7 @@ A config spec is ``FMT[+H][@k|@v][:key=value]...``:
 - ``layers=0,3,5-7`` quantizes only those layers.
 
 ``--calibrate-on builtin`` calibrates (global scales, K offsets, feedback matrices) on the
-engine's start-up text (``engine_service.kv_calibration.CALIBRATION_TEXT``) instead of the
+engine's start-up text (``engine_service.kv.calibration.CALIBRATION_TEXT``) instead of the
 first window: how well the engine's calibration carries over to other text;
 ``--calibrate-on FILE`` on the text of a file (candidate calibration texts).
 ``--prefix TEXT`` starts every window with the tokens of TEXT (e.g. ``"<|im_start|>"``, a chat
@@ -855,7 +855,7 @@ def main() -> int:
             hook.capture_sink = False
     if args.calibrate_on != "window":  # one unscored forward of the calibration text per config
         if args.calibrate_on == "builtin":
-            from engine_service.kv_calibration import CALIBRATION_TEXT as cal_text
+            from engine_service.kv.calibration import CALIBRATION_TEXT as cal_text
         else:
             cal_text = Path(args.calibrate_on).read_text(encoding="utf-8")
         cal_ids = tok(cal_text, return_tensors="pt").input_ids

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine_service.kv_quant import CENTER_K_MODES, HADAMARD_MODES, K_ROUNDING_MODES  # noqa: E402
+from engine_service.kv.quant_pool import CENTER_K_MODES, HADAMARD_MODES, K_ROUNDING_MODES  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16,fp8,int8,nvfp4,nvfp4:hadamard=off"
 # the engine's --kv-hadamard / --kv-center-k / --kv-k-rounding choices, and whether page 0 is
@@ -110,7 +110,8 @@ def main() -> int:
     setup_logging("kv_quality_engine", "warning")  # the table only (the engine logs every allocation)
     from engine_service.cli import calibrate_kv
     from engine_service.default_model import ensure_default_model
-    from engine_service.kv_quant import KVSettingsError
+    from engine_service.kv.quant_pool import KVSettingsError
+    from engine_service.kv.settings import KVSettings
     from engine_service.loading import open_model
     from engine_service.runner import TorchModelRunner, build_runner
 
@@ -126,8 +127,8 @@ def main() -> int:
     runners = {}
     for s in specs:
         try:
-            r = TorchModelRunner(base.model, torch.device("cpu"), torch.float32, s.kv, 64, s.hadamard,
-                                 kv_center_k=s.center, kv_k_rounding=s.rounding)
+            r = TorchModelRunner(base.model, torch.device("cpu"), torch.float32,
+                                 KVSettings(s.kv, hadamard=s.hadamard, center_k=s.center, k_rounding=s.rounding), 64)
         except KVSettingsError as e:
             ap.error(f"{s.text}: {e}")
         r.allocate(math.ceil(args.ctx / 64), 0)

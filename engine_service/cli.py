@@ -2,7 +2,7 @@
 
 Start-up: open the model (``--model`` or the embedded SmolLM2 default), build the runner,
 size the KV pool (``config.py`` rules), calibrate a quantized KV cache's global scales
-(fp8 / nvfp4: one scratch forward of ``kv_calibration.CALIBRATION_TEXT``, exported as
+(fp8 / nvfp4: one scratch forward of ``kv.calibration.CALIBRATION_TEXT``, exported as
 ``deepwell_engine_kv_*`` gauges; with K centering also each layer's K offset), start the step thread, the Prometheus server and
 the gRPC server (health + reflection), mark it SERVING, then print
 ``engine listening on <host>:<port>`` (and write ``--port-file``). SIGINT / SIGTERM: mark
@@ -66,7 +66,8 @@ def resolve_dtype(name: str, device: Any) -> Any:
 
 def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any) -> tuple[int, int]:
     """(num_pages, num_state_slots) for ``cfg`` and the runner's ``MemorySpec``."""
-    slots = (cfg.state_slots or cfg.max_concurrency) if spec.hybrid else 0
+    per_request = 3 if cfg.prefix_cache == "on" else 1  # with the cache: two state images per running request
+    slots = (cfg.state_slots or per_request * cfg.max_concurrency) if spec.hybrid else 0
     if cfg.num_pages:
         return cfg.num_pages, slots
     context = min(cfg.max_context or model_context, model_context)
@@ -88,7 +89,7 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any) ->
 
 def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None) -> EngineCore:
     """EngineCore over ``runner`` (which it allocates); then the KV calibration, if any, and the
-    check of the device's KV kernels (``kv_selfcheck``: the Triton / Gluon kernels against the
+    check of the device's KV kernels (``kv.selfcheck``: the Triton / Gluon kernels against the
     reference on the calibration's K/V; where none agrees, ``ConfigError`` saying so)."""
     from engine_service.engine import EngineCore, EngineLimits
     from engine_service.service import default_sampling, eos_ids_of
@@ -97,13 +98,13 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     pages, slots = size_pools(cfg, spec, runner.max_context, runner.device)
     limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,
                           token_budget=cfg.token_budget, queue_size=cfg.queue_size, chunk_tokens=cfg.chunk_tokens,
-                          max_context=cfg.max_context or runner.max_context)
+                          max_context=cfg.max_context or runner.max_context, prefix_cache=cfg.prefix_cache == "on")
     core = EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
                       defaults=default_sampling(source.generation_config), observer=observer)
     calibrate_kv(source, runner, served_context=core.max_context)
     check = getattr(runner, "check_kv_kernels", None)
     if check is not None:  # the device's KV kernels against the reference, before serving
-        from engine_service.kv_selfcheck import KVKernelCheckError
+        from engine_service.kv.selfcheck import KVKernelCheckError
 
         try:
             check()
@@ -116,24 +117,25 @@ def calibrate_kv(source: Any, runner: Any, served_context: int | None = None, si
     """Calibrate a quantized KV pool's global scales (and K centering for the positions up
     to ``served_context``) on the built-in text (tokenized with the model's
     ``tokenizer.json``), led by the chat template's first token where K is centered per page
-    (``kv_calibration.sink_token_id``: page 0 is centered on its key); returns the
+    (``kv.calibration.sink_token_id``: page 0 is centered on its key); returns the
     ``KVCalibration`` or ``None`` when not needed. ``sink=False``: page 0 on its mean (ablation)."""
-    from engine_service.kv_calibration import calibration_token_ids, sink_token_id
-    from engine_service.kv_quant import SCALED_FORMATS
+    from engine_service.kv.calibration import calibration_token_ids, sink_token_id
+    from engine_service.kv.quant_pool import SCALED_FORMATS
 
-    if getattr(runner, "quant_layout", None) is None or runner.kv_dtype_name not in SCALED_FORMATS:
+    spec = getattr(runner, "kv_spec", None)  # fake runners in tests have none
+    if spec is None or spec.quant_layout is None or spec.name not in SCALED_FORMATS:
         return None
     opener = source.files.get("tokenizer.json")
     tok_json = opener() if opener is not None else None
     ids, how = calibration_token_ids(tok_json, runner.vocab_size)
     sink_id = sink_token_id(tok_json, (source.generation_config or {}).get("bos_token_id"), runner.vocab_size)
-    if sink_id is not None and sink and getattr(runner, "kv_center_page", False):  # page 0 on the sink's key
+    if sink_id is not None and sink and spec.center_page:  # page 0 on the sink's key
         ids = [sink_id, *ids]
     return runner.calibrate_kv(ids, source=how, max_position=served_context, sink=sink)
 
 
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
-    from engine_service.kv_quant import KVSettingsError
+    from engine_service.kv.quant_pool import KVSettingsError
 
     try:
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,

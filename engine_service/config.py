@@ -6,17 +6,21 @@ applied at start-up (``engine_service.cli``):
 - ``num_pages = 0`` sizes the KV pool from memory: on CUDA ``memory_fraction`` of the free
   device memory after the weights, on CPU ``cpu_kv_gib``; in both cases never more pages
   than ``max_concurrency`` full-context sequences need.
-- ``state_slots = 0`` gives hybrid models one recurrent-state slot per concurrent request.
+- ``state_slots = 0`` gives hybrid models one recurrent-state slot per concurrent request, and
+  with the prefix cache on two more per concurrent request for the cache's state images
+  (``3 x max_concurrency``); running requests never use more than ``max_concurrency``.
+- ``prefix_cache = on`` keeps every ended sequence and every turn / shared-prefix checkpoint
+  on the device for reuse (``engine_service.cache``), evicted LRU when memory is needed.
 - The served context is ``min(max_context or the model's, num_pages * page_size)``.
-- ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv_quant``):
+- ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv.quant_pool``):
   it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
   when the runner is built); a page then costs its true quantized bytes, so the same
   memory budget holds ~3.5x more nvfp4 pages than bf16. ``kv_hadamard`` applies to quantized
   formats only (``on`` or ``layer`` with a float kv_dtype is an error): ``layer`` (what auto means
   for nvfp4 and fp8; an error for int8, which is not calibrated) rotates each attention layer's K
   as a whole, not at all, or (nvfp4) per 16-element block, as the start-up calibration finds its
-  queries see the smallest error (``engine_service.kv_calibration``); auto is off for int8.
-  ``kv_center_k`` centers K before quantizing (``engine_service.kv_calibration``): ``page``
+  queries see the smallest error (``engine_service.kv.calibration``); auto is off for int8.
+  ``kv_center_k`` centers K before quantizing (``engine_service.kv.calibration``): ``page``
   (what auto means for fp8 and nvfp4, the formats calibrated at start-up) by the calibration's
   mean turned to each key's page middle (``kernels.page_center``: more channels, at any context
   length; attention adds each page's term back), page 0 by the key of the chat template's first
@@ -37,12 +41,12 @@ ENV_PREFIX = "ENGINE"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 FLOAT_KV_DTYPES = ("auto", "bf16", "fp16", "fp32")
-QUANT_KV_DTYPES = ("fp8", "int8", "nvfp4")  # engine_service.kv_quant.QUANT_FORMATS
+QUANT_KV_DTYPES = ("fp8", "int8", "nvfp4")  # engine_service.kv.quant_pool.QUANT_FORMATS
 KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
 KV_HADAMARD = ("auto", "on", "off", "layer")
-KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv_quant.CENTER_K_MODES
-KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv_quant.K_ROUNDING_MODES
-CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv_quant.SCALED_FORMATS
+KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv.quant_pool.CENTER_K_MODES
+KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv.quant_pool.K_ROUNDING_MODES
+CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv.quant_pool.SCALED_FORMATS
 QUANT_PAGE_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -90,8 +94,14 @@ class EngineConfig:
     memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: fraction of free memory after the "
                                                                   "weights for the KV pool"})
     cpu_kv_gib: float = field(default=2.0, metadata={"help": "CPU: GiB for the KV pool"})
-    state_slots: int = field(default=0, metadata={"help": "recurrent-state slots for hybrid models "
-                                                          "(0 = max_concurrency)"})
+    state_slots: int = field(default=0, metadata={"help": "recurrent-state slots for hybrid models: running "
+                                                          "requests and the prefix cache's state images (0 = "
+                                                          "3 x max_concurrency with the prefix cache, else "
+                                                          "max_concurrency)"})
+    prefix_cache: str = field(default="on", metadata={"help": "keep ended sequences and turn / shared-prefix "
+                                                              "checkpoints on the device and reuse them for "
+                                                              "prompts that start with them (on, off)",
+                                                      "choices": ("on", "off")})
     cpu_threads: int = field(default=0, metadata={"help": "torch intra-op CPU threads (0 = torch's default; "
                                                           "1 is much faster on an oversubscribed machine)"})
     max_concurrency: int = field(default=16, metadata={"help": "requests running at once"})
@@ -145,6 +155,7 @@ class EngineConfig:
         c(0.0 < self.memory_fraction <= 1.0, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         c(self.cpu_kv_gib > 0, "cpu_kv_gib", self.cpu_kv_gib, "must be > 0")
         c(self.state_slots >= 0, "state_slots", self.state_slots, "must be >= 0")
+        c(self.prefix_cache in ("on", "off"), "prefix_cache", self.prefix_cache, "must be on or off")
         c(self.cpu_threads >= 0, "cpu_threads", self.cpu_threads, "must be >= 0 (0 = torch's default)")
         c(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
         c(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")

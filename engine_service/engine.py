@@ -4,6 +4,13 @@
 scheduler for a plan, builds the ``ForwardBatch``, runs the model, takes turn-boundary
 snapshots, samples, applies the results and emits events. Tests drive it directly.
 
+With a prefix cache (``EngineLimits.prefix_cache``, on by default) the scheduler admits a
+request that reuses a cached prefix at ``num_computed = r``; before the step's forward the
+engine makes the copies its ``Restore`` names (the state image into the request's slot, the
+page cut inside into the request's own page), and after it copies each ``Checkpoint``'s state
+into its image slot; ``update`` then hands the checkpoints to the cache. A request cancelled
+while its step runs is not kept in the cache (its pages and state are being written).
+
 ``Engine`` runs an ``EngineCore`` on its own thread. ``submit`` / ``cancel`` / ``snapshot``
 may be called from any thread (the asyncio server's): they touch the scheduler under a
 lock that the step loop holds only for bookkeeping, never across the model forward, so the
@@ -27,11 +34,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import torch
 
 from deepwell.logs import get_logger
 from engine_service.block_manager import BlockManager
+from engine_service.cache.index import scope_key
+from engine_service.cache.resident import CacheCounters, PrefixCache
 from engine_service.runner_api import ForwardBatch, ModelRunner, SeqSlice
 from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
 from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan
@@ -52,6 +61,7 @@ class AdmittedEvent:
     request_id: str
     prompt_tokens: int
     max_tokens: int
+    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens reused, by CacheHits level
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class FinishedEvent:
     ttft_ms: float
     stop_token_id: int | None = None
     error: str = ""
+    cached: dict[str, int] = field(default_factory=dict)
 
 
 Event = AdmittedEvent | TokensEvent | FinishedEvent
@@ -107,6 +118,11 @@ class Snapshot:
     tokens_decoded: int
     requests_finished: int
     uptime_s: float
+    cache_entries: int = 0
+    cache_pages: int = 0  # pages held by cache entries alone
+    cache_slots: int = 0  # state slots held by cache entries alone (images)
+    cache_bytes: int = 0  # what those pages and slots hold
+    cache: CacheCounters | None = None  # None: no prefix cache
 
 
 class StepObserver:
@@ -129,6 +145,7 @@ class EngineLimits:
     queue_size: int
     max_context: int
     chunk_tokens: int = 0  # per-request cap per step (0 = token_budget)
+    prefix_cache: bool = True  # keep ended sequences and checkpoints for reuse (cache.resident)
 
 
 class EngineCore:
@@ -144,11 +161,12 @@ class EngineCore:
         runner.allocate(limits.num_pages, slots)
         self.blocks = BlockManager(limits.num_pages, spec.page_size, slots)
         max_conc = min(limits.max_concurrency, slots) if spec.hybrid else limits.max_concurrency
+        self.cache = PrefixCache(self.blocks, hybrid=spec.hybrid) if limits.prefix_cache else None
         self.scheduler = Scheduler(
             SchedulerLimits(max_concurrency=max_conc, token_budget=limits.token_budget,
                             queue_size=limits.queue_size, max_context=self.max_context,
                             chunk_tokens=limits.chunk_tokens),
-            self.blocks)
+            self.blocks, cache=self.cache)
         self.sampler = Sampler()
         self.eos_ids = frozenset(eos_ids)
         self.defaults = defaults or SamplingParams()
@@ -157,12 +175,14 @@ class EngineCore:
         self.started = time.monotonic()
         self.lock = threading.RLock()
         self._kv_scales_at = float("-inf")
+        self._in_step: set[str] = set()  # ids of the requests in the step running now
         self.observer.on_step(self.snapshot(), 0, 0)
 
     # -- requests ------------------------------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str = "",
                      turn_boundary: int | None = None, priority: int = 0, timeout_s: float | None = None,
-                     sink: Sink | None = None) -> Request:
+                     sink: Sink | None = None, prefix_boundary: int | None = None, tenant: str = "",
+                     session_key: str = "", metadata_digest: bytes = b"") -> Request:
         """Validate and build a request (raises InvalidRequest with the reason)."""
         vocab = self.runner.vocab_size
         if not prompt_ids:
@@ -174,8 +194,9 @@ class EngineCore:
         if n >= self.max_context:
             raise InvalidRequest(f"prompt of {n} tokens is longer than the context: {self.max_context} tokens "
                                  f"hold at most {self.max_context - 1} prompt tokens plus one generated")
-        if turn_boundary is not None and not (0 < turn_boundary <= n):
-            raise InvalidRequest(f"turn_boundary {turn_boundary} outside the prompt (1..{n})")
+        for name, b in (("turn_boundary", turn_boundary), ("prefix_boundary", prefix_boundary)):
+            if b is not None and not (0 < b <= n):
+                raise InvalidRequest(f"{name} {b} outside the prompt (1..{n})")
         try:
             params.validate(vocab)
         except ValueError as exc:
@@ -184,7 +205,8 @@ class EngineCore:
         max_tokens = min(params.max_tokens, room) if params.max_tokens else room
         req = Request(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
                       max_tokens=max_tokens, eos_ids=self.eos_ids, turn_boundary=turn_boundary,
-                      priority=priority, deadline=None if timeout_s is None else time.monotonic() + timeout_s)
+                      priority=priority, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+                      prefix_boundary=prefix_boundary, scope=scope_key(tenant, metadata_digest), session=session_key)
         req.extra["sink"] = sink
         req.extra["times"] = _Times(arrival=req.arrival)
         if not params.greedy:
@@ -201,8 +223,8 @@ class EngineCore:
             self.observer.on_step(self.snapshot(), 0, 0)
 
     def cancel(self, request_id: str, reason: Finish = Finish.CANCELLED) -> bool:
-        with self.lock:
-            req = self.scheduler.cancel(request_id, reason)
+        with self.lock:  # a request in the running step is mid-write: not kept in the cache
+            req = self.scheduler.cancel(request_id, reason, retain=request_id not in self._in_step)
             if req is not None:
                 self._emit_finished(req)
                 self.observer.on_step(self.snapshot(), 0, 0)
@@ -215,9 +237,15 @@ class EngineCore:
     def snapshot(self) -> Snapshot:
         with self.lock:
             b, c = self.blocks, self.counters
+            cache = self.cache
             return Snapshot(self.scheduler.num_running, self.scheduler.num_waiting, b.used_pages, b.num_pages,
                             b.used_slots, b.num_state_slots, c.tokens_prefilled, c.tokens_decoded,
-                            c.requests_finished, time.monotonic() - self.started)
+                            c.requests_finished, time.monotonic() - self.started,
+                            cache_entries=len(cache.entries) if cache else 0, cache_pages=b.cached_only_pages,
+                            cache_slots=b.cached_only_slots,
+                            cache_bytes=b.cached_only_pages * self.spec.bytes_per_page
+                            + b.cached_only_slots * self.spec.bytes_per_state_slot,
+                            cache=replace_counters(cache.counters) if cache else None)
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> int:
@@ -234,14 +262,16 @@ class EngineCore:
                 if times.admitted is None:
                     times.admitted = now
                     self._emit(s.request, AdmittedEvent(s.request.request_id, len(s.request.prompt_ids),
-                                                        s.request.max_tokens))
+                                                        s.request.max_tokens, dict(s.request.cache_hits)))
             batch = self._build_batch(plan)
+            self._in_step = {s.request.request_id for s in plan.slices}
         try:
             sampled = self._run(plan, batch)
         except Exception as exc:  # an internal error fails this step's requests only
             ids = [s.request.request_id for s in plan.slices]
             log.exception("engine step failed", request_ids=ids, error=str(exc))
             with self.lock:
+                self._in_step = set()
                 for s in plan.slices:
                     req = self.scheduler.fail(s.request.request_id, f"internal error: {exc}")
                     if req is not None:
@@ -249,6 +279,7 @@ class EngineCore:
             return 0
         self._report_kv_scales()
         with self.lock:
+            self._in_step = set()
             return self._apply(plan, sampled)
 
     def _report_kv_scales(self) -> None:
@@ -277,18 +308,21 @@ class EngineCore:
         return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.runner.device), seqs=seqs)
 
     def _run(self, plan: StepPlan, batch: ForwardBatch) -> dict[str, Sampled]:
-        """Model forward + snapshots + sampling (outside the lock)."""
+        """Restores, model forward, checkpoint images, sampling (outside the lock: the pages and
+        slots copied from are pinned by their requests until ``update``)."""
         for s, seq in zip(plan.slices, batch.seqs):
+            r = s.restore
+            if r is not None and r.copy_page is not None:
+                self.runner.copy_pages([r.copy_page[0]], [r.copy_page[1]])
             if s.new_seq and seq.state_slot >= 0:
-                self.runner.reset_state(seq.state_slot)
+                if r is not None and r.image_slot >= 0:
+                    self.runner.copy_state(r.image_slot, seq.state_slot)
+                else:
+                    self.runner.reset_state(seq.state_slot)
         logits = self.runner.forward(batch)
         for s, seq in zip(plan.slices, batch.seqs):
-            if s.snapshot:
-                pos = s.start + s.num_tokens
-                snap = self.runner.snapshot_state(seq.state_slot, pos) if seq.state_slot >= 0 else None
-                with self.lock:
-                    if self.blocks.has(s.request.request_id):
-                        self.blocks.set_checkpoint(s.request.request_id, pos, snap)
+            if s.checkpoint is not None and s.checkpoint.image_slot >= 0:
+                self.runner.copy_state(seq.state_slot, s.checkpoint.image_slot)
         wanted = [s for s in plan.slices if s.need_logits]
         if logits.shape[0] != len(wanted):
             raise RuntimeError(f"runner returned {logits.shape[0]} logits rows for {len(wanted)} slices")
@@ -383,7 +417,13 @@ class EngineCore:
             prefill_ms=((first if first is not None else now) - admitted) * ms if t.admitted is not None else 0.0,
             decode_ms=(now - first) * ms if first is not None else 0.0,
             ttft_ms=(first - t.arrival) * ms if first is not None else 0.0,
-            stop_token_id=req.stop_token_id, error=req.error))
+            stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits)))
+
+
+def replace_counters(c: CacheCounters) -> CacheCounters:
+    """A copy of the cache's counters (a snapshot is read on other threads)."""
+    return CacheCounters(c.lookups, c.hits, dict(c.hit_tokens), dict(c.inserted), dict(c.evictions),
+                         c.checkpoints_skipped)
 
 
 def _is_decode(s: Slice) -> bool:
@@ -422,8 +462,11 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         with self.core.lock:
-            for req in self.core.scheduler.finish_all(Finish.CANCELLED, "engine shutting down"):
-                self.core._emit_finished(req)
+            sched, busy = self.core.scheduler, self.core._in_step  # a step still running if the join timed out
+            for rid in [r.request_id for r in (*sched.running, *sched.waiting())]:
+                req = sched.cancel(rid, Finish.CANCELLED, "engine shutting down", retain=rid not in busy)
+                if req is not None:
+                    self.core._emit_finished(req)
 
     def _loop(self) -> None:
         while True:
@@ -439,6 +482,7 @@ class Engine:
                 log.exception("engine loop error; failing every request in flight")
                 try:
                     with self.core.lock:
+                        self.core._in_step = set()
                         for req in self.core.scheduler.finish_all(Finish.ERROR, f"internal error: {exc}"):
                             self.core._emit_finished(req)
                 except Exception:

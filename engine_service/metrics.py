@@ -15,7 +15,7 @@ centered per head, 0 when off, and the share of the calibration K's energy it re
 uses, ``--kv-k-rounding``; 0 for the other) and ``deepwell_engine_kv_k_rotated_layers{rotation="whole|16-blocks|none"}``
 (attention layers whose K is Hadamard-rotated as a whole, per 16-element block, or not at all,
 ``--kv-hadamard``; with ``layer`` the calibration's choice). On a GPU the start-up check of the KV
-kernels (``set_kv_kernel_check``, ``kv_selfcheck``) sets ``deepwell_engine_kv_append_kernel{kernel="gluon|triton"}``
+kernels (``set_kv_kernel_check``, ``kv.selfcheck``) sets ``deepwell_engine_kv_append_kernel{kernel="gluon|triton"}``
 (1 for the append serving: triton after a fallback), ``deepwell_engine_kv_decode_kernel{kernel}``
 (the same for decode attention) and
 ``deepwell_engine_kv_kernel_check_error{kind="decode|prefill"}`` (the largest relative L2 error against the reference).
@@ -24,6 +24,18 @@ counts the block scales (fp8: elements, int8: token scales) of every K/V the qua
 stored (read from the device at most once a second): a growing saturated or subnormal share
 means the calibrated global scales do not fit the traffic (int8: saturated rows had values
 beyond +-1905, clamped there).
+
+The prefix cache (``engine_service.cache``): ``deepwell_engine_cache_hit_tokens_total{level}``
+(prompt tokens served from each reuse level instead of computed: resident_frontier,
+resident_checkpoint, host_entry, session_lookup, shared_prefix),
+``deepwell_engine_cache_lookups_total{result="hit|miss"}``,
+``deepwell_engine_cache_entries{tier="resident"}`` and ``deepwell_engine_cache_bytes{tier="resident"}``
+(entries kept on the device and the page and state-slot bytes only they hold),
+``deepwell_engine_cache_entries_created_total{kind="exec|turn|prefix"}`` (ended sequences, turn
+checkpoints, shared-prefix checkpoints), ``deepwell_engine_cache_checkpoints_skipped_total`` (no
+state slot for the image) and ``deepwell_engine_cache_evictions_total{cause="pressure|superseded|chain"}``
+(memory needed; a longer entry of the same conversation made it redundant; an older checkpoint
+of a conversation's chain).
 """
 
 from __future__ import annotations
@@ -87,11 +99,27 @@ class EngineMetrics(StepObserver):
                                         "Block scales (fp8: elements) of the K/V stored in the quantized cache, "
                                         "by kind", labels + ["kv", "kind"], registry=r)
         self._served_seen: dict[tuple[str, str], int] = {}
+        self.cache_hit_tokens = Counter("deepwell_engine_cache_hit_tokens", "Prompt tokens served from the prefix "
+                                        "cache instead of computed, by reuse level", labels + ["level"], registry=r)
+        self.cache_lookups = Counter("deepwell_engine_cache_lookups", "Prefix-cache lookups at admission, by result",
+                                     labels + ["result"], registry=r)
+        self.cache_entries = Gauge("deepwell_engine_cache_entries", "Prefix-cache entries, by tier",
+                                   labels + ["tier"], registry=r)
+        self.cache_bytes = Gauge("deepwell_engine_cache_bytes", "Bytes only prefix-cache entries hold (KV pages "
+                                 "and state images), by tier", labels + ["tier"], registry=r)
+        self.cache_created = Counter("deepwell_engine_cache_entries_created", "Prefix-cache entries created, by "
+                                     "kind (exec: an ended sequence; turn / prefix: a checkpoint)",
+                                     labels + ["kind"], registry=r)
+        self.cache_skipped = Counter("deepwell_engine_cache_checkpoints_skipped", "Checkpoints not kept: no state "
+                                     "slot for the image", labels, registry=r)
+        self.cache_evictions = Counter("deepwell_engine_cache_evictions", "Prefix-cache entries dropped, by cause",
+                                       labels + ["cause"], registry=r)
+        self._totals: dict[tuple[str, ...], float] = {}
         self.model = model
         self._server: Any = None
 
     def set_kv_calibration(self, cal: Any) -> None:
-        """Export a ``kv_calibration.KVCalibration``."""
+        """Export a ``kv.calibration.KVCalibration``."""
         m = self.model
         for kv, counts in ((0, cal.k), (1, cal.v)):
             name = "kv"[kv]
@@ -111,7 +139,7 @@ class EngineMetrics(StepObserver):
             self.kv_k_rotated.labels(m, name).set(count)
 
     def set_kv_kernel_check(self, check: Any) -> None:
-        """Export a ``kv_selfcheck.KVKernelCheck`` (the start-up check of the device's KV kernels)."""
+        """Export a ``kv.selfcheck.KVKernelCheck`` (the start-up check of the device's KV kernels)."""
         m = self.model
         for kernel in ("gluon", "triton"):
             self.kv_append_kernel.labels(m, kernel).set(int(check.append_kernel == kernel))
@@ -141,6 +169,28 @@ class EngineMetrics(StepObserver):
             self.prefilled.labels(m).inc(prefilled)
         if decoded:
             self.decoded.labels(m).inc(decoded)
+        c = snap.cache
+        if c is not None:
+            self.cache_entries.labels(m, "resident").set(snap.cache_entries)
+            self.cache_bytes.labels(m, "resident").set(snap.cache_bytes)
+            for level, n in c.hit_tokens.items():
+                self._advance(self.cache_hit_tokens, n, level)
+            self._advance(self.cache_lookups, c.hits, "hit")
+            self._advance(self.cache_lookups, c.lookups - c.hits, "miss")
+            for kind, n in c.inserted.items():
+                self._advance(self.cache_created, n, kind)
+            for cause, n in c.evictions.items():
+                self._advance(self.cache_evictions, n, cause)
+            self._advance(self.cache_skipped, c.checkpoints_skipped)
+
+    def _advance(self, counter: Counter, total: float, *labels: str) -> None:
+        """Move ``counter{labels}`` up to the running ``total`` the engine keeps."""
+        key = (str(id(counter)), *labels)
+        delta = total - self._totals.get(key, 0)
+        child = counter.labels(self.model, *labels)
+        if delta > 0:
+            child.inc(delta)
+            self._totals[key] = total
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model).observe(ttft_s)

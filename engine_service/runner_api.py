@@ -16,11 +16,12 @@ Memory model
 - Recurrent (Gated DeltaNet) layers keep conv + recurrent state per *state slot*; the
   scheduler assigns one slot per running sequence. A sequence's state in its slot always
   corresponds to exactly ``start`` tokens (its computed tokens).
-- Snapshots: after a step whose slice ended exactly at a position ``p`` the scheduler may
-  call ``snapshot_state(slot)``; ``restore_state(slot, snap)`` later puts the recurrent
-  state back to position ``p``; attention KV for positions ``< p`` is untouched by later
-  steps, so truncating the block table to ``p`` and restoring the snapshot resumes at
-  ``p`` exactly as if the sequence had stopped there.
+- State images: ``copy_state(src, dst)`` makes slot ``dst`` a bit-exact copy of ``src``. After
+  a step whose slice ended exactly at a position ``p`` the engine copies the sequence's slot
+  into an image slot; copying the image back into a slot later resumes at ``p`` exactly as
+  if the sequence had stopped there (attention KV for positions ``< p`` is never rewritten).
+- ``copy_pages(src, dst)`` copies whole KV pages (every attention layer): a sequence resuming
+  from a cut inside a shared page gets its own copy of that page before it writes there.
 """
 
 from __future__ import annotations
@@ -71,12 +72,6 @@ class MemorySpec:
         return self.num_recurrent_layers > 0
 
 
-class StateSnapshot(Protocol):
-    """Opaque copy of one slot's recurrent state (conv + recurrent, every GDN layer)."""
-
-    position: int
-
-
 class ModelRunner(Protocol):
     """What the scheduler needs from the model side."""
 
@@ -101,10 +96,10 @@ class ModelRunner(Protocol):
     def reset_state(self, slot: int) -> None:
         """Zero a state slot before a new sequence starts in it."""
 
-    def snapshot_state(self, slot: int, position: int) -> StateSnapshot: ...
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        """Slot ``dst_slot`` becomes a bit-exact copy of ``src_slot`` (no-op without state)."""
 
-    def restore_state(self, slot: int, snapshot: StateSnapshot) -> None: ...
-
-    def copy_state(self, src_slot: int, dst_slot: int) -> None: ...
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """KV pages ``dst[i]`` become byte copies of ``src[i]`` in every attention layer."""
 
 

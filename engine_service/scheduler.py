@@ -2,30 +2,38 @@
 
 The rule: every running request catches its ``num_computed`` up to its token count
 (prompt + generated) within a per-step token budget. A prompt is therefore prefilled in
-chunks, a decode is a 1-token catch-up, and both share steps (continuous batching).
+chunks, a decode is a 1-token catch-up, both share steps (continuous batching), and a
+request admitted with a prefix-cache hit simply starts at ``num_computed = r``.
 
 Each ``schedule()``:
 1. Requests whose deadline passed finish with ``deadline``.
 2. Running requests take ``min(missing tokens, budget left, chunk_tokens)``: first those one token
    behind (decodes, so a long prefill never delays them), then the rest, each group in
    admission order.
-   When a request needs a new KV page and none is free, the lowest-priority, most recently
-   admitted other running request is preempted (its pages and slot freed, its tokens kept;
-   it waits at its original place and is recomputed later); if there is no other, the
-   request itself is preempted.
+   When a request needs a new KV page and none is free, cache entries are evicted (LRU);
+   if that is not enough, the lowest-priority, most recently admitted other running request
+   is preempted (it ends like a finished one: kept as a cache entry, its tokens kept; it waits
+   at its original place and resumes from the cache or is recomputed); if there is no other,
+   the request itself is preempted.
 3. If nothing was preempted, waiting requests (highest priority first, then arrival) are
-   admitted while ``len(running) < max_concurrency``, budget remains and memory allows:
-   a state slot (hybrid models) and pages for *all* of its current tokens, allocated at
-   admission so its prefill chunks never run short. The queue is head-of-line: a request
-   that does not fit yet blocks those behind it (no starvation of long prompts).
-4. A slice never crosses the request's ``turn_boundary``: it is cut to end exactly there
-   and marked ``snapshot`` so the engine snapshots the recurrent state at that position.
-   A slice needs logits only when it ends at the request's last token.
+   admitted while ``len(running) < max_concurrency``, budget remains and memory allows. With
+   a prefix cache (``cache.resident.PrefixCache``) the request's prompt is looked up first; a
+   hit gives it the entry's pages by reference and a ``Restore`` (state image, copy-on-write
+   page) the engine performs before the step. It then needs a state slot (hybrid models) and
+   pages for *all* of its current tokens beyond the shared ones, allocated at admission so
+   its prefill chunks never run short (evicting cache entries to make room). The queue is
+   head-of-line: a request that does not fit yet blocks those behind it.
+4. A slice never crosses the request's ``turn_boundary`` or ``prefix_boundary``: it is cut to
+   end exactly there and carries a ``Checkpoint`` (with a state slot reserved for the image on
+   hybrid models) so the engine copies the state there and the cache keeps the prefix as an
+   entry. A slice needs logits only when it ends at the request's last token.
 
-``update(plan, tokens)`` advances ``num_computed``, appends each sampled token and applies
-the stop rules (stop ids, EOS unless ``ignore_eos``, ``max_tokens``). Stop tokens count as
-generated but are reported as ``stop_token_id`` rather than streamed. ``cancel`` frees a
-request's memory at once, waiting or running.
+``update(plan, tokens)`` (after the engine ran the step and made its copies) hands the
+checkpoints to the cache, drops the copy pins, advances ``num_computed``, appends each
+sampled token and applies the stop rules (stop ids, EOS unless ``ignore_eos``,
+``max_tokens``). Stop tokens count as generated but are reported as ``stop_token_id``
+rather than streamed. ``cancel`` ends a request at once, waiting or running; a running one's
+memory goes to the cache (``retain``) or is freed.
 
 Invariants: a request is in exactly one of ``waiting`` / ``running`` / finished; a running
 request holds a state slot (when slots are used) and pages for every token it holds; the
@@ -38,11 +46,13 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from engine_service.block_manager import BlockManager, OutOfPages, pages_for
+from engine_service.cache.index import Ledger
+from engine_service.cache.resident import Hit, Kind, Level, PrefixCache, Restore
 
 if TYPE_CHECKING:
     from engine_service.sampling import SamplingParams
@@ -77,6 +87,9 @@ class Request:
     eos_ids: frozenset[int] = frozenset()
     turn_boundary: int | None = None
     priority: int = 0
+    prefix_boundary: int | None = None  # end of the shared system-and-tools block
+    scope: bytes = b""  # cache identity besides the tokens: tenant + metadata digest (cache.index.scope_key)
+    session: str = ""  # session key, tenant-namespaced
     deadline: float | None = None  # time.monotonic() value
     arrival: float = field(default_factory=time.monotonic)
     # engine-side attachments (generator, event sink); the scheduler never reads them
@@ -91,7 +104,10 @@ class Request:
     seq_no: int = field(init=False, default=0)
     ever_admitted: bool = field(init=False, default=False)
     num_preemptions: int = field(init=False, default=0)
-    checkpoint_position: int | None = field(init=False, default=None)
+    checkpoints: set[int] = field(init=False, default_factory=set)  # positions already kept as entries
+    ledger: Ledger | None = field(init=False, default=None)  # the prompt prepared for lookups
+    cache_hits: dict[str, int] = field(init=False, default_factory=dict)  # at first admission, by Level value
+    anchor: bool = field(init=False, default=True)  # its checkpoints do not extend its conversation's latest
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -110,6 +126,15 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """Keep the request's first ``position`` tokens as a cache entry after the step."""
+
+    kind: Kind
+    position: int
+    image_slot: int  # the slot the engine copies the state into (-1: attention-only)
+
+
+@dataclass(frozen=True)
 class Slice:
     """One request's part of a step."""
 
@@ -117,8 +142,9 @@ class Slice:
     start: int
     num_tokens: int
     need_logits: bool
-    new_seq: bool  # first slice after (re)admission: the engine resets the state slot
-    snapshot: bool  # ends at the turn boundary: snapshot the state after the step
+    new_seq: bool  # first slice after (re)admission: the engine resets (or restores) the state slot
+    restore: Restore | None = None  # new_seq from a cache hit: the copies to make first
+    checkpoint: Checkpoint | None = None  # ends at a boundary: the state image to take after the step
 
 
 @dataclass
@@ -142,13 +168,14 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, blocks: BlockManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cache: PrefixCache | None = None) -> None:
         if (limits.max_concurrency < 1 or limits.token_budget < 1 or limits.queue_size < 0
                 or limits.chunk_tokens < 0):
             raise ValueError(f"bad scheduler limits {limits}")
         self.limits = limits
         self.blocks = blocks
         self.clock = clock
+        self.cache = cache
         self.running: list[Request] = []
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (-priority, seq_no, req)
         self._by_id: dict[str, Request] = {}
@@ -186,8 +213,10 @@ class Scheduler:
         if need > self.blocks.num_pages:
             raise ValueError(f"request needs {need} KV pages ({req.num_tokens} + {req.max_tokens} tokens) "
                              f"but the pool has {self.blocks.num_pages} pages in total")
-        if req.turn_boundary is not None and not (0 < req.turn_boundary <= len(req.prompt_ids)):
-            raise ValueError(f"turn_boundary {req.turn_boundary} outside the prompt (1..{len(req.prompt_ids)})")
+        n = len(req.prompt_ids)
+        for name, b in (("turn_boundary", req.turn_boundary), ("prefix_boundary", req.prefix_boundary)):
+            if b is not None and not (0 < b <= n):
+                raise ValueError(f"{name} {b} outside the prompt (1..{n})")
         if len(self._waiting) >= self.limits.queue_size:
             raise QueueFull(f"waiting queue is full ({self.limits.queue_size} requests); retry later")
         req.seq_no = next(self._seq)
@@ -195,12 +224,14 @@ class Scheduler:
         heapq.heappush(self._waiting, (-req.priority, req.seq_no, req))
         self._by_id[req.request_id] = req
 
-    def cancel(self, request_id: str, reason: Finish = Finish.CANCELLED, error: str = "") -> Request | None:
-        """Finish a waiting or running request now, freeing its memory; None if unknown."""
+    def cancel(self, request_id: str, reason: Finish = Finish.CANCELLED, error: str = "",
+               retain: bool = True) -> Request | None:
+        """Finish a waiting or running request now; a running one's memory goes to the cache
+        (``retain``: its state is consistent, not in the middle of a step) or is freed."""
         req = self._by_id.get(request_id)
         if req is None:
             return None
-        self._finish(req, reason, error=error)
+        self._finish(req, reason, error=error, retain=retain)
         return req
 
     def expire(self) -> list[Request]:
@@ -229,27 +260,65 @@ class Scheduler:
             if not self._grow(req, req.num_computed + n, slices, preempted):
                 continue  # req itself was preempted
             slices.append(self._slice(req, n, new_seq=False))
-            budget -= n
         budget = self.limits.token_budget - sum(s.num_tokens for s in slices)
         if not preempted:
             while (self._waiting and budget > 0 and len(self.running) < self.limits.max_concurrency):
                 req = self._waiting[0][2]
-                if not self.blocks.can_admit(req.num_tokens):
+                admitted = self._admit(req)
+                if admitted is None:
                     break
                 heapq.heappop(self._waiting)
-                self.blocks.add(req.request_id)
-                self.blocks.ensure(req.request_id, req.num_tokens)
-                req.status = Status.RUNNING
-                req.num_computed = 0
-                req.ever_admitted = True
-                self.running.append(req)
                 n = self._slice_len(req, budget)
-                slices.append(self._slice(req, n, new_seq=True))
+                slices.append(self._slice(req, n, new_seq=True, restore=admitted))
                 budget -= n
         return StepPlan(slices=slices, preempted=preempted)
 
+    def _admit(self, req: Request) -> Restore | None:
+        """Place ``req`` (reusing a cached prefix when there is one); None when it does not fit yet."""
+        hit = self._lookup(req)
+        shared = hit.tokens // self.blocks.page_size if hit is not None else 0
+        pages = pages_for(req.num_tokens, self.blocks.page_size) - shared
+        slots = 1 if self.blocks.uses_slots else 0
+        if not self._room(pages, slots, hit):
+            return None
+        self.blocks.add(req.request_id)
+        restore = Restore()
+        start = 0
+        if hit is not None:
+            assert self.cache is not None
+            restore = self.cache.adopt(hit, req.request_id)
+            start = hit.tokens
+        self.blocks.ensure(req.request_id, req.num_tokens)
+        if restore.copy_page is not None:  # the request's own page for the positions after the cut
+            dst = self.blocks.block_table(req.request_id)[start // self.blocks.page_size]
+            restore = replace(restore, copy_page=(restore.copy_page[0], dst))
+        req.status = Status.RUNNING
+        req.num_computed = start
+        if not req.ever_admitted:
+            req.cache_hits = {hit.level.value: hit.tokens} if hit is not None else {}
+            req.anchor = hit is None or hit.level is Level.SHARED_PREFIX or hit.branch
+        req.ever_admitted = True
+        self.running.append(req)
+        return restore
+
+    def _lookup(self, req: Request) -> Hit | None:
+        if self.cache is None:
+            return None
+        if req.ledger is None:  # once per request: a prompt waiting head-of-line is looked up every step
+            req.ledger = Ledger.of(req.scope, req.prompt_ids, self.blocks.page_size)
+        ledger = req.ledger
+        if req.num_tokens > len(req.prompt_ids):  # preempted after generating: its generated tokens too
+            ledger = Ledger.of(req.scope, req.tokens, self.blocks.page_size, ledger.digests)
+        return self.cache.lookup(ledger, req.scope, req.session)
+
+    def _room(self, pages: int, slots: int, hit: Hit | None = None) -> bool:
+        if self.cache is not None:
+            return self.cache.room(pages, slots, hit.entry if hit is not None else None)
+        return self.blocks.free_pages >= pages and self.blocks.free_slots >= slots
+
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Apply a finished step: ``sampled`` maps request id -> token for slices with logits.
+        """Apply a step the engine ran (forward, then the restores' and checkpoints' copies):
+        ``sampled`` maps request id -> token for slices with logits.
 
         Returns the requests that finished in this step.
         """
@@ -257,10 +326,12 @@ class Scheduler:
         for s in plan.slices:
             req = s.request
             if req.status is not Status.RUNNING:
-                continue  # cancelled while the step ran
+                continue  # cancelled while the step ran (its pins went with its memory)
+            if s.checkpoint is not None:
+                self._keep_checkpoint(req, s.checkpoint)
+            if s.restore is not None or s.checkpoint is not None:
+                self.blocks.unpin(req.request_id)
             req.num_computed += s.num_tokens
-            if s.snapshot:
-                req.checkpoint_position = s.start + s.num_tokens
             if not s.need_logits:
                 continue
             tok = sampled[req.request_id]
@@ -270,6 +341,16 @@ class Scheduler:
                 self._finish(req, reason)
                 finished.append(req)
         return finished
+
+    def _keep_checkpoint(self, req: Request, cp: Checkpoint) -> None:
+        req.checkpoints.add(cp.position)
+        if self.cache is None:
+            return
+        assert req.ledger is not None  # looked up at admission
+        ps = self.blocks.page_size
+        ledger = Ledger(req.ledger.tokens[:cp.position], req.ledger.digests[:cp.position // ps])
+        self.cache.checkpoint(req.request_id, ledger, cp.kind, req.scope, req.session, cp.image_slot,
+                              anchor=req.anchor)
 
     def fail(self, request_id: str, error: str) -> Request | None:
         return self.cancel(request_id, Finish.ERROR, error=error)
@@ -281,28 +362,50 @@ class Scheduler:
         return reqs
 
     # -- helpers -------------------------------------------------------------------------
+    def _boundaries(self, req: Request) -> tuple[int, ...]:
+        return tuple(b for b in (req.turn_boundary, req.prefix_boundary) if b is not None)
+
     def _slice_len(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed, budget)
         if self.limits.chunk_tokens:
             n = min(n, self.limits.chunk_tokens)
-        tb = req.turn_boundary
-        if tb is not None and req.num_computed < tb < req.num_computed + n:
-            n = tb - req.num_computed
+        for b in self._boundaries(req):
+            if req.num_computed < b < req.num_computed + n:
+                n = b - req.num_computed
         return n
 
-    def _slice(self, req: Request, n: int, new_seq: bool) -> Slice:
+    def _slice(self, req: Request, n: int, new_seq: bool, restore: Restore | None = None) -> Slice:
         end = req.num_computed + n
-        tb = req.turn_boundary
         return Slice(request=req, start=req.num_computed, num_tokens=n, need_logits=end == req.num_tokens,
-                     new_seq=new_seq, snapshot=tb is not None and end == tb and req.checkpoint_position is None)
+                     new_seq=new_seq, restore=restore if restore is not None and restore != Restore() else None,
+                     checkpoint=self._checkpoint_at(req, end))
+
+    def _checkpoint_at(self, req: Request, end: int) -> Checkpoint | None:
+        """A checkpoint when the slice ends at a boundary not kept yet (with a state slot
+        reserved for the image on hybrid models; none when no slot can be had)."""
+        if self.cache is None or end in req.checkpoints or end not in self._boundaries(req):
+            return None
+        kind = Kind.TURN if end == req.turn_boundary else Kind.PREFIX
+        slot = -1
+        if self.blocks.uses_slots:
+            if self.blocks.free_slots == 0:
+                self.cache.room(0, 1)
+            got = self.blocks.take_slot(req.request_id)
+            if got is None:
+                self.cache.counters.checkpoints_skipped += 1
+                return None
+            slot = got
+        return Checkpoint(kind, end, slot)
 
     def _grow(self, req: Request, num_tokens: int, slices: list[Slice], preempted: list[Request]) -> bool:
-        """Make ``req`` hold pages for ``num_tokens``, preempting others if needed."""
+        """Make ``req`` hold pages for ``num_tokens``, evicting cache entries, then preempting others."""
         while True:
             try:
                 self.blocks.ensure(req.request_id, num_tokens)
                 return True
             except OutOfPages:
+                if self._room(self.blocks.extra_pages_needed(req.request_id, num_tokens), 0):
+                    continue
                 victim = self._pick_victim(exclude=req)
                 if victim is None:
                     self._preempt(req)
@@ -322,13 +425,25 @@ class Scheduler:
         return min(others, key=lambda r: (r.priority, -r.seq_no))
 
     def _preempt(self, req: Request) -> None:
+        """Back to the queue at its place; what it computed stays in the cache while room allows."""
         self.running.remove(req)
-        self.blocks.free(req.request_id)
+        self._release(req, retain=True)
         req.status = Status.WAITING
         req.num_computed = 0
-        req.checkpoint_position = None
         req.num_preemptions += 1
         heapq.heappush(self._waiting, (-req.priority, req.seq_no, req))
+
+    def _release(self, req: Request, retain: bool) -> None:
+        if self.cache is None or not retain or req.ledger is None:
+            self.blocks.free(req.request_id)
+            return
+        ledger = req.ledger
+        if req.num_computed > len(ledger):
+            ledger = Ledger.of(req.scope, req.tokens[:req.num_computed], self.blocks.page_size, ledger.digests)
+        else:
+            ps = self.blocks.page_size
+            ledger = Ledger(ledger.tokens[:req.num_computed], ledger.digests[:req.num_computed // ps])
+        self.cache.retire(req.request_id, ledger, req.scope, req.session)
 
     def _stop_reason(self, req: Request, tok: int) -> Finish | None:
         p = req.params
@@ -340,10 +455,10 @@ class Scheduler:
             return Finish.LENGTH
         return None
 
-    def _finish(self, req: Request, reason: Finish, error: str = "") -> None:
+    def _finish(self, req: Request, reason: Finish, error: str = "", retain: bool = True) -> None:
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self.blocks.free(req.request_id)
+            self._release(req, retain=retain and reason is not Finish.ERROR)
         elif req.status is Status.WAITING:
             self._waiting = [e for e in self._waiting if e[2] is not req]
             heapq.heapify(self._waiting)
@@ -351,4 +466,3 @@ class Scheduler:
         req.finish = reason
         req.error = error
         self._by_id.pop(req.request_id, None)
-

@@ -7,7 +7,11 @@ Contract (see ``protos/deepwell/engine/v1/engine.proto``):
   cancel, disconnect, deadline) the request is cancelled and its memory freed at once.
 - ``Cancel`` cancels by request id. ``GetModelInfo`` describes the model and lists its
   files; ``ReadModelFile`` streams one in chunks of at most ``FILE_CHUNK_BYTES``.
-- ``Stats`` reports the engine's counters and pools.
+- ``Stats`` reports the engine's counters and pools, the prefix cache's resident entries and
+  the prompt tokens served from each reuse level so far (``cached_total``).
+- ``Admitted.cached`` and ``Usage.cached`` carry the request's prompt tokens served from each
+  reuse level (its first admission; the request's ``tenant`` and ``prompt_metadata_digest`` scope
+  its cache identity, ``session_key`` names its conversation, ``prefix_boundary`` its shared block).
 - Events cross from the engine thread to the asyncio loop only through
   ``loop.call_soon_threadsafe``; no handler blocks the loop on the model.
 """
@@ -141,10 +145,15 @@ def params_to_proto(p: SamplingParams) -> engine_pb2.SamplingParams:
                                      repetition_penalty=p.repetition_penalty)
 
 
+def cache_hits(cached: Mapping[str, int]) -> engine_pb2.CacheHits:
+    """``CacheHits`` from tokens by level name (the field names)."""
+    return engine_pb2.CacheHits(**{k: v for k, v in cached.items() if v})
+
+
 def event_to_proto(ev: Event) -> engine_pb2.GenerateResponse:
     if isinstance(ev, AdmittedEvent):
         return engine_pb2.GenerateResponse(admitted=engine_pb2.Admitted(
-            request_id=ev.request_id, prompt_tokens=ev.prompt_tokens, cached=engine_pb2.CacheHits(),
+            request_id=ev.request_id, prompt_tokens=ev.prompt_tokens, cached=cache_hits(ev.cached),
             max_tokens=ev.max_tokens))
     if isinstance(ev, TokensEvent):
         chunk = engine_pb2.TokenChunk(token_ids=ev.token_ids)
@@ -156,7 +165,7 @@ def event_to_proto(ev: Event) -> engine_pb2.GenerateResponse:
     fin = engine_pb2.Finished(
         reason=_REASONS[ev.reason],
         usage=engine_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
-                               cached=engine_pb2.CacheHits()),
+                               cached=cache_hits(ev.cached)),
         timings=engine_pb2.Timings(queue_ms=ev.queue_ms, prefill_ms=ev.prefill_ms, decode_ms=ev.decode_ms,
                                    ttft_ms=ev.ttft_ms),
         error=ev.error)
@@ -189,7 +198,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             req = self.core.make_request(
                 list(request.prompt_token_ids), params, request_id=request.request_id,
                 turn_boundary=request.turn_boundary if request.HasField("turn_boundary") else None,
-                priority=request.priority, timeout_s=remaining, sink=sink)
+                prefix_boundary=request.prefix_boundary if request.HasField("prefix_boundary") else None,
+                priority=request.priority, timeout_s=remaining, sink=sink, tenant=request.tenant,
+                session_key=request.session_key, metadata_digest=request.prompt_metadata_digest)
             self.engine.submit(req)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -199,13 +210,18 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             return
         done = False
         log.info("request_queued", request_id=req.request_id, prompt_tokens=len(req.prompt_ids),
-                 max_tokens=req.max_tokens)
+                 max_tokens=req.max_tokens, session=req.session or None)
         try:
             while not done:
                 ev = await events.get()
                 done = isinstance(ev, FinishedEvent)
-                if done and ev.reason is Finish.ERROR:  # type: ignore[union-attr]
-                    log.error("request_failed", request_id=req.request_id, error=ev.error)  # type: ignore[union-attr]
+                if isinstance(ev, FinishedEvent):
+                    if ev.reason is Finish.ERROR:
+                        log.error("request_failed", request_id=req.request_id, error=ev.error)
+                    log.info("request_finished", request_id=req.request_id, reason=ev.reason.value,
+                             prompt_tokens=ev.prompt_tokens, cached_tokens=sum(ev.cached.values()),
+                             cached=ev.cached or None, completion_tokens=ev.completion_tokens,
+                             ttft_ms=round(ev.ttft_ms, 1), prefill_ms=round(ev.prefill_ms, 1))
                 yield event_to_proto(ev)
         finally:
             if not done:
@@ -243,8 +259,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             kv_pages_used=s.kv_pages_used, kv_pages_total=s.kv_pages_total,
             state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total,
             tokens_prefilled=s.tokens_prefilled, tokens_decoded=s.tokens_decoded,
-            requests_finished=s.requests_finished, cached_total=engine_pb2.CacheHits(), uptime_s=s.uptime_s,
-            device=self.device)
+            requests_finished=s.requests_finished,
+            cached_total=cache_hits(s.cache.hit_tokens) if s.cache is not None else engine_pb2.CacheHits(),
+            uptime_s=s.uptime_s, device=self.device, cache_entries=s.cache_entries, cache_pages=s.cache_pages,
+            cache_state_slots=s.cache_slots)
 
 
 def build_model_info(*, model_id: str, architecture: str, model_type: str, core: Any, kv_dtype: str,

@@ -230,7 +230,7 @@ class TritonBackend:
         self.prefill_workspace_bytes = prefill_workspace_bytes
         # which append kernel serves (``kv_append.triton_kernel.append``'s ``impl``): "auto" the
         # Gluon one where it applies; the engine's start-up check sets "triton" when the Gluon
-        # kernel's bytes differ from the reference codec's (``engine_service.kv_selfcheck``)
+        # kernel's bytes differ from the reference codec's (``engine_service.kv.selfcheck``)
         self.append_impl = append_impl
         self._budgets: dict[int, int] = {}  # CUDA device index -> workspace bytes (``_workspace_budget``)
 

@@ -39,7 +39,7 @@ queries see it: K encoded exactly as the append would (in its rotation, with or 
 query-weighted rounding), and its error ``e`` weighed by the queries' mean block products,
 ``sum e_b^T C_b e_b`` over keys and 16-blocks. Computed in each candidate basis it chooses how a
 layer's K is Hadamard-rotated: as a whole, per 16-element block, or not at all
-(``engine_service.kv_calibration``, ``--kv-hadamard layer``).
+(``engine_service.kv.calibration``, ``--kv-hadamard layer``).
 """
 
 from __future__ import annotations

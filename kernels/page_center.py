@@ -30,7 +30,7 @@ unrotated query) plus ``q . mu`` over the unrotated channels, the same for every
 softmax cancels and the kernels therefore leave out.
 
 Page 0 may have a center of its own, ``sink`` fp32 ``[Hkv, d]`` (every channel): the key of the
-chat template's first token at position 0, calibrated once (``engine_service.kv_calibration``).
+chat template's first token at position 0, calibrated once (``engine_service.kv.calibration``).
 A sequence's position 0 is an attention sink whatever its token, and its key is much the same
 for any token there, so centering page 0 on that key leaves the sink's residual near zero — and
 exactly zero for a sequence that starts with that token (every chat request); the screening

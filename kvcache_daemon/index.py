@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DIGEST_BYTES = 16
+from deepwell.ledger import DIGEST_BYTES, chain_digests, common_prefix
+
+__all__ = ["DIGEST_BYTES", "common_prefix", "page_digests", "scope_key", "usable_prefix", "MatchIndex"]
 
 
 def scope_key(tenant: str, model_fingerprint: bytes, metadata_digest: bytes) -> bytes:
@@ -34,24 +36,7 @@ def scope_key(tenant: str, model_fingerprint: bytes, metadata_digest: bytes) -> 
 
 def page_digests(scope: bytes, tokens: np.ndarray, page_tokens: int) -> list[bytes]:
     """Chained digests of every full page: d_i = H(d_{i-1} || page_i), d_{-1} = scope."""
-    out: list[bytes] = []
-    prev = scope
-    raw = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
-    step = page_tokens * 4
-    for i in range(len(tokens) // page_tokens):
-        h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
-        h.update(raw[i * step:(i + 1) * step])
-        prev = h.digest()
-        out.append(prev)
-    return out
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
+    return chain_digests(scope, tokens, page_tokens)
 
 
 def usable_prefix(entry_tokens: np.ndarray, frontier: int, requires_state: bool, prompt: np.ndarray) -> int:

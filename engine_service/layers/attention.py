@@ -9,8 +9,8 @@ Invariant: the new tokens' K/V are written to their pool rows *before* attention
 a sequence's queries see positions ``[0, start + i]`` from the pool only.
 
 Where K/V live is the ``AttentionKV`` the decoder hands in for this layer: the float pool
-(``memory.FloatLayerKV``: gather + reference attention) or a quantized paged cache
-(``kv_quant.QuantLayerKV``: ``kernels.backend`` append + decode/varlen prefill attention).
+(``kv.float_pool.FloatLayerKV``: gather + reference attention) or a quantized paged cache
+(``kv.quant_pool.QuantLayerKV``: ``kernels.backend`` append + decode/varlen prefill attention).
 Both get Q and K after RoPE (and q/k norm) and return ``[T, Hq, D]`` in q's dtype.
 """
 

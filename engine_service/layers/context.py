@@ -10,7 +10,7 @@ Single-token slices (decode) are also gathered into a ``DecodeGroup`` so layers 
 them as one batched op: their batch rows, state slots, and the KV gather index padded to
 the longest context (``lengths`` masks the padding).
 
-With a quantized KV store (``engine_service.kv_quant``) the runner fills ``PageTables``
+With a quantized KV store (``engine_service.kv.quant_pool``) the runner fills ``PageTables``
 instead of gather indices: int32 block tables ``[B, max_pages]`` (padded with page 0) and
 int32 context lengths ``[B]`` (cached tokens *including* the new ones), for the
 multi-token slices (``StepContext.prefill``, one varlen kernel call) and the decode group

@@ -21,7 +21,8 @@ from engine_service.layers.mlp import SwiGLU, linear
 from engine_service.layers.moe import SparseMoE
 from engine_service.layers.norm import RMSNorm
 from engine_service.layers.rope import RotaryEmbedding
-from engine_service.memory import KVPool, StatePool
+from engine_service.kv.pool import PagePool
+from engine_service.kv.state import StatePool
 from engine_service.models.spec import FULL, ModelArgs
 
 
@@ -105,7 +106,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         ctx: StepContext,
-        kv: KVPool | None,
+        kv: PagePool | None,
         state: StatePool | None,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

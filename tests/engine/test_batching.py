@@ -1,4 +1,7 @@
-"""EngineCore on the FakeRunner: batching invariance, preemption, snapshots, events, errors."""
+"""EngineCore on the FakeRunner: batching invariance, preemption, events, errors.
+
+Ended sequences stay in the prefix cache (on by default): ``drained`` checks that what is
+still held belongs to cache entries only, then drops them and expects an empty pool."""
 
 from __future__ import annotations
 
@@ -17,6 +20,17 @@ GREEDY = SamplingParams(temperature=0.0)
 def core(runner: FakeRunner, num_pages: int = 64, slots: int = 8, conc: int = 8, budget: int = 16,
          queue: int = 16, ctx: int = 256, chunk: int = 0) -> EngineCore:
     return EngineCore(runner, EngineLimits(num_pages, slots, conc, budget, queue, ctx, chunk), eos_ids=())
+
+
+def drained(c: EngineCore) -> None:
+    """Nothing but cache entries holds memory; dropping them empties the pools."""
+    b = c.blocks
+    assert (b.used_pages, b.used_slots) == (b.cached_only_pages, b.cached_only_slots)
+    b.check()
+    if c.cache is not None:
+        c.cache.clear()
+    assert (b.used_pages, b.used_slots) == (0, 0)
+    b.check()
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -69,8 +83,7 @@ def test_concurrent_requests_equal_alone(budget: int, page_size: int, num_pages:
         assert sinks[seed].tokens == greedy_reference(runner, prompt(seed, n), mt)
         assert sinks[seed].finished.reason is Finish.LENGTH
         assert sinks[seed].finished.completion_tokens == mt
-    assert c.blocks.used_pages == 0 and c.blocks.used_slots == 0
-    c.blocks.check()
+    drained(c)
 
 
 def test_preemption_under_pressure_keeps_outputs() -> None:
@@ -110,32 +123,25 @@ def test_seeded_sampling_is_batch_invariant() -> None:
     assert run(True) == run(False)
 
 
-def test_snapshot_at_turn_boundary_then_restore_continues_identically() -> None:
+def test_turn_boundary_checkpoint_serves_a_rewritten_history() -> None:
+    """The chunk is cut at the turn boundary, the state there is copied into an image slot and
+    kept; a later prompt that agrees up to the boundary only resumes there."""
     runner = FakeRunner(page_size=4)
     c = core(runner, budget=6)
     p = prompt(7, 14)
     col = Collector()
-    req = c.make_request(p, SamplingParams(temperature=0.0, max_tokens=20), request_id="t", turn_boundary=9, sink=col)
-    c.submit(req)
-    for _ in range(8):
-        c.step()
-    slot = c.blocks.state_slot("t")
-    assert runner.snapshots == [(slot, 9)]
+    req = c.make_request(p, SamplingParams(temperature=0.0, max_tokens=6), request_id="t", turn_boundary=9, sink=col)
+    drive(c, {0: [req]})
     assert [call[0][1:] for call in runner.forward_calls[:3]] == [(0, 6), (6, 3), (9, 5)]  # cut at 9
-    first = list(req.output_ids)
-    assert len(first) == 6  # the third step ends the prompt and samples; five decodes follow
-    # rewind: truncate the pages to the checkpoint, restore the state, drop what followed
-    with c.lock:
-        pos, snap = c.blocks.rewind_to_checkpoint("t")
-        runner.restore_state(slot, snap)
-        req.num_computed = pos
-        del req.tokens[len(p):]
-        c.blocks.check()
-    for _ in range(12):
-        c.step()
-    assert req.output_ids[: len(first)] == first
-    assert req.output_ids == greedy_reference(runner, p, 12)
-    assert col.tokens[:6] == first  # (the stream is the client's; the rewind here is bookkeeping only)
+    assert runner.state_copies[0][2] == 9  # the image at the boundary
+    assert col.tokens == greedy_reference(runner, p, 6)
+    rewritten = p[:9] + [50, 51, 52]
+    again = Collector()
+    drive(c, {0: [c.make_request(rewritten, SamplingParams(temperature=0.0, max_tokens=4), sink=again)]})
+    assert again.finished.cached == {"resident_checkpoint": 9}
+    assert runner.forward_calls[-4][0][1:] == (9, 3)  # only the rewritten tokens were computed
+    assert again.tokens == greedy_reference(runner, rewritten, 4)
+    drained(c)
 
 
 def test_event_sequence_and_usage() -> None:
@@ -190,7 +196,8 @@ def test_non_finite_logits_fail_only_that_request() -> None:
     drive(c, {})
     assert bad.finished.reason is Finish.ERROR and bad.finished.error == "internal error: model produced non-finite logits"
     assert good.finished.reason is Finish.LENGTH and good.tokens == greedy_reference(runner, [1, 2, 3], 3)
-    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)
+    assert c.cache is not None and len(c.cache.entries) == 1  # the failed one is never kept
+    drained(c)
 
 
 def test_bad_input_messages() -> None:
@@ -217,8 +224,9 @@ def test_queue_full() -> None:
         c.submit(c.make_request([2], GREEDY))
 
 
-def test_cancel_emits_finished_once_and_frees() -> None:
-    c = core(FakeRunner(), budget=4)
+def test_cancel_emits_finished_once_and_keeps_the_computed_part() -> None:
+    runner = FakeRunner()
+    c = core(runner, budget=4)
     col = Collector()
     r = c.make_request(prompt(3, 20), GREEDY, sink=col)
     c.submit(r)
@@ -227,7 +235,32 @@ def test_cancel_emits_finished_once_and_frees() -> None:
     assert c.cancel(r.request_id)
     assert not c.cancel(r.request_id)
     assert col.finished.reason is Finish.CANCELLED
-    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)
+    assert c.cache is not None and [len(e) for e in c.cache.entries.values()] == [4]  # the 4 computed tokens
+    resumed = Collector()
+    drive(c, {0: [c.make_request(prompt(3, 20), SamplingParams(temperature=0.0, max_tokens=2), sink=resumed)]})
+    assert resumed.finished.cached == {"resident_frontier": 4}
+    assert resumed.tokens == greedy_reference(runner, prompt(3, 20), 2)
+    drained(c)
+
+
+def test_cancel_during_a_step_keeps_nothing_of_it() -> None:
+    """A request cancelled while its step runs is being written: freed, never kept."""
+    runner = FakeRunner()
+    c = core(runner, budget=4)
+    col = Collector()
+    r = c.make_request(prompt(3, 20), GREEDY, sink=col)
+    c.submit(r)
+    real = runner.forward
+
+    def cancel_inside(batch):
+        c.cancel(r.request_id)
+        return real(batch)
+
+    runner.forward = cancel_inside  # type: ignore[method-assign]
+    c.step()
+    assert col.finished.reason is Finish.CANCELLED
+    assert c.cache is not None and not c.cache.entries
+    drained(c)
 
 
 def test_attention_only_model_uses_no_slots() -> None:
@@ -238,7 +271,8 @@ def test_attention_only_model_uses_no_slots() -> None:
     drive(c, {})
     assert c.blocks.num_state_slots == 0
     assert col.tokens == greedy_reference(runner, prompt(5, 12), 4)
-    assert runner.snapshots == []  # KV-only models need no state snapshot
+    assert runner.state_copies == []  # KV-only models need no state image
+    assert c.cache is not None and {e.kind.value for e in c.cache.entries.values()} == {"turn", "exec"}
 
 _req = st.tuples(st.integers(1, 30), st.integers(1, 8), st.integers(0, 12), st.booleans())  # len, max, arrival, cancel
 
@@ -266,10 +300,10 @@ def test_random_workloads_match_reference(reqs, budget: int, page_size: int, sla
             c.cancel(rid)
         c.step()
         c.blocks.check()
-        assert c.blocks.used_slots == c.scheduler.num_running
+        assert c.blocks.used_slots - c.blocks.cached_only_slots == c.scheduler.num_running
         if not c.has_work() and step > 15:
             break
-    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)
+    drained(c)
     for i, (n, mt, _, _) in enumerate(reqs):
         fin = sinks[i].finished
         ref = greedy_reference(runner, prompt(i, n), mt)
@@ -324,4 +358,4 @@ def test_engine_thread_serves_survives_a_scheduler_bug_and_stops() -> None:
     finally:
         eng.stop()
     assert pending.finished.reason in (Finish.CANCELLED, Finish.LENGTH)
-    assert (c.blocks.used_pages, c.blocks.used_slots) == (0, 0)
+    drained(c)

@@ -1,4 +1,5 @@
-"""Batching invariance and turn-boundary snapshots on the real runner (fp32 greedy, CPU).
+"""Batching invariance on the real runner (fp32 greedy, CPU), prefix cache off (its own
+tests: ``test_prefix_reuse_real.py``).
 
 Tiny random HF models (hybrid qwen3_5 and attention-only llama) and the real SmolLM2 GGUF:
 4 requests with different lengths, token budgets (so different chunkings) and arrival
@@ -30,7 +31,8 @@ def _core(path: Path, budget: int, page_size: int, num_pages: int, device: str =
           dtype: torch.dtype = torch.float32, chunk: int = 0) -> EngineCore:
     runner = build_runner(open_model(path), device=device, dtype=dtype, page_size=page_size)
     return EngineCore(runner, EngineLimits(num_pages=num_pages, num_state_slots=4, max_concurrency=4,
-                                           token_budget=budget, queue_size=8, max_context=512, chunk_tokens=chunk),
+                                           token_budget=budget, queue_size=8, max_context=512, chunk_tokens=chunk,
+                                           prefix_cache=False),
                       eos_ids=())
 
 
@@ -86,29 +88,6 @@ def test_tiny_batching_invariance(tiny_dirs: dict[str, Path], name: str) -> None
     for budget, page_size, pages, chunk in ((7, 8, 64, 0), (32, 16, 64, 5), (13, 4, 40, 0)):
         together = _run(_core(tiny_dirs[name], budget, page_size, pages, chunk=chunk), SPECS)
         assert together == alone, (name, budget, page_size)
-
-
-def test_tiny_hybrid_snapshot_restore_continue(tiny_dirs: dict[str, Path]) -> None:
-    core = _core(tiny_dirs["qwen3_5"], budget=10, page_size=8, num_pages=32)
-    p = _prompt(11, 29, core.runner.vocab_size)
-    req = core.make_request(p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                            request_id="t", turn_boundary=17)
-    core.submit(req)
-    while req.num_output < 6:
-        core.step()
-    first = list(req.output_ids)
-    rid = req.request_id
-    slot = core.blocks.state_slot(rid)
-    with core.lock:  # rewind to the turn-boundary checkpoint and continue
-        pos, snap = core.blocks.rewind_to_checkpoint(rid)
-        assert pos == 17 and snap.position == 17
-        core.runner.restore_state(slot, snap)
-        req.num_computed = pos
-        del req.tokens[len(p):]
-    while req.num_output < 6:
-        core.step()
-    assert req.output_ids == first
-    core.cancel(rid)
 
 
 @pytest.mark.gpu

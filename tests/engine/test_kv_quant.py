@@ -34,10 +34,11 @@ from tokenizers import Tokenizer
 from deepwell import configs
 from engine_service.cli import calibrate_kv, configure, size_pools
 from engine_service.config import ENV_PREFIX, EngineConfig
-from engine_service.kv_calibration import CALIBRATION_TEXT, RANDOM_IDS, KVCalibration, calibration_token_ids
-from engine_service.kv_quant import KVSettingsError, QuantKVPool
+from engine_service.kv.calibration import CALIBRATION_TEXT, RANDOM_IDS, KVCalibration, calibration_token_ids
+from engine_service.kv.quant_pool import KVSettingsError, QuantKVPool
+from engine_service.kv.settings import KVSettings
 from engine_service.loading import open_model
-from engine_service.memory import KVLayout as FloatLayout
+from engine_service.kv.float_pool import KVLayout as FloatLayout
 from engine_service.metrics import EngineMetrics
 from engine_service.runner import TorchModelRunner, build_runner
 from engine_service.runner_api import ForwardBatch, SeqSlice
@@ -79,28 +80,28 @@ def quant_runner(base: TorchModelRunner, kv: str, hadamard: str = "auto", calibr
     is deterministic, so one already computed for the same settings is installed again (its
     scales, offsets and feedback, and ``kv_calibration``) unless ``fresh`` (tests of the
     calibration itself): ~2.5 s per calibration on 2 cores."""
-    r = TorchModelRunner(base.model, CPU, torch.float32, kv, 64, hadamard, kv_center_k=center_k,
-                         kv_k_rounding=k_rounding)
+    r = TorchModelRunner(base.model, CPU, torch.float32,
+                         KVSettings(kv, hadamard=hadamard, center_k=center_k, k_rounding=k_rounding), 64)
     r.allocate(PAGES, 0)
     if calibrate:
         key = (kv, hadamard, "page" if center_k == "auto" and kv in ("fp8", "nvfp4") else center_k, k_rounding, sink)
         if fresh or key not in _CALIBRATED:
             _CALIBRATED[key] = calibrate_kv(smollm2_source(), r, sink=sink)
         elif (cal := _CALIBRATED[key]) is not None:
-            r.set_kv_scales(cal.scales, cal.k_offsets, cal.k_feedback, cal.page_means, cal.sink_keys,
+            r.kv_store.set_scales(cal.scales, cal.k_offsets, cal.k_feedback, cal.page_means, cal.sink_keys,
                             cal.hadamard or None)
-            r.kv_calibration = cal
+            r.kv_store.calibration = cal
     return r
 
 
 def copy_calibration(src: TorchModelRunner, dst: TorchModelRunner) -> None:
     """Install ``src``'s calibrated global scales, K offsets or page means and K feedback (if any)
     and its layers' K rotation in ``dst`` by hand."""
-    offsets, fb, means = src.kv_k_offsets(), src.kv_k_feedback(), src.kv_page_means()
-    sinks = src.kv_sink_keys()
-    dst.set_kv_scales(src.kv_scales(), None if offsets[0] is None else offsets,  # type: ignore[arg-type]
+    offsets, fb, means = src.kv_store.quant_pool().k_offsets(), src.kv_store.quant_pool().k_feedbacks(), src.kv_store.quant_pool().page_means()
+    sinks = src.kv_store.quant_pool().sink_keys()
+    dst.kv_store.set_scales(src.kv_store.quant_pool().scales(), None if offsets[0] is None else offsets,  # type: ignore[arg-type]
                       None if fb[0] is None else fb, None if means[0] is None else means,  # type: ignore[arg-type]
-                      None if sinks[0] is None else sinks, src.kv_hadamard())  # type: ignore[arg-type]
+                      None if sinks[0] is None else sinks, src.kv_store.quant_pool().hadamard())  # type: ignore[arg-type]
 
 
 def greedy(runner: TorchModelRunner, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
@@ -221,22 +222,22 @@ def test_config_accepts_quantized_formats_and_refuses_bad_combinations() -> None
 def test_runner_refuses_what_the_kernels_cannot_hold(smol, tmp_path: Path) -> None:
     base, _ = smol
     with pytest.raises(KVSettingsError, match="needs page_size 64 .* set --page-size 64"):
-        TorchModelRunner(base.model, CPU, torch.float32, "nvfp4", 16)
+        TorchModelRunner(base.model, CPU, torch.float32, KVSettings("nvfp4"), 16)
     with pytest.raises(KVSettingsError, match="kv_hadamard 'on' needs a quantized kv dtype"):
-        TorchModelRunner(base.model, CPU, torch.float32, "bf16", 64, "on")
+        TorchModelRunner(base.model, CPU, torch.float32, KVSettings("bf16", hadamard="on"), 64)
     with pytest.raises(KVSettingsError, match="kv_hadamard 'layer' needs a quantized kv dtype"):
-        TorchModelRunner(base.model, CPU, torch.float32, "bf16", 64, "layer")
+        TorchModelRunner(base.model, CPU, torch.float32, KVSettings("bf16", hadamard="layer"), 64)
     with pytest.raises(KVSettingsError, match="kv_center_k 'on' needs a calibrated kv dtype"):
-        TorchModelRunner(base.model, CPU, torch.float32, "int8", 64, kv_center_k="on")
+        TorchModelRunner(base.model, CPU, torch.float32, KVSettings("int8", center_k="on"), 64)
     with pytest.raises(KVSettingsError, match="kv_k_rounding 'feedback' needs a calibrated kv dtype"):
-        TorchModelRunner(base.model, CPU, torch.float32, "bf16", 64, kv_k_rounding="feedback")
+        TorchModelRunner(base.model, CPU, torch.float32, KVSettings("bf16", k_rounding="feedback"), 64)
     from tests.engine.helpers_models import save_tiny
 
     save_tiny("llama", tmp_path)  # head_dim 16
     with pytest.raises(KVSettingsError, match=r"needs head_dim in \(64, 128, 256\), but this model's is 16"):
         build_runner(open_model(tmp_path), kv_dtype="fp8")
     with pytest.raises(ValueError, match="has no global scales"):
-        base.set_kv_scales([])
+        base.kv_store.set_scales([])
 
 
 def test_bytes_per_page_are_the_true_quantized_bytes(smol) -> None:
@@ -244,10 +245,10 @@ def test_bytes_per_page_are_the_true_quantized_bytes(smol) -> None:
     # 30 layers x (K, V) x 3 KV heads x 64 tokens x bytes per token per head (d = 64)
     per_token = {"fp8": 64, "int8": 68, "nvfp4": 36}
     for kv, b in per_token.items():
-        r = TorchModelRunner(base.model, CPU, torch.float32, kv, 64)
+        r = TorchModelRunner(base.model, CPU, torch.float32, KVSettings(kv), 64)
         assert r.memory_spec().bytes_per_page == 30 * 2 * 3 * 64 * b
         assert r.kv_dtype_name == kv
-    bf16 = TorchModelRunner(base.model, CPU, torch.float32, "bf16", 64)
+    bf16 = TorchModelRunner(base.model, CPU, torch.float32, KVSettings("bf16"), 64)
     assert bf16.memory_spec().bytes_per_page == 30 * 2 * 3 * 64 * 128 and bf16.kv_dtype_name == "bfloat16"
     assert base.kv_dtype_name == "float32"
     # the memory budget holds 3.5x more nvfp4 pages than bf16 at head_dim 256 (Qwen3.5-27B layout)
@@ -285,7 +286,7 @@ def test_generation_is_close_to_the_fp32_pool(smol, fp32_reference, kv: str, had
     base, _ = smol
     ids, ref_tokens, ref_logits = fp32_reference
     r = quant_runner(base, kv, hadamard)
-    assert r.quant_layout is not None and r.quant_layout.hadamard == (kv in ("nvfp4", "fp8") and hadamard == "auto")
+    assert r.kv_spec.quant_layout is not None and r.kv_spec.quant_layout.hadamard == (kv in ("nvfp4", "fp8") and hadamard == "auto")
     tokens, first = greedy(r, ids, 3)  # its own greedy generation runs (the KL below: 8 tokens)
     assert len(tokens) == 3 and all(0 <= t < r.vocab_size for t in tokens)
     assert tokens[0] == ref_tokens[0]
@@ -308,7 +309,7 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     # the built-in text led by the chat template's first token (page 0's sink key)
     assert cal is not None and cal.source == "tokenizer" and cal.tokens == 1 + len(calibration_token_ids(
         smollm2_source().files["tokenizer.json"](), r.vocab_size)[0])
-    scales = r.kv_scales()
+    scales = r.kv_store.quant_pool().scales()
     assert len(scales) == 30 and all(s.shape == (2, 3) for s in scales)
     flat = torch.cat([s.reshape(-1) for s in scales])
     mant, _ = torch.frexp(flat)
@@ -324,15 +325,15 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     from engine_service.layers.rope import inv_freq_and_scale
     from kernels.calibration import stationary_channels
 
-    assert r.kv_center_page and cal.page_means is not None and cal.k_offsets is None
+    assert r.kv_spec.center_page and cal.page_means is not None and cal.k_offsets is None
     if kv != "nvfp4":  # the fixed offset's calibration is the same code for both formats
         return
     r = quant_runner(base, kv, center_k="on")
     cal = r.kv_calibration
-    assert cal is not None and not r.kv_center_page
+    assert cal is not None and not r.kv_spec.center_page
     keep = stationary_channels(inv_freq_and_scale(r.args.rope)[0], 64, r.max_context)
     assert 0 < int(keep.sum()) < 64 and cal.centered_channels == int(keep.sum())
-    offsets = r.kv_k_offsets()
+    offsets = r.kv_store.quant_pool().k_offsets()
     assert cal.k_offsets is not None and len(offsets) == 30
     for got, want in zip(offsets, cal.k_offsets, strict=True):
         assert got is not None and torch.equal(got, want) and got.shape == (3, 64)
@@ -352,8 +353,8 @@ def test_k_centering_off_stores_uncentered_k(smol) -> None:
     base, _ = smol
     off = quant_runner(base, "nvfp4", center_k="off", k_rounding="nearest")
     assert off.kv_calibration is not None and off.kv_calibration.k_offsets is None
-    assert off.kv_calibration.page_means is None and not off.kv_center_page
-    assert off.kv_calibration.centered_channels == 0 and all(o is None for o in off.kv_k_offsets())
+    assert off.kv_calibration.page_means is None and not off.kv_spec.center_page
+    assert off.kv_calibration.centered_channels == 0 and all(o is None for o in off.kv_store.quant_pool().k_offsets())
 
 
 @pytest.mark.slow  # an ablation (~15 s on 2 cores)
@@ -390,8 +391,8 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     ids, ref_tokens, ref_logits = fp32_reference
     page = quant_runner(base, "nvfp4", center_k="page")
     fixed = quant_runner(base, "nvfp4", center_k="on")
-    assert page.kv_center_page and quant_runner(base, "fp8", calibrate=False).kv_center_page  # the default
-    assert not quant_runner(base, "int8", calibrate=False).kv_center_page
+    assert page.kv_spec.center_page and quant_runner(base, "fp8", calibrate=False).kv_spec.center_page  # the default
+    assert not quant_runner(base, "int8", calibrate=False).kv_spec.center_page
     cal, cal_fixed = page.kv_calibration, fixed.kv_calibration
     assert cal is not None and cal_fixed is not None
     assert cal.k_offsets is None and cal.page_means is not None and len(cal.page_means) == 30
@@ -400,8 +401,8 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     assert cal.centered_channels == int(keep.sum()) > int(stationary_channels(inv, 64, page.max_context).sum())
     for mu in cal.page_means:
         assert mu.shape == (3, 64) and bool((mu[:, ~keep] == 0).all()) and bool((mu[:, keep] != 0).any())
-    assert all(o is None for o in page.kv_k_offsets())
-    assert all(torch.equal(a, b) for a, b in zip(page.kv_page_means(), cal.page_means, strict=True))
+    assert all(o is None for o in page.kv_store.quant_pool().k_offsets())
+    assert all(torch.equal(a, b) for a, b in zip(page.kv_store.quant_pool().page_means(), cal.page_means, strict=True))
     assert cal.digest() != cal_fixed.digest()
     from dataclasses import replace
 
@@ -410,7 +411,7 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     assert replace(cal, sink_keys=tuple(t + 1.0 for t in cal.sink_keys)).digest() != cal.digest()
     assert cal.k_energy_removed > 2 * cal_fixed.k_energy_removed > 0
     twin = quant_runner(base, "nvfp4", center_k="page", calibrate=False)
-    twin.set_kv_scales(cal.scales, None, cal.k_feedback, cal.page_means, cal.sink_keys, cal.hadamard)
+    twin.kv_store.set_scales(cal.scales, None, cal.k_feedback, cal.page_means, cal.sink_keys, cal.hadamard)
     got = teacher_forced(twin, ids, ref_tokens[:2])
     want = teacher_forced(page, ids, ref_tokens[:2])
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
@@ -422,8 +423,8 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
 
     assert ids[0] == tok.token_to_id("<|im_start|>")
     assert cal.sink_keys is not None and len(cal.sink_keys) == 30 and cal.sink_keys[0].shape == (3, 64)
-    assert all(torch.equal(a, b) for a, b in zip(page.kv_sink_keys(), cal.sink_keys, strict=True))
-    assert fixed.kv_sink_keys() == [None] * 30 and cal_fixed.sink_keys is None
+    assert all(torch.equal(a, b) for a, b in zip(page.kv_store.quant_pool().sink_keys(), cal.sink_keys, strict=True))
+    assert fixed.kv_store.quant_pool().sink_keys() == [None] * 30 and cal_fixed.sink_keys is None
     assert page.kv is not None
     for i, c in enumerate(page.kv.caches):  # type: ignore[union-attr]
         k, _ = gather(c.data, c.layout, torch.tensor(TABLE), len(ids), c.scales)
@@ -460,28 +461,28 @@ def test_k_rounding_feedback_is_calibrated_and_reproducible(smol, fp32_reference
     ids, ref_tokens, _ = fp32_reference
     near = quant_runner(base, "nvfp4", k_rounding="nearest")
     assert near.kv_calibration is not None and near.kv_calibration.k_feedback is None
-    assert all(f is None for f in near.kv_k_feedback())
+    assert all(f is None for f in near.kv_store.quant_pool().k_feedbacks())
     r = quant_runner(base, "nvfp4")  # auto = feedback (asserted below)
-    assert r.kv_k_rounding_feedback
-    fb = r.kv_k_feedback()
+    assert r.kv_spec.k_feedback
+    fb = r.kv_store.quant_pool().k_feedbacks()
     assert r.kv_calibration is not None and r.kv_calibration.k_feedback is not None
     assert all(f is not None and f.shape == (3, 4, 16, 16) and bool(f.any()) for f in fb)
     assert r.kv_calibration.digest() != near.kv_calibration.digest()
     # the same scales where both chose the same K rotation (the choice depends on the rounding)
-    same = [a == b for a, b in zip(r.kv_hadamard(), near.kv_hadamard(), strict=True)]
-    assert any(same) and all(torch.equal(a, b) for a, b, s in zip(r.kv_scales(), near.kv_scales(), same, strict=True)
+    same = [a == b for a, b in zip(r.kv_store.quant_pool().hadamard(), near.kv_store.quant_pool().hadamard(), strict=True)]
+    assert any(same) and all(torch.equal(a, b) for a, b, s in zip(r.kv_store.quant_pool().scales(), near.kv_store.quant_pool().scales(), same, strict=True)
                              if s)
     tokens, first = greedy(r, ids, 3)
     assert len(tokens) == 3 and all(0 <= t < r.vocab_size for t in tokens)
-    again = TorchModelRunner(base.model, CPU, torch.float32, "nvfp4", 64, kv_k_rounding="feedback")
+    again = TorchModelRunner(base.model, CPU, torch.float32, KVSettings("nvfp4", k_rounding="feedback"), 64)
     again.allocate(PAGES, 0)
     copy_calibration(r, again)
     assert torch.equal(teacher_forced(again, ids, ref_tokens[:1])[0], first)
     assert not torch.equal(teacher_forced(near, ids, ref_tokens[:1])[0], first)  # other K codes
     for kv in ("fp8", "nvfp4"):  # auto = feedback (what calibration then does with it: ``r`` above)
-        assert TorchModelRunner(base.model, CPU, torch.float32, kv, 64).kv_k_rounding_feedback
-    fp8_near = TorchModelRunner(base.model, CPU, torch.float32, "fp8", 64, kv_k_rounding="nearest")
-    assert not fp8_near.kv_k_rounding_feedback
+        assert TorchModelRunner(base.model, CPU, torch.float32, KVSettings(kv), 64).kv_spec.k_feedback
+    fp8_near = TorchModelRunner(base.model, CPU, torch.float32, KVSettings("fp8", k_rounding="nearest"), 64)
+    assert not fp8_near.kv_spec.k_feedback
 
 
 @pytest.mark.parametrize("kv", ["fp8", "nvfp4"])
@@ -494,15 +495,15 @@ def test_feedback_leaves_position_zero_nearest_for_nvfp4(smol, kv: str) -> None:
     embeddings alone) are the same everywhere."""
     base, tok = smol
     fb = quant_runner(base, kv)  # auto = feedback (the default calibration, shared with other tests)
-    assert fb.kv_k_rounding_feedback
-    near = TorchModelRunner(base.model, CPU, torch.float32, kv, 64, kv_k_rounding="nearest")
+    assert fb.kv_spec.k_feedback
+    near = TorchModelRunner(base.model, CPU, torch.float32, KVSettings(kv, k_rounding="nearest"), 64)
     near.allocate(PAGES, 0)
-    near.set_kv_scales(fb.kv_scales(), None, None, fb.kv_page_means(), fb.kv_sink_keys(),  # type: ignore[arg-type]
-                       fb.kv_hadamard())
+    near.kv_store.set_scales(fb.kv_store.quant_pool().scales(), None, None, fb.kv_store.quant_pool().page_means(), fb.kv_store.quant_pool().sink_keys(),  # type: ignore[arg-type]
+                       fb.kv_store.quant_pool().hadamard())
     ids = tok.encode(PROMPT).ids
     for r in (fb, near):
         r.forward(ForwardBatch(torch.tensor(ids), [SeqSlice(-1, TABLE, 0, len(ids))]))
-    lay = fb.quant_layout
+    lay = fb.kv_spec.quant_layout
     assert lay is not None and fb.kv is not None and near.kv is not None
     later_differ = first_differs = False
     for a, b in zip(fb.kv.caches, near.kv.caches, strict=True):  # type: ignore[union-attr]
@@ -547,7 +548,7 @@ def test_served_block_scales_are_counted(smol, kv: str) -> None:
 def test_int8_and_float_pools_skip_calibration(smol) -> None:
     base, _ = smol
     r = quant_runner(base, "int8")
-    assert r.kv_calibration is None and all(bool((s == 1.0).all()) for s in r.kv_scales())
+    assert r.kv_calibration is None and all(bool((s == 1.0).all()) for s in r.kv_store.quant_pool().scales())
     assert calibrate_kv(smollm2_source(), base) is None and base.calibrate_kv([1, 2, 3]) is None
 
 
@@ -564,12 +565,12 @@ def test_k_rotation_is_chosen_per_layer(smol, fp32_reference) -> None:
     for kv in ("fp8", "nvfp4"):
         r = quant_runner(base, kv)
         cal = r.kv_calibration
-        assert r.kv_hadamard_per_layer and cal is not None and cal.rotation_energy is not None
+        assert r.kv_spec.per_layer_rotation and cal is not None and cal.rotation_energy is not None
         assert len(cal.hadamard) == len(cal.rotation_energy) == 30
         sizes = (64, 0, 16) if kv == "nvfp4" else (64, 0)  # fp8: no 16-block rotation (rotation_sizes)
         assert all(tuple(e) == sizes for e in cal.rotation_energy)
         assert list(cal.hadamard) == [min(sizes, key=lambda s, e=e: e[s]) for e in cal.rotation_energy]
-        assert r.kv_hadamard() == list(cal.hadamard) == [c.layout.hadamard_size for c in r.kv.caches]  # type: ignore[union-attr]
+        assert r.kv_store.quant_pool().hadamard() == list(cal.hadamard) == [c.layout.hadamard_size for c in r.kv.caches]  # type: ignore[union-attr]
         # SmolLM2: the first layer unrotated, the others per 16-block (nvfp4) or as a whole (docs/kernels.md)
         counts = {s: cal.layers_rotated(s) for s in sizes}
         assert cal.hadamard[0] == 0 and all(counts.values()), cal.hadamard
@@ -577,7 +578,7 @@ def test_k_rotation_is_chosen_per_layer(smol, fp32_reference) -> None:
         assert cal.kv_format == f"{kv}+hadamard[{names}]"
         assert replace(cal, hadamard=(64,) * 30).digest() != cal.digest()
     on = quant_runner(base, "nvfp4", "on")
-    assert not on.kv_hadamard_per_layer and on.kv_hadamard() == [64] * 30
+    assert not on.kv_spec.per_layer_rotation and on.kv_store.quant_pool().hadamard() == [64] * 30
     assert on.kv_calibration is not None and on.kv_calibration.rotation_energy is None
     assert on.kv_calibration.hadamard == (64,) * 30 and on.kv_calibration.kv_format == "nvfp4+hadamard"
     auto = quant_runner(base, "nvfp4")
@@ -595,9 +596,9 @@ def test_k_rotation_is_chosen_per_layer(smol, fp32_reference) -> None:
         quant_runner(base, "nvfp4", calibrate=False).kv.set_hadamard([True, False])  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="invalid hadamard_block=32"):
         quant_runner(base, "nvfp4", calibrate=False).kv.set_hadamard([32] * 30)  # type: ignore[union-attr]
-    assert TorchModelRunner(base.model, CPU, torch.float32, "int8", 64).quant_layout.hadamard is False  # type: ignore[union-attr]
+    assert TorchModelRunner(base.model, CPU, torch.float32, KVSettings("int8"), 64).kv_spec.quant_layout.hadamard is False  # type: ignore[union-attr]
     with pytest.raises(KVSettingsError, match="kv_hadamard 'layer' is chosen by the start-up calibration"):
-        TorchModelRunner(base.model, CPU, torch.float32, "int8", 64, "layer")
+        TorchModelRunner(base.model, CPU, torch.float32, KVSettings("int8", hadamard="layer"), 64)
 
 
 def test_calibration_leaves_no_trace(smol) -> None:
@@ -615,19 +616,19 @@ def test_calibration_leaves_no_trace(smol) -> None:
         assert torch.equal(x.data, y.data)
     fresh = quant_runner(base, "nvfp4", calibrate=False)
     with pytest.raises(ValueError, match="positive powers of two"):
-        fresh.set_kv_scales([torch.full((2, 3), 0.3)] * 30)
+        fresh.kv_store.set_scales([torch.full((2, 3), 0.3)] * 30)
     with pytest.raises(ValueError, match="calibration token ids must be in"):
         fresh.calibrate_kv([fresh.vocab_size])
     with pytest.raises(RuntimeError, match="fixed once the KV pool holds tokens"):
         by_hand.calibrate_kv(ids)
     with pytest.raises(RuntimeError, match="fixed once the KV pool holds tokens"):
-        by_hand.set_kv_scales(calibrated.kv_scales())
+        by_hand.kv_store.set_scales(calibrated.kv_store.quant_pool().scales())
 
 
 def test_the_sink_token_is_chatmls_first_token_else_bos() -> None:
     import json
 
-    from engine_service.kv_calibration import sink_token_id
+    from engine_service.kv.calibration import sink_token_id
 
     tj = json.dumps({"added_tokens": [{"id": 0, "content": "<|endoftext|>"}, {"id": 7, "content": "<|im_start|>"}]})
     assert sink_token_id(tj.encode(), 3, 100) == 7
@@ -701,17 +702,17 @@ def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, t
         # per-page means by hand on top: non-zero on every channel (the tiny model's RoPE leaves
         # few that a calibration would keep), so every page's term matters
         gen = torch.Generator().manual_seed(7)
-        h = r.quant_layout.num_kv_heads  # type: ignore[union-attr]
-        means = [torch.randn(h, head_dim, generator=gen) for _ in r.kv_scales()]
+        h = r.kv_spec.quant_layout.num_kv_heads  # type: ignore[union-attr]
+        means = [torch.randn(h, head_dim, generator=gen) for _ in r.kv_store.quant_pool().scales()]
         # the layers' K rotation mixed by hand (what --kv-hadamard layer may choose): per 16-element
         # block, as a whole, or not at all, a different pair for each format
         mixed = {"nvfp4": [16, True], "fp8": [False, 16], "int8": [16, False]}[kv][: len(means)]
         if kv in ("fp8", "nvfp4"):  # and page 0 centered on a sink key of its own
             sinks = [torch.randn(h, head_dim, generator=gen) * 3 for _ in means]
-            r.set_kv_scales(r.kv_scales(), None, None, means, sinks, mixed)
+            r.kv_store.set_scales(r.kv_store.quant_pool().scales(), None, None, means, sinks, mixed)
         else:
-            r.set_kv_scales(r.kv_scales(), means, hadamard=mixed)
-        assert r.kv_hadamard() == [head_dim if m is True else int(m) for m in mixed]
+            r.kv_store.set_scales(r.kv_store.quant_pool().scales(), means, hadamard=mixed)
+        assert r.kv_store.quant_pool().hadamard() == [head_dim if m is True else int(m) for m in mixed]
         results.append(_mixed_steps(r))
     (ref_logits, ref_bytes), (tri_logits, tri_bytes) = results
     # the append is bit-exact: the first attention layer's K/V depend on the tokens only, so its

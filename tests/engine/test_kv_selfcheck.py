@@ -1,4 +1,4 @@
-"""The start-up check of the device's KV kernels (``engine_service.kv_selfcheck``): the Triton
+"""The start-up check of the device's KV kernels (``engine_service.kv.selfcheck``): the Triton
 backend (through the interpreter on CPU) passes it with every layer's own settings; an append
 that stores other bytes or an attention that returns other values fails it, naming the layer
 and what to do; a Gluon append that disagrees falls back to the Triton one."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from deepwell import configs
-from engine_service.kv_quant import QuantKVPool
-from engine_service.kv_selfcheck import KVKernelCheckError, check_pool, synthetic_samples
+from engine_service.kv.quant_pool import QuantKVPool
+from engine_service.kv.selfcheck import KVKernelCheckError, check_pool, synthetic_samples
 from engine_service.metrics import EngineMetrics
 from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
 from kernels.calibration import calibrate
@@ -184,7 +184,7 @@ def test_runner_checks_its_kernels_after_calibration(tmp_path: Path) -> None:
     """The engine's own path: the tiny hybrid model calibrated on this device, its pool on the
     Triton backend (interpreter), checked on the calibration's K/V; on the reference backend
     (CPU) there is nothing to compare."""
-    from engine_service.kv_calibration import calibration_token_ids
+    from engine_service.kv.calibration import calibration_token_ids
     from engine_service.loading import open_model
     from engine_service.runner import build_runner
     from tests.engine.test_kv_quant import save_hybrid
@@ -196,9 +196,9 @@ def test_runner_checks_its_kernels_after_calibration(tmp_path: Path) -> None:
     r.kv.backend = TritonBackend()  # type: ignore[union-attr]
     r.calibrate_kv(calibration_token_ids(None, r.vocab_size)[0][:TOKENS], source="random_ids")
     check = r.check_kv_kernels()
-    assert check is not None and check.tokens == TOKENS and check.layers == len(r.kv_scales())
+    assert check is not None and check.tokens == TOKENS and check.layers == len(r.kv_store.quant_pool().scales())
     assert check.fallback == "" and check.decode_error < 1e-3 and check.prefill_error < 1e-3
-    assert r._kv_samples is None and r.kv_kernel_check is check  # samples released after the check
+    assert r.kv_store._samples is None and r.kv_kernel_check is check  # samples released after the check
 
 
 def test_build_core_turns_a_failed_check_into_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

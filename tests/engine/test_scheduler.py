@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_service.block_manager import BlockManager
+from engine_service.cache.resident import Kind, PrefixCache
 from engine_service.sampling import SamplingParams
 from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Status
 
@@ -12,10 +13,11 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def make(num_pages: int = 32, page_size: int = 4, slots: int = 4, conc: int = 4, budget: int = 8,
-         queue: int = 8, ctx: int = 128, clock=None, chunk: int = 0) -> Scheduler:
+         queue: int = 8, ctx: int = 128, clock=None, chunk: int = 0, cache: bool = False) -> Scheduler:
     bm = BlockManager(num_pages, page_size, slots)
     kw = {"clock": clock} if clock else {}
-    return Scheduler(SchedulerLimits(conc, budget, queue, ctx, chunk), bm, **kw)
+    pc = PrefixCache(bm, hybrid=slots > 0) if cache else None
+    return Scheduler(SchedulerLimits(conc, budget, queue, ctx, chunk), bm, cache=pc, **kw)
 
 
 def req(rid: str, n: int, max_tokens: int = 4, **kw) -> Request:
@@ -127,27 +129,45 @@ def test_deadlines() -> None:
     assert s.blocks.used_slots == 1
 
 
-def test_turn_boundary_cuts_the_chunk() -> None:
-    s = make(budget=8)
+@pytest.mark.parametrize("cache", [False, True])
+def test_turn_boundary_cuts_the_chunk(cache: bool) -> None:
+    s = make(budget=8, cache=cache)
     s.add(req("a", 12, turn_boundary=5))
     plan = s.schedule()
-    assert shape(plan) == [("a", 0, 5, False)] and plan.slices[0].snapshot
+    assert shape(plan) == [("a", 0, 5, False)]
+    cp = plan.slices[0].checkpoint
+    if cache:  # a state image at 5: a slot reserved for it (slot 0 runs the request)
+        assert cp is not None and (cp.kind, cp.position, cp.image_slot) == (Kind.TURN, 5, 1)
+    else:
+        assert cp is None
     s.update(plan, {})
     plan = s.schedule()
-    assert shape(plan) == [("a", 5, 7, True)] and not plan.slices[0].snapshot
-    assert s.get("a").checkpoint_position == 5  # type: ignore[union-attr]
+    assert shape(plan) == [("a", 5, 7, True)] and plan.slices[0].checkpoint is None
+    if cache:
+        assert s.cache is not None and [(e.kind, len(e)) for e in s.cache.entries.values()] == [(Kind.TURN, 5)]
+        assert s.blocks.state_slot(("entry", 1)) == 1 and s.blocks.block_table(("entry", 1)) == [0, 1]
+    s.blocks.check()
 
 
-def test_turn_boundary_at_prompt_end_and_on_budget_edge() -> None:
-    s = make(budget=4)
+def test_boundaries_at_prompt_end_and_on_budget_edge() -> None:
+    s = make(budget=4, cache=True)
     s.add(req("a", 8, turn_boundary=8))
-    assert [sl.snapshot for sl in s.schedule().slices] == [False]
-    s2 = make(budget=4)
+    assert [sl.checkpoint is None for sl in s.schedule().slices] == [True]
+    s2 = make(budget=4, cache=True)
     s2.add(req("a", 8, turn_boundary=4))
     plan = s2.schedule()
-    assert shape(plan) == [("a", 0, 4, False)] and plan.slices[0].snapshot
+    assert shape(plan) == [("a", 0, 4, False)] and plan.slices[0].checkpoint is not None
     with pytest.raises(ValueError, match="turn_boundary 9 outside"):
         s2.add(req("b", 8, turn_boundary=9))
+    s3 = make(budget=8, cache=True)  # the shared-prefix boundary cuts too
+    s3.add(req("c", 12, turn_boundary=9, prefix_boundary=3))
+    plan = s3.schedule()
+    assert shape(plan) == [("c", 0, 3, False)] and plan.slices[0].checkpoint.kind is Kind.PREFIX  # type: ignore[union-attr]
+    s3.update(plan, {})
+    plan = s3.schedule()
+    assert shape(plan) == [("c", 3, 6, False)] and plan.slices[0].checkpoint.kind is Kind.TURN  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="prefix_boundary 13 outside"):
+        s3.add(req("d", 12, prefix_boundary=13))
 
 
 def test_stop_rules() -> None:

@@ -11,7 +11,7 @@ output or fails the step: scheduling bugs show.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -25,12 +25,6 @@ def _fold(h: int, token: int) -> int:
     return (h * 1_000_003 + token + 1) % _MOD
 
 
-@dataclass
-class FakeSnapshot:
-    position: int
-    state: torch.Tensor
-
-
 class FakeRunner:
     def __init__(self, vocab: int = 97, max_context: int = 4096, page_size: int = 4, hybrid: bool = True) -> None:
         self._vocab = vocab
@@ -40,7 +34,8 @@ class FakeRunner:
         self.pages = torch.empty(0)
         self.state = torch.empty(0)
         self.forward_calls: list[list[tuple[int, int, int]]] = []  # per step: (slot, start, n)
-        self.snapshots: list[tuple[int, int]] = []  # (slot, position)
+        self.state_copies: list[tuple[int, int, int]] = []  # (src slot, dst slot, position)
+        self.page_copies: list[tuple[int, int]] = []  # (src page, dst page)
         self.fail_on_token: int | None = None  # forward raises when a slice holds this token
         self.nan_on_token: int | None = None  # that sequence's logits row is NaN when its slice holds it
 
@@ -119,17 +114,15 @@ class FakeRunner:
     def reset_state(self, slot: int) -> None:
         self.state[slot] = 0
 
-    def snapshot_state(self, slot: int, position: int) -> FakeSnapshot:
-        if int(self.state[slot, 0]) != position:
-            raise AssertionError(f"snapshot at {position} but slot {slot} holds {int(self.state[slot, 0])} tokens")
-        self.snapshots.append((slot, position))
-        return FakeSnapshot(position, self.state[slot].clone())
-
-    def restore_state(self, slot: int, snapshot: FakeSnapshot) -> None:
-        self.state[slot] = snapshot.state
-
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
-        self.state[dst_slot] = self.state[src_slot]
+        if self.hybrid:
+            self.state_copies.append((src_slot, dst_slot, int(self.state[src_slot, 0])))
+            self.state[dst_slot] = self.state[src_slot]
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        for a, b in zip(src, dst, strict=True):
+            self.page_copies.append((a, b))
+            self.pages[b] = self.pages[a]
 
 
 def greedy_reference(runner: FakeRunner, prompt: list[int], n: int) -> list[int]:

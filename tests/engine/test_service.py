@@ -114,8 +114,8 @@ async def test_cancel_mid_stream_frees_pages_and_slots(engine) -> None:
     async with grpcx.aio_channel(addr) as ch:
         stub = engine_pb2_grpc.EngineStub(ch)
         base = await baseline(stub)
-        assert (base.kv_pages_used, base.state_slots_used) == (0, 0)
-        assert (base.kv_pages_total, base.state_slots_total) == (40, 4)
+        assert (base.kv_pages_used, base.state_slots_used) == (base.cache_pages, base.cache_state_slots)
+        assert (base.kv_pages_total, base.state_slots_total) == (40, 12)  # 4 running + 8 for cached state images
         call = stub.Generate(engine_pb2.GenerateRequest(prompt_token_ids=prompt(60, 9),
                                                         sampling=greedy(0, ignore_eos=True)))
         seen = 0
@@ -124,11 +124,12 @@ async def test_cancel_mid_stream_frees_pages_and_slots(engine) -> None:
                 seen += 1
                 if seen == 2:
                     s = await stub.Stats(engine_pb2.StatsRequest())
-                    assert s.requests_running == 1 and s.kv_pages_used >= 8 and s.state_slots_used == 1
+                    assert s.requests_running == 1 and s.kv_pages_used - s.cache_pages >= 8
+                    assert s.state_slots_used - s.cache_state_slots == 1
                     call.cancel()
                     break
         after = await baseline(stub)
-        assert (after.kv_pages_used, after.state_slots_used) == (0, 0)
+        assert (after.kv_pages_used, after.state_slots_used) == (after.cache_pages, after.cache_state_slots)
         assert after.requests_finished >= base.requests_finished + 1
 
         # Cancel RPC by id: the stream ends with FINISH_REASON_CANCELLED
@@ -142,7 +143,7 @@ async def test_cancel_mid_stream_frees_pages_and_slots(engine) -> None:
         assert msgs[-1].finished.reason == engine_pb2.FINISH_REASON_CANCELLED
         assert not (await stub.Cancel(engine_pb2.CancelRequest(request_id="to-cancel"))).found
         after = await baseline(stub)
-        assert (after.kv_pages_used, after.state_slots_used) == (0, 0)
+        assert (after.kv_pages_used, after.state_slots_used) == (after.cache_pages, after.cache_state_slots)
 
 
 async def test_deadline_frees_memory() -> None:
@@ -176,7 +177,8 @@ async def test_deadline_frees_memory() -> None:
                     pass
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             after = await baseline(stub)
-            assert (after.kv_pages_used, after.state_slots_used, after.requests_finished) == (0, 0, 1)
+            assert (after.kv_pages_used, after.state_slots_used, after.requests_finished) == (
+                after.cache_pages, after.cache_state_slots, 1)
     finally:
         await handle.stop(0)
         engine.stop()
@@ -197,6 +199,7 @@ BAD = [
     (dict(prompt_token_ids=[5], sampling=engine_pb2.SamplingParams(stop_token_ids=[VOCAB + 1])), "stop_token_ids"),
     (dict(prompt_token_ids=[5], sampling=engine_pb2.SamplingParams(max_tokens=2, min_tokens=5)), "min_tokens"),
     (dict(prompt_token_ids=[5, 6], turn_boundary=3), "turn_boundary 3 outside the prompt"),
+    (dict(prompt_token_ids=[5, 6], prefix_boundary=0), "prefix_boundary 0 outside the prompt"),
 ]
 
 
@@ -213,7 +216,7 @@ async def test_bad_input_is_invalid_argument_and_server_keeps_serving(engine) ->
         msgs = await generate(stub, prompt(5, 5), greedy(2, ignore_eos=True))
         assert len(tokens_of(msgs)) == 2
         base = await baseline(stub)
-        assert base.kv_pages_used == 0
+        assert base.kv_pages_used == base.cache_pages
 
 
 async def test_model_info_and_files(engine, model_dir: Path) -> None:
@@ -248,7 +251,7 @@ async def test_health_and_metrics(engine) -> None:
     text = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=10).read().decode())
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#") and "{" in line}
-    assert values["deepwell_engine_kv_pages_total"] == 40 and values["deepwell_engine_state_slots_total"] == 4
+    assert values["deepwell_engine_kv_pages_total"] == 40 and values["deepwell_engine_state_slots_total"] == 12
     assert values["deepwell_engine_tokens_decoded_total"] >= 3
     assert values["deepwell_engine_time_to_first_token_seconds_count"] >= 1
     assert values["deepwell_engine_inter_token_latency_seconds_count"] >= 2

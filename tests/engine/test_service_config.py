@@ -44,7 +44,9 @@ def test_size_pools() -> None:
     dense = MemorySpec(page_size=64, bytes_per_page=1 << 20, bytes_per_state_slot=0,
                        num_attention_layers=4, num_recurrent_layers=0)
     # capped by max_concurrency full-context sequences: 4 * 8192/64 = 512 pages
-    assert size_pools(EngineConfig(max_concurrency=4), hybrid, 8192, cpu) == (512, 4)
+    # hybrid: a slot per running request plus two per request for the prefix cache's state images
+    assert size_pools(EngineConfig(max_concurrency=4), hybrid, 8192, cpu) == (512, 12)
+    assert size_pools(EngineConfig(max_concurrency=4, prefix_cache="off"), hybrid, 8192, cpu) == (512, 4)
     # limited by the CPU budget: 0.25 GiB / 1 MiB = 256 pages
     assert size_pools(EngineConfig(cpu_kv_gib=0.25), dense, 8192, cpu) == (256, 0)
     assert size_pools(EngineConfig(num_pages=10, state_slots=3), hybrid, 8192, cpu) == (10, 3)

@@ -53,7 +53,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "turn_boundary", "session_key", "tenant", "prompt_metadata_digest", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "turn_boundary", "session_key", "tenant", "prompt_metadata_digest", "priority", "prefix_boundary")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_METADATA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -70,7 +71,8 @@ class GenerateRequest(_message.Message):
     tenant: str
     prompt_metadata_digest: bytes
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., turn_boundary: _Optional[int] = ..., session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_metadata_digest: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
+    prefix_boundary: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., turn_boundary: _Optional[int] = ..., session_key: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_metadata_digest: _Optional[bytes] = ..., priority: _Optional[int] = ..., prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class CacheHits(_message.Message):
     __slots__ = ("resident_frontier", "resident_checkpoint", "host_entry", "session_lookup", "shared_prefix")
@@ -267,7 +269,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total", "tokens_prefilled", "tokens_decoded", "requests_finished", "cached_total", "uptime_s", "device")
+    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total", "tokens_prefilled", "tokens_decoded", "requests_finished", "cached_total", "uptime_s", "device", "cache_entries", "cache_pages", "cache_state_slots")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +282,9 @@ class EngineStats(_message.Message):
     CACHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_pages_used: int
@@ -292,4 +297,7 @@ class EngineStats(_message.Message):
     cached_total: CacheHits
     uptime_s: float
     device: str
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tokens_prefilled: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., cached_total: _Optional[_Union[CacheHits, _Mapping]] = ..., uptime_s: _Optional[float] = ..., device: _Optional[str] = ...) -> None: ...
+    cache_entries: int
+    cache_pages: int
+    cache_state_slots: int
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tokens_prefilled: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., cached_total: _Optional[_Union[CacheHits, _Mapping]] = ..., uptime_s: _Optional[float] = ..., device: _Optional[str] = ..., cache_entries: _Optional[int] = ..., cache_pages: _Optional[int] = ..., cache_state_slots: _Optional[int] = ...) -> None: ...

@@ -17,7 +17,7 @@ the Triton kernels on CUDA; both write identical cache bytes.
 
 Layouts: ``quant_layout`` refuses (``KVSettingsError``, a ``ValueError``, saying what to change) a page size other
 than 64 and a head_dim outside (64, 128, 256). ``hadamard``: ``on``, ``off``, ``layer``
-(chosen per attention layer by the start-up calibration, ``kv_calibration``: the whole head's
+(chosen per attention layer by the start-up calibration, ``kv.calibration``: the whole head's
 transform, none, or for nvfp4 one per 16-element block; fp8 / nvfp4; every layer rotated as a
 whole until then), ``auto`` = ``layer`` for fp8 and nvfp4, off for int8 (``resolve_hadamard``);
 ``QuantKVPool.set_hadamard`` installs the per-layer choice (``KVLayout.hadamard_size``). Bytes per page of the whole model:
@@ -25,7 +25,7 @@ whole until then), ``auto`` = ``layer`` for fp8 and nvfp4, off for int8 (``resol
 again for V, vs 512 for bf16).
 
 Global scales start at 1.0; ``set_scales`` installs calibrated ones
-(``engine_service.kv_calibration``), checked to be positive powers of two; ``set_k_offsets``
+(``engine_service.kv.calibration``), checked to be positive powers of two; ``set_k_offsets``
 installs the K centering offsets (fp32 ``[Hkv, d]`` per layer, subtracted from K before
 encoding; none by default) and ``set_k_feedback`` K's query-weighted rounding (fp32
 ``[Hkv, d/16, 16, 16]`` per layer, ``kernels.kv_formats.feedback``; fp8 / nvfp4, none by
@@ -221,6 +221,10 @@ class QuantKVPool:
 
     def layer(self, i: int) -> QuantLayerKV:
         return QuantLayerKV(self.caches[i], self.backend, self._stored if i == 0 else None)
+
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Per layer the uint8 pages ``[num_pages, 2, Hkv, head_page_bytes]`` (``kv.pool``)."""
+        return [c.data for c in self.caches]
 
     def hadamard(self) -> list[int]:
         """Per attention layer K's (and its queries') Hadamard size (``KVLayout.hadamard_size``:

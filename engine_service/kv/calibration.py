@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine_service.layers.context import StepContext
-from engine_service.memory import FloatLayerKV, KVPool
+from engine_service.kv.float_pool import FloatLayerKV, KVPool
 from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_error_energy, k_offset
 from kernels.hadamard.reference import fwht
 from kernels.kv_formats import feedback
@@ -258,7 +258,7 @@ class KVCalibration:
         digest."""
         h = hashlib.sha256(self.kv_format.encode())
         h.update(f";page_layout={PAGE_LAYOUT_VERSION}".encode())
-        if self.k_feedback is not None:  # nvfp4 rounds position 0 to nearest (kv_quant.position0_nearest)
+        if self.k_feedback is not None:  # nvfp4 rounds position 0 to nearest (quant_pool.position0_nearest)
             h.update(b"k_feedback;position0=nearest" if self.kv_format.startswith("nvfp4") else b"k_feedback;all")
         if self.page_means is not None:  # what each key had subtracted: its page's turn of the mean
             h.update(f";k_center=page;page={PAGE_SIZE}".encode())

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine_service.kv_quant import KVBackend, QuantKVPool, append_tokens, describe
+from engine_service.kv.quant_pool import KVBackend, QuantKVPool, append_tokens, describe
 from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
 
 CHECK_TOKENS = 512  # the most sample tokens per layer (enough rows for the prefill workspace path)

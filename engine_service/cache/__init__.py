@@ -1,0 +1,12 @@
+"""Prefix reuse: the cache of sequences between the scheduler and the block manager.
+
+- ``index``: token ledgers, chained page digests (shortlist) and exact matching;
+- ``resident``: ``PrefixCache``, the entries kept on the device (levels 1, 2 and 5 of
+  docs/architecture.md "Prefix reuse"), their lookup, adoption, retention and eviction.
+
+The scheduler asks the cache for a reuse plan when it admits a request (``lookup`` +
+``adopt``: the request then starts at ``num_computed = r`` and catches up like any other),
+hands it every sequence that ends (``retire``) and every checkpoint a step takes
+(``checkpoint``), and asks it for room (``room``: LRU eviction) when pages or state slots
+run short. Nothing here touches tensors: the engine performs the copies a ``Restore`` names.
+"""

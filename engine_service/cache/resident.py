@@ -1,0 +1,322 @@
+"""``PrefixCache``: sequences kept on the GPU after they end, and the lookup that reuses them.
+
+Entries
+-------
+An entry is a token ledger (its tokens, exact), the KV pages covering them (shared by
+reference with whoever else holds them: ``BlockManager.share``), and for hybrid models one
+state image: a state slot holding the recurrent + conv state after exactly ``len(ledger)``
+tokens. Entries never change; they are created, used and dropped. Kinds:
+
+- ``EXEC``: a sequence that ended (finished, cancelled between steps, preempted): its computed
+  tokens (prompt + generated but the last sampled token) and its running slot as the image;
+- ``TURN``: a checkpoint at a request's ``turn_boundary`` (where the last turn's prompt ends,
+  before the generation prologue), taken while the request runs;
+- ``PREFIX``: a checkpoint at a request's ``prefix_boundary`` (the end of the system-and-tools
+  block several sessions share).
+
+Lookup (``lookup``)
+-------------------
+For a prompt, the longest usable reuse among entries of the same scope (tenant + metadata
+digest): for a hybrid model an entry whose whole ledger is a prefix of the prompt (its state
+image is the only point its recurrent state exists at); for an attention-only model any
+entry, cut at its longest common prefix with the prompt. Reuse is always shorter than the
+prompt (one token at least is computed, so logits exist). Candidates come from the page
+digest index (``cache.index``); the winner is confirmed on exact tokens. The level it is
+counted under (``CacheHits``):
+
+- ``shared_prefix``: a ``PREFIX`` entry, or an entry of another session key;
+- ``resident_frontier``: an ``EXEC`` entry reused whole (the conversation simply continues);
+- ``resident_checkpoint``: a ``TURN`` entry, or an attention-only cut inside a ledger.
+
+``adopt`` then gives the request the entry's whole pages by reference, pins the page cut
+inside (the engine copies it into the request's own page: copy-on-write) and the state image
+(the engine copies it into the request's slot); the request starts at ``num_computed = r``.
+
+Retention and eviction
+----------------------
+- A new entry whose exact ledger already exists is not kept (the old one is touched).
+- A new entry supersedes the ``EXEC`` entries whose ledger is a strict prefix of its own.
+- Checkpoint chains: a ``TURN`` entry drops its ``TURN`` ancestors (entries whose ledger is a
+  prefix of its own) except *anchors*, of which the newest ``anchors_kept`` stay. A checkpoint
+  is an anchor when the request that took it did not continue its conversation's latest
+  checkpoint: no reuse, a shared prefix, or a *branch* (some ``TURN`` entry agreed with its
+  prompt beyond the reuse point). This keeps what Qwen3.5-style templates need: they drop the
+  empty ``<think></think>`` of the assistant turns after the last user query once a new user
+  message arrives, so across a new user turn the prompt diverges right after the previous user
+  query, and only the checkpoint taken by the first request after it (an anchor) still matches;
+  within a tool loop each request extends the previous checkpoint (not an anchor, replaced).
+- Eviction is LRU over whole entries when a request needs pages or slots (``room``); an entry
+  is never taken from a running request, which holds its own references (pages, pinned image).
+
+State machine of an entry (this slice: resident only; host tiers come with the daemon):
+``(running sequence) --retire / checkpoint--> resident --adopt--> resident (touched)``;
+``resident --evict (pressure) / supersede / chain--> dropped``. A failed step's sequences are
+never retained (their pages and state may be half written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from deepwell.logs import get_logger
+from engine_service.block_manager import BlockManager
+from engine_service.cache.index import Ledger, MatchIndex, common_prefix, is_prefix
+
+log = get_logger(__name__)
+
+
+class Level(Enum):
+    """Where reused tokens came from; the values are ``CacheHits`` field names."""
+
+    RESIDENT_FRONTIER = "resident_frontier"
+    RESIDENT_CHECKPOINT = "resident_checkpoint"
+    HOST_ENTRY = "host_entry"
+    SESSION_LOOKUP = "session_lookup"
+    SHARED_PREFIX = "shared_prefix"
+
+
+class Kind(Enum):
+    EXEC = "exec"
+    TURN = "turn"
+    PREFIX = "prefix"
+
+
+@dataclass(eq=False)
+class Entry:
+    id: int
+    scope: bytes
+    session: str
+    ledger: Ledger
+    kind: Kind
+    anchor: bool = False
+
+    @property
+    def holder(self) -> Hashable:
+        """Its id in the block manager."""
+        return ("entry", self.id)
+
+    def __len__(self) -> int:
+        return len(self.ledger)
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry: Entry
+    tokens: int  # positions reused: the request starts at num_computed = tokens
+    level: Level
+    branch: bool  # a TURN entry agreed with the prompt beyond the reuse point
+
+
+@dataclass(frozen=True)
+class Restore:
+    """What the engine does before a reusing request's first step (outside the lock)."""
+
+    image_slot: int = -1  # copy this state image into the request's slot (-1: none, attention-only)
+    copy_page: tuple[int, int] | None = None  # (source page, the request's page): copy-on-write
+
+
+@dataclass
+class CacheCounters:
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {lv.value: 0 for lv in Level})
+    inserted: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in Kind})
+    evictions: dict[str, int] = field(default_factory=lambda: {c: 0 for c in EVICTION_CAUSES})
+    checkpoints_skipped: int = 0  # no state slot could be had for the image
+
+
+EVICTION_CAUSES = ("pressure", "superseded", "chain")
+
+
+class PrefixCache:
+    def __init__(self, blocks: BlockManager, *, hybrid: bool, anchors_kept: int = 4) -> None:
+        if anchors_kept < 1:
+            raise ValueError(f"anchors_kept must be >= 1, got {anchors_kept}")
+        self.blocks = blocks
+        self.page_size = blocks.page_size
+        self.hybrid = hybrid
+        self.anchors_kept = anchors_kept
+        self.entries: dict[int, Entry] = {}
+        self.counters = CacheCounters()
+        self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._index = MatchIndex()
+        self._exact: dict[bytes, int] = {}
+        self._by_kind: dict[tuple[bytes, Kind], set[int]] = {}
+        self._ids = itertools.count(1)
+        self._rank: dict[int, int] = {}  # entry id -> recency tick
+        self._tick = 0
+
+    # -- lookup ----------------------------------------------------------------------------
+    def lookup(self, ledger: Ledger, scope: bytes, session: str) -> Hit | None:
+        """The longest usable reuse of ``ledger`` (a prompt), or None."""
+        self.counters.lookups += 1
+        prompt, limit, ps = ledger.tokens, len(ledger) - 1, self.page_size
+        best: tuple[tuple[int, int, int], Entry] | None = None
+        turn_agrees = 0  # longest common prefix of any TURN entry with the prompt
+        for pages, ids in self._index.candidates(scope, ledger.digests):
+            if best is not None and best[0][0] >= (pages + 1) * ps:
+                break  # the rest share fewer pages: none reaches further
+            for eid in ids:
+                e = self.entries[eid]
+                if e.scope != scope:
+                    continue
+                lo = pages * ps  # digests agree on these; compare the next page's tokens
+                agree = lo + common_prefix(e.ledger.tokens[lo:lo + ps], prompt[lo:lo + ps])
+                if e.kind is Kind.TURN:
+                    turn_agrees = max(turn_agrees, agree)
+                r = self._usable(e, agree, limit)
+                if r <= 0:
+                    continue
+                key = (r, int(e.session == session), self._recency(e))
+                if best is None or key > best[0]:
+                    best = (key, e)
+        if best is None:
+            return None
+        (r, _, _), e = best
+        if common_prefix(e.ledger.tokens[:r], prompt[:r]) != r:  # digests shortlist, tokens decide
+            log.error("prefix_cache_digest_collision", entry=e.id, tokens=r)
+            return None
+        return Hit(e, r, self._level(e, r, session), branch=turn_agrees > r)
+
+    def _usable(self, e: Entry, agree: int, limit: int) -> int:
+        if self.hybrid:  # the state exists at the end of the ledger only
+            return len(e) if agree >= len(e) and len(e) <= limit else 0
+        return min(agree, limit, len(e))
+
+    @staticmethod
+    def _level(e: Entry, r: int, session: str) -> Level:
+        if e.kind is Kind.PREFIX or e.session != session:
+            return Level.SHARED_PREFIX
+        if e.kind is Kind.EXEC and r == len(e):
+            return Level.RESIDENT_FRONTIER
+        return Level.RESIDENT_CHECKPOINT
+
+    # -- admission -------------------------------------------------------------------------
+    def room(self, pages: int, slots: int, protect: Entry | None = None) -> bool:
+        """Evict LRU entries (never ``protect``) until ``pages`` pages and ``slots`` slots are
+        free; False, evicting nothing more, when even evicting every entry could not do it."""
+        b = self.blocks
+        while b.free_pages < pages or b.free_slots < slots:
+            if b.free_pages + b.cached_only_pages < pages or b.free_slots + b.cached_only_slots < slots:
+                return False
+            victim = next((eid for eid in self._lru if protect is None or eid != protect.id), None)
+            if victim is None:
+                return False
+            self.drop(self.entries[victim], "pressure")
+        return True
+
+    def adopt(self, hit: Hit, seq: Hashable) -> Restore:
+        """Give ``seq`` (a new holder with its own slot and an empty table) the reuse of ``hit``:
+        whole pages by reference; the page cut inside and the state image pinned for the copies
+        the engine makes before the first step. The caller's ``ensure`` then adds the request's
+        own pages (the copy-on-write destination first)."""
+        e, r = hit.entry, hit.tokens
+        src = self.blocks.share(e.holder, seq, r, copy_last=True)
+        image = self.blocks.state_slot(e.holder)
+        if image >= 0:
+            self.blocks.pin_slot(seq, image)
+        self._touch(e)
+        self.counters.hits += 1
+        self.counters.hit_tokens[hit.level.value] += r
+        return Restore(image_slot=image, copy_page=None if src is None else (src, -1))
+
+    # -- entries from running sequences ----------------------------------------------------
+    def checkpoint(self, seq: Hashable, ledger: Ledger, kind: Kind, scope: bytes, session: str, image_slot: int,
+                   anchor: bool) -> Entry | None:
+        """Keep ``seq``'s first ``len(ledger)`` positions as an entry (its pages shared, the state
+        image in ``image_slot``, a slot ``seq`` pinned and the engine filled). None when an equal
+        entry exists already (then ``seq`` keeps the pin, freed with its pins) or, hybrid, without
+        an image."""
+        if self.hybrid and image_slot < 0:
+            self.counters.checkpoints_skipped += 1
+            return None
+        dup = self._exact.get(self._exact_key(scope, ledger))
+        if dup is not None:
+            self._touch(self.entries[dup])
+            return None
+        e = Entry(next(self._ids), scope, session, ledger, kind, anchor)
+        self.blocks.add(e.holder, slot=False, cached=True)
+        self.blocks.share(seq, e.holder, len(ledger), copy_last=False)
+        if image_slot >= 0:
+            self.blocks.give_slot(seq, image_slot, e.holder)
+        return self._insert(e)
+
+    def retire(self, seq: Hashable, ledger: Ledger, scope: bytes, session: str) -> Entry | None:
+        """The running sequence ``seq`` ended with ``len(ledger)`` computed tokens (its slot's
+        state at exactly that position): keep it as an ``EXEC`` entry, or free it."""
+        dup = self._exact.get(self._exact_key(scope, ledger)) if len(ledger) else None
+        if not len(ledger) or dup is not None:
+            self.blocks.free(seq)
+            if dup is not None:
+                self._touch(self.entries[dup])
+            return None
+        e = Entry(next(self._ids), scope, session, ledger, Kind.EXEC)
+        self.blocks.convert(seq, e.holder, len(ledger), keep_slot=self.hybrid)
+        return self._insert(e)
+
+    def _insert(self, e: Entry) -> Entry:
+        self.entries[e.id] = e
+        self._index.add(e.id, e.scope, e.ledger.digests)
+        self._exact[self._exact_key(e.scope, e.ledger)] = e.id
+        self._by_kind.setdefault((e.scope, e.kind), set()).add(e.id)
+        self._touch(e)
+        self.counters.inserted[e.kind.value] += 1
+        for old in self._prefixes_of(e, Kind.EXEC):
+            self.drop(old, "superseded")
+        if e.kind is Kind.TURN:
+            ancestors = self._prefixes_of(e, Kind.TURN)  # oldest first
+            anchors = [a for a in ancestors if a.anchor]
+            for a in [a for a in ancestors if not a.anchor] + anchors[:max(0, len(anchors) - self.anchors_kept
+                                                                          + int(e.anchor))]:
+                self.drop(a, "chain")
+        return e
+
+    def _prefixes_of(self, e: Entry, kind: Kind) -> list[Entry]:
+        """Entries of ``kind`` in ``e``'s scope whose ledger is a strict prefix of ``e``'s, oldest first."""
+        out = [self.entries[i] for i in self._by_kind.get((e.scope, kind), ())
+               if i != e.id and len(self.entries[i]) < len(e)]
+        out = [o for o in out if is_prefix(o.ledger.tokens, o.ledger.digests, e.ledger.tokens, e.ledger.digests)]
+        return sorted(out, key=self._recency)
+
+    # -- eviction --------------------------------------------------------------------------
+    def drop(self, e: Entry, cause: str | None) -> None:
+        """Forget ``e`` and release its pages and image (those others hold stay); ``cause``
+        (one of ``EVICTION_CAUSES``) is counted, None is not (``clear``)."""
+        del self.entries[e.id]
+        self._lru.pop(e.id, None)
+        self._rank.pop(e.id, None)
+        self._index.remove(e.id)
+        self._exact.pop(self._exact_key(e.scope, e.ledger), None)
+        self._by_kind[(e.scope, e.kind)].discard(e.id)
+        self.blocks.free(e.holder)
+        if cause is not None:
+            self.counters.evictions[cause] += 1
+
+    def clear(self) -> None:
+        """Drop every entry (tests, shutdown)."""
+        for e in list(self.entries.values()):
+            self.drop(e, None)
+
+    # -- recency and identity --------------------------------------------------------------
+    def _recency(self, e: Entry) -> int:
+        return self._rank.get(e.id, 0)
+
+    def _touch(self, e: Entry) -> None:
+        self._tick += 1
+        self._rank[e.id] = self._tick
+        self._lru[e.id] = None
+        self._lru.move_to_end(e.id)
+
+    def _exact_key(self, scope: bytes, ledger: Ledger) -> bytes:
+        """A digest of (scope, exact tokens): the chain over full pages, then the tail."""
+        h = hashlib.blake2b(ledger.digests[-1] if ledger.digests else scope, digest_size=16)
+        h.update(np.ascontiguousarray(ledger.tokens[len(ledger.digests) * self.page_size:], dtype="<u4").tobytes())
+        h.update(len(ledger).to_bytes(8, "little"))
+        return h.digest()

@@ -1,0 +1,104 @@
+"""KV settings of one engine (``--kv-dtype``, ``--kv-hadamard``, ``--kv-center-k``,
+``--kv-k-rounding``) resolved against one model: ``resolve`` checks every combination and
+answers ``KVSettingsError`` (a ``ValueError``) saying what to change, before any weight loads.
+
+``KVSpec`` is what the rest of the engine reads: the float pool's layout (the serving pool for
+float KV dtypes; the calibration's scratch pool, in the model dtype, for quantized ones), the
+quantized layout (``kernels`` ``KVLayout``, None for float), and the derived switches:
+K centered (``center_k``; per page: ``center_page``), K rounded with query-weighted feedback
+(``k_feedback``), K's rotation chosen per layer at calibration (``per_layer_rotation``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.kv.float_pool import KVLayout as FloatKVLayout
+from engine_service.kv.float_pool import resolve_kv_dtype
+from engine_service.kv.quant_pool import (
+    CENTER_K_MODES,
+    FEEDBACK_BY_DEFAULT,
+    K_ROUNDING_MODES,
+    SCALED_FORMATS,
+    KVSettingsError,
+    QuantKVPool,
+    is_quantized,
+    quant_layout,
+    resolve_hadamard,
+)
+from kernels.kv_formats.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    kv_dtype: str = "auto"  # auto | bf16 | fp16 | fp32 | fp8 | int8 | nvfp4
+    hadamard: str = "auto"  # auto | on | off | layer
+    center_k: str = "auto"  # auto | on | off | page
+    k_rounding: str = "auto"  # auto | nearest | feedback
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    settings: KVSettings
+    float_layout: FloatKVLayout
+    quant_layout: KVLayout | None
+    center_k: bool
+    center_page: bool
+    k_feedback: bool
+    per_layer_rotation: bool
+
+    @property
+    def quantized(self) -> bool:
+        return self.quant_layout is not None
+
+    @property
+    def name(self) -> str:
+        """The KV format as reported in ModelInfo: ``nvfp4``/``fp8``/``int8`` or the float dtype."""
+        if self.quant_layout is not None:
+            return self.quant_layout.fmt.value
+        return str(self.float_layout.dtype).removeprefix("torch.")
+
+    @property
+    def bytes_per_page(self) -> int:
+        """True bytes of one page over every attention layer (K and V, all KV heads)."""
+        if self.quant_layout is not None:
+            return QuantKVPool.page_bytes(self.quant_layout, self.float_layout.num_layers)
+        return self.float_layout.bytes_per_page
+
+
+def resolve(settings: KVSettings, *, model_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,
+            page_size: int) -> KVSpec:
+    """Check ``settings`` for this model and derive the pool layouts (``KVSettingsError``)."""
+    s = settings
+    quantized = is_quantized(s.kv_dtype)
+    if not quantized and s.hadamard in ("on", "layer"):
+        raise KVSettingsError(f"kv_hadamard {s.hadamard!r} needs a quantized kv dtype (fp8, int8, nvfp4), "
+                              f"not {s.kv_dtype!r}: use auto or off")
+    if s.center_k not in CENTER_K_MODES:
+        raise KVSettingsError(f"kv_center_k {s.center_k!r} must be one of {', '.join(CENTER_K_MODES)}")
+    if s.center_k in ("on", "page") and s.kv_dtype not in SCALED_FORMATS:
+        raise KVSettingsError(f"kv_center_k {s.center_k!r} needs a calibrated kv dtype "
+                              f"({', '.join(SCALED_FORMATS)}), not {s.kv_dtype!r}: use auto or off")
+    if s.k_rounding not in K_ROUNDING_MODES:
+        raise KVSettingsError(f"kv_k_rounding {s.k_rounding!r} must be one of {', '.join(K_ROUNDING_MODES)}")
+    if s.k_rounding == "feedback" and s.kv_dtype not in SCALED_FORMATS:
+        raise KVSettingsError(f"kv_k_rounding 'feedback' needs a calibrated kv dtype ({', '.join(SCALED_FORMATS)}), "
+                              f"not {s.kv_dtype!r}: use auto or nearest")
+    scaled = s.kv_dtype in SCALED_FORMATS
+    # float pools: the KV dtype; quantized: the model dtype (the calibration's scratch pool)
+    float_dtype = model_dtype if quantized else resolve_kv_dtype(s.kv_dtype, model_dtype)
+    flt = FloatKVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                        dtype=float_dtype)
+    qlay = quant_layout(s.kv_dtype, num_kv_heads, head_dim, page_size, s.hadamard) if quantized and num_layers else None
+    return KVSpec(
+        settings=s, float_layout=flt, quant_layout=qlay,
+        center_k=s.center_k != "off" and scaled,
+        # auto: per page (kernels.page_center; KL to the unquantized cache -33% / -36% for nvfp4 / fp8 on
+        # SmolLM2, decode a few % slower: docs/kernels.md); on: one fixed offset
+        center_page=s.center_k in ("auto", "page") and scaled,
+        k_feedback=s.k_rounding == "feedback" or (s.k_rounding == "auto" and s.kv_dtype in FEEDBACK_BY_DEFAULT),
+        # layer: the calibration chooses each attention layer's K rotation (auto for fp8 / nvfp4)
+        per_layer_rotation=qlay is not None and resolve_hadamard(s.kv_dtype, s.hadamard) == "layer",
+    )

@@ -1,0 +1,153 @@
+"""The prefix-reuse invariant on real models (CPU, fp32 weights): a continuation served from a
+reuse level gives exactly the greedy tokens, and logits within 1e-5 x max|logit|, of a cold
+prefill of the same prompt; ``CacheHits`` names the level that served it.
+
+Models: SmolLM2-135M (attention-only, the embedded GGUF) and a tiny random ``qwen3_5`` hybrid
+(Gated DeltaNet + attention, head_dim 64); KV caches fp32 and nvfp4 (the cached pages and the
+state images are the very bytes the first request wrote; the cold engine gets the same
+calibration). Levels 3 and 4 (host entries through the daemon) are not built yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_service.engine import EngineCore, EngineLimits, FinishedEvent, TokensEvent
+from engine_service.kv.settings import KVSettings
+from engine_service.loading import open_model
+from engine_service.runner import TorchModelRunner, build_runner
+from engine_service.sampling import SamplingParams
+from tests.engine.helpers_models import one_torch_thread  # noqa: F401 - fixture
+
+PAGES = 24
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_thread(one_torch_thread: None) -> Iterator[None]:  # noqa: F811
+    yield
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TorchModelRunner]:
+    """One loaded model per name (its weights shared by every runner built on it)."""
+    from tests.engine.fixtures_smollm2 import smollm2_gguf_path
+    from tests.engine.test_kv_quant import save_hybrid
+
+    hybrid_dir = tmp_path_factory.mktemp("hybrid")
+    save_hybrid(hybrid_dir)
+    return {"smollm2": build_runner(open_model(smollm2_gguf_path())),
+            "qwen3_5": build_runner(open_model(hybrid_dir))}
+
+
+class Engines:
+    """A caching engine and a cold one (no prefix cache) over the same weights and KV calibration."""
+
+    def __init__(self, base: TorchModelRunner, kv: str) -> None:
+        self.runners = [TorchModelRunner(base.model, torch.device("cpu"), torch.float32, KVSettings(kv), 64)
+                        for _ in range(2)]
+        self.cached, self.cold = (self._core(r, cache) for r, cache in zip(self.runners, (True, False), strict=True))
+        if kv == "nvfp4":
+            from engine_service.kv.calibration import calibration_token_ids
+
+            src, dst = self.runners
+            src.calibrate_kv(calibration_token_ids(None, src.vocab_size)[0][:256], source="random_ids")
+            q = src.kv_store.quant_pool()
+            dst.kv_store.set_scales(q.scales(), None, q.k_feedbacks(), q.page_means(), q.sink_keys(), q.hadamard())
+        self.logits: dict[int, list[torch.Tensor]] = {id(r): [] for r in self.runners}
+        for r in self.runners:
+            forward = r.forward
+
+            def record(batch, forward=forward, r=r):  # type: ignore[no-untyped-def]
+                out = forward(batch)
+                self.logits[id(r)].extend(out)
+                return out
+
+            r.forward = record  # type: ignore[method-assign]
+
+    @staticmethod
+    def _core(runner: TorchModelRunner, cache: bool) -> EngineCore:
+        return EngineCore(runner, EngineLimits(num_pages=PAGES, num_state_slots=8, max_concurrency=2, token_budget=96,
+                                               queue_size=4, max_context=PAGES * 64, prefix_cache=cache), eos_ids=())
+
+    def run(self, core: EngineCore, prompt: list[int], max_tokens: int, **kw) -> tuple[list[int], dict, torch.Tensor]:
+        """Greedy tokens, CacheHits and the logits of the first generated token."""
+        events: list = []
+        logs = self.logits[id(core.runner)]
+        seen = len(logs)
+        core.submit(core.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                                      sink=events.append, **kw))
+        while core.has_work():
+            core.step()
+        core.blocks.check()
+        fin = next(e for e in events if isinstance(e, FinishedEvent))
+        return [t for e in events if isinstance(e, TokensEvent) for t in e.token_ids], fin.cached, logs[seen]
+
+    def check(self, prompt: list[int], level: str, reused: int, **kw) -> None:
+        tokens, hits, first = self.run(self.cached, prompt, 4, **kw)
+        cold_tokens, cold_hits, cold_first = self.run(self.cold, prompt, 4)
+        assert hits == {level: reused} and cold_hits == {}
+        assert tokens == cold_tokens
+        diff = float((first - cold_first).abs().max())
+        assert diff <= TOL * float(cold_first.abs().max()), (level, diff)
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, min(vocab, 5000), (n,), generator=g).tolist()
+
+
+CASES = [(m, kv) for m in ("smollm2", "qwen3_5") for kv in ("fp32", "nvfp4")]
+
+
+@pytest.mark.parametrize("model,kv", CASES)
+def test_resident_frontier(bases: dict, model: str, kv: str) -> None:
+    e = Engines(bases[model], kv)
+    p1 = _prompt(1, 150, e.runners[0].vocab_size)  # 2 full pages + a partial one: copy-on-write
+    gen, _, _ = e.run(e.cached, p1, 6)
+    p2 = p1 + gen + _prompt(2, 20, e.runners[0].vocab_size)
+    e.check(p2, "resident_frontier", 150 + 5)  # the 6th generated token was never fed back
+
+
+@pytest.mark.parametrize("model,kv", CASES)
+def test_resident_checkpoint(bases: dict, model: str, kv: str) -> None:
+    e = Engines(bases[model], kv)
+    p1 = _prompt(3, 140, e.runners[0].vocab_size)
+    e.run(e.cached, p1, 3, turn_boundary=100)
+    rewritten = p1[:120] + _prompt(4, 30, e.runners[0].vocab_size)  # history rewritten after 120
+    # hybrid: the state exists at the turn boundary only; attention-only: any cut (here 120)
+    e.check(rewritten, "resident_checkpoint", 100 if model == "qwen3_5" else 120)
+
+
+@pytest.mark.parametrize("model,kv", CASES)
+def test_shared_prefix(bases: dict, model: str, kv: str) -> None:
+    e = Engines(bases[model], kv)
+    vocab = e.runners[0].vocab_size
+    system = _prompt(5, 90, vocab)  # the system prompt + tools every session sends
+    e.run(e.cached, system + _prompt(6, 40, vocab), 2, session_key="t/a", prefix_boundary=90)
+    e.check(system + _prompt(7, 25, vocab), "shared_prefix", 90, session_key="t/b", prefix_boundary=90)
+
+
+def test_other_kv_dtype_or_tenant_never_matches(bases: dict) -> None:
+    """Entries live in one engine's pool, whose KV format is fixed: another format is another
+    engine (the daemon's host entries carry the fingerprint). Tenants split one pool's entries."""
+    e = Engines(bases["qwen3_5"], "fp32")
+    p = _prompt(8, 120, e.runners[0].vocab_size)
+    e.run(e.cached, p, 2, tenant="a", turn_boundary=100)
+    tokens, hits, _ = e.run(e.cached, p[:110] + [9, 9], 2, tenant="b")
+    assert hits == {}
+    _, hits, _ = e.run(e.cached, p[:110] + [9, 9], 2, tenant="a")
+    assert hits == {"resident_checkpoint": 100}
+
+
+def test_entries_are_what_a_model_dir_says(tmp_path: Path) -> None:
+    """(guard) the tiny hybrid really is hybrid and its head_dim fits nvfp4."""
+    from tests.engine.test_kv_quant import save_hybrid
+
+    save_hybrid(tmp_path)
+    r = build_runner(open_model(tmp_path), kv_dtype="nvfp4")
+    assert r.memory_spec().hybrid and r.kv_spec.quant_layout is not None
