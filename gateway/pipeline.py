@@ -106,6 +106,7 @@ class Prepared:
     chat: ChatRequest | None = None  # kept for failover re-preparation
     text_prompt: str | list[int] | None = None
     exclude: tuple[str, ...] = ()
+    prefix_boundary: int | None = None  # end of the shared system-and-tools block
 
 
 def _cache_dict(hits: engine_pb2.CacheHits) -> dict[str, int]:
@@ -203,7 +204,7 @@ class ChatService:
         return Prepared(
             request_id=request_id, endpoint=endpoint, tenant=req.tenant, session_key=req.session_key, engine=engine,
             bundle=bundle, prompt_ids=ids, turn_boundary=prompt.turn_boundary, sampling=req.sampling,
-            model_name=req.model or bundle.model_id, chat=req, exclude=exclude,
+            model_name=req.model or bundle.model_id, chat=req, exclude=exclude, prefix_boundary=prompt.prefix_boundary,
             processor_args=dict(
                 stops=req.sampling.stop, start_in_reasoning=start_in_reasoning, split_reasoning=True,
                 tools=tools, parser_name=bundle.tool_parser if tools else None,
@@ -280,6 +281,8 @@ class Generation:
         )
         if self.p.turn_boundary is not None:
             req.turn_boundary = self.p.turn_boundary
+        if self.p.prefix_boundary is not None:
+            req.prefix_boundary = self.p.prefix_boundary
         return req
 
     async def _produce(self) -> None:

@@ -14,6 +14,12 @@ Contract of :func:`build_prompt`:
 - Assistant prefill: a last assistant message with text and no tool calls is continued
   (rendered like HF's ``continue_final_message``), and the boundary is the end of the
   turns before it.
+- Shared-prefix boundary: the end of the block every session with the same system prompt and
+  tools renders identically — the leading system messages and the tools, up to where the first
+  user message's text starts (found by rendering them with a sentinel user message). It is
+  the token count of that text when the prompt starts with it as text and as tokens, else the
+  end of the last special token inside it; None when the prompt has no such block or the
+  template cannot render it. The engine keeps a state image there once per distinct prefix.
 - Tokenization uses ``add_special_tokens=False``: the template writes BOS and the role
   markers itself (as ``transformers`` does for chat templates).
 - Errors: :class:`~gateway.templates.TemplateError` from rendering,
@@ -53,6 +59,7 @@ class PromptResult:
     turn_boundary: int | None
     boundary_reason: str | None
     opens_reasoning: bool = False  # the prompt ends inside an open <think>
+    prefix_boundary: int | None = None  # end of the shared system-and-tools block
 
 
 def _is_billing_header(text: str) -> bool:
@@ -193,6 +200,37 @@ def _base_token_count(tokenizer: Any, full_enc: Any, base: str) -> int | None:
     return len(base_ids) if ids[: len(base_ids)] == base_ids else None
 
 
+PREFIX_SENTINEL = "dwprefixsentinel7f3a"  # a user message's text no real prompt contains
+
+
+def shared_prefix_boundary(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                           kwargs: dict[str, Any], template: ChatTemplate, tokenizer: Any, enc: Any,
+                           full: str) -> int | None:
+    """Tokens of ``full`` (encoded as ``enc``) that every prompt with the same leading system
+    messages and tools shares (see the module doc), or None."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    if not (lead or tools) or lead == len(messages) or messages[lead]["role"] != "user":
+        return None
+    try:
+        probe = template.render([*messages[:lead], {"role": "user", "content": PREFIX_SENTINEL}], tools,
+                                add_generation_prompt=False, **kwargs)
+    except Exception:  # a template that cannot render the probe: no boundary, never an error
+        return None
+    cut = probe.find(PREFIX_SENTINEL)
+    if cut <= 0 or not full.startswith(probe[:cut]):
+        return None
+    n = _base_token_count(tokenizer, enc, probe[:cut])
+    if n is None:  # tokens merge across the cut: back off to the end of the last special token inside
+        offsets, added = getattr(enc, "offsets", None), _plain_added_ids(tokenizer)
+        if offsets is None or not added:
+            return None
+        n = next((k + 1 for k in range(len(enc.ids) - 1, -1, -1)
+                  if enc.ids[k] in added and offsets[k][1] <= cut), None)
+    return n if n and n < len(enc.ids) else None
+
+
 def build_prompt(req: ChatRequest, template: ChatTemplate, tokenizer: _Tokenizer) -> PromptResult:
     messages = message_dicts(strip_billing_header(req.messages), req.preserve_thinking)
     tools = [t.to_template() for t in req.active_tools()] or None
@@ -217,6 +255,8 @@ def build_prompt(req: ChatRequest, template: ChatTemplate, tokenizer: _Tokenizer
             reason = "tokens merge across the end of the last turn (the generation prologue changes its tokens)"
     if reason is not None:
         log.info("no turn boundary", reason=reason, prompt_tokens=len(ids))
+    prefix = shared_prefix_boundary(messages, tools, kwargs, template, tokenizer, enc, full)
     return PromptResult(
-        token_ids=ids, text=full, turn_boundary=boundary, boundary_reason=reason, opens_reasoning=prompt_opens_reasoning(full)
+        token_ids=ids, text=full, turn_boundary=boundary, boundary_reason=reason,
+        opens_reasoning=prompt_opens_reasoning(full), prefix_boundary=prefix,
     )

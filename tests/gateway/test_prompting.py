@@ -261,3 +261,23 @@ def test_assistant_prefill_is_continued() -> None:
     assert p.token_ids == encode(p.text)
     fresh = build_prompt(ChatRequest(messages=history, continue_final_message=False), tpl, tokenizer())
     assert fresh.text.endswith("My favourite color is<|im_end|>\n<|im_start|>assistant\n<think>\n")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_xml", "qwen3_hermes", "smollm2"])
+def test_prefix_boundary_ends_the_shared_system_and_tools_block(name: str) -> None:
+    """Two sessions with the same system prompt and tools, different conversations: their
+    prompts agree on exactly the tokens before the prefix boundary (and it is the same in both)."""
+    tpl = template(name)
+    system = ChatMessage("system", "You are a coding agent. Follow the repository's rules.")
+    a = build_prompt(ChatRequest(messages=[system, ChatMessage("user", "Fix the bug in main.py")], tools=[WEATHER, WRITE]),
+                     tpl, tokenizer())
+    b = build_prompt(ChatRequest(messages=[system, ChatMessage("user", "Add a test"),
+                                           ChatMessage("assistant", "Sure."), ChatMessage("user", "Now run it")],
+                                 tools=[WEATHER, WRITE]), tpl, tokenizer())
+    assert a.prefix_boundary is not None and a.prefix_boundary == b.prefix_boundary
+    n = a.prefix_boundary
+    assert a.token_ids[:n] == b.token_ids[:n] and n < len(a.token_ids)
+    assert "coding agent" in tokenizer().decode(a.token_ids[:n])
+    # no system prompt and no tools: nothing worth a shared checkpoint
+    plain = build_prompt(ChatRequest(messages=[ChatMessage("user", "hi")]), tpl, tokenizer())
+    assert plain.prefix_boundary is None

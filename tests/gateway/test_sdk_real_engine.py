@@ -137,3 +137,23 @@ def test_tool_call_round_trip(oai):
     second = oai.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none",
                                          max_tokens=24, temperature=0)
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_each_turn_reuses_the_conversation_so_far(oai, claude):
+    """A 3-turn chat resending its history: every turn after the first is served from the
+    prefix cache up to (at least) the previous turn's whole prompt, and says so in usage."""
+    messages = [{"role": "user", "content": "Name a colour of the rainbow."}]
+    before = 0
+    for turn in range(3):
+        r = oai.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0, user="cache-test")
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        # (turn 0 may reuse the template's default system prompt from earlier requests)
+        assert before <= cached < r.usage.prompt_tokens, (turn, cached, before)
+        before = r.usage.prompt_tokens
+        messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                     {"role": "user", "content": "And another one?"}]
+    # Anthropic usage counts the same tokens as read from the cache
+    a = claude.messages.create(model="m", max_tokens=8, extra_body={"temperature": 0}, messages=messages)
+    assert a.usage.cache_read_input_tokens >= before
+    assert a.usage.input_tokens + a.usage.cache_read_input_tokens == claude.messages.count_tokens(
+        model="m", messages=messages).input_tokens
