@@ -2,9 +2,12 @@
 
 Starts each service as a child process (``python -m <package>``) in dependency order,
 waits for each one's health check before starting the next, prints where to point a
-client, then supervises: Ctrl-C / SIGTERM shuts everything down in reverse order, and if
-any child dies the others are stopped and ``up`` exits non-zero with the child's name and
-exit status.
+client, then supervises: Ctrl-C / SIGTERM shuts everything down in reverse order. The engine
+is given the daemon's address (``--kv-daemon``: its prefix cache spills to and restores from
+host RAM). If the KV-cache daemon dies it is restarted (the engine serves on from its device
+cache meanwhile and reconnects by itself; after ``MAX_RESTARTS`` deaths within a minute ``up``
+gives up); if the engine or the gateway dies the others are stopped and ``up`` exits
+non-zero with the child's name and exit status.
 """
 
 from __future__ import annotations
@@ -64,12 +67,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     configs.add_arguments(parser, UpConfig, "UP")
 
 
+MAX_RESTARTS = 5  # a restartable child dying this often within RESTART_WINDOW_S stops everything
+RESTART_WINDOW_S = 60.0
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     healthy: Callable[[], bool]
     proc: subprocess.Popen[bytes] | None = None
+    restartable: bool = False  # restarted when it dies (the others serve on without it)
+    deaths: list[float] = field(default_factory=list)
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
@@ -102,10 +111,13 @@ def plan(cfg: UpConfig, run_dir: Path) -> list[Child]:
             [py, "-m", "kvcache_daemon", "--address", kv_address, "--arena-path", str(run_dir / "arena"),
              "--arena-bytes", str(cfg.kvcache_arena_bytes), *log],
             lambda: grpc_healthy(kv_address, timeout_s=1.0),
+            restartable=True,
         ))
     engine_address = f"127.0.0.1:{cfg.engine_port}"
     engine_argv = [py, "-m", "engine_service", "--listen", engine_address, "--metrics-port",
                    str(cfg.engine_metrics_port), "--device", cfg.device, *log]
+    if cfg.kvcache:
+        engine_argv += ["--kv-daemon", kv_address]
     if cfg.model:
         engine_argv += ["--model", cfg.model]
     children.append(Child("engine", engine_argv, lambda: grpc_healthy(engine_address, timeout_s=1.0)))
@@ -174,10 +186,18 @@ def supervise(children: list[Child], cfg: UpConfig, env: dict[str, str]) -> int:
         while True:
             for child in started:
                 code = child.exited()
-                if code is not None:
-                    print(f"deepwell up: {child.name} exited with status {code}; stopping the others",
-                          file=sys.stderr, flush=True)
-                    return 1
+                if code is None:
+                    continue
+                now = time.monotonic()
+                child.deaths = [t for t in child.deaths if now - t < RESTART_WINDOW_S] + [now]
+                if child.restartable and len(child.deaths) <= MAX_RESTARTS:
+                    print(f"deepwell up: {child.name} exited with status {code}; restarting it (the others "
+                          "serve on)", file=sys.stderr, flush=True)
+                    child.start(env)
+                    continue
+                print(f"deepwell up: {child.name} exited with status {code}; stopping the others",
+                      file=sys.stderr, flush=True)
+                return 1
             time.sleep(0.5)
     except _Stop as stop:
         print(f"deepwell up: {stop.args[0]} received, shutting down", file=sys.stderr, flush=True)

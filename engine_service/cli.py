@@ -134,6 +134,30 @@ def calibrate_kv(source: Any, runner: Any, served_context: int | None = None, si
     return runner.calibrate_kv(ids, source=how, max_position=served_context, sink=sink)
 
 
+def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, metrics: Any, model_id: str) -> Any:
+    """Connect to the KV-cache daemon (in the background: a daemon that is down is a miss until it
+    is back) and give the prefix cache its host tier; returns the client."""
+    from deepwell.kvclient.client import KVClient
+    from engine_service.cache.host import HostTier
+    from engine_service.cache.identity import model_fingerprint, revision
+
+    cal = runner.kv_calibration
+    fingerprint = model_fingerprint(
+        model_id=model_id, revision=revision(source.path), config=source.text_config(), dtype=str(runner.dtype),
+        kv_format=runner.kv_dtype_name, calibration_digest=cal.digest() if cal is not None else "",
+        page_size=runner.page_size, page_nbytes=runner.entry_nbytes(1, False),
+        slot_nbytes=runner.entry_nbytes(0, True) if core.spec.hybrid else 0)
+    client = KVClient(cfg.kv_daemon, name=f"engine-{model_id}", rpc_timeout_s=2.0, retries=1)
+    if not client.start(wait_s=5.0):
+        from deepwell.logs import get_logger
+
+        get_logger("engine_service").warning("kv_daemon_unavailable", address=cfg.kv_daemon,
+                                             detail="serving from the device cache; reconnecting in the background")
+    core.attach_host(HostTier(client, runner, fingerprint=fingerprint, page_size=runner.page_size,
+                              hybrid=core.spec.hybrid, observer=metrics.on_host_copy))
+    return client
+
+
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
     from engine_service.kv.quant_pool import KVSettingsError
 
@@ -192,6 +216,9 @@ async def serve(cfg: EngineConfig) -> int:
         generation_config=source.generation_config, chat_template=source.chat_template or "", files=files,
         engine_id=cfg.engine_id or f"{socket.gethostname()}:{os.getpid()}",
         kv_calibration_digest=runner.kv_calibration.digest() if runner.kv_calibration is not None else "")
+    client = None
+    if cfg.kv_daemon:  # the host tier: spill-before-evict and restores through the KV-cache daemon
+        client = await loop.run_in_executor(None, lambda: attach_host(cfg, source, runner, core, metrics, model_id))
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before anything announces that we serve
         loop.add_signal_handler(sig, stop.set)
@@ -220,8 +247,10 @@ async def serve(cfg: EngineConfig) -> int:
     log.info("engine_stopping")
     await handle.set_serving(serving=False)
     await handle.set_serving(SERVICE_NAME, serving=False)
-    await loop.run_in_executor(None, engine.stop)
+    await loop.run_in_executor(None, lambda: engine.stop(spill_s=cfg.shutdown_spill_s))
     await handle.stop(grace_s=2.0)
+    if client is not None:
+        client.close()
     metrics.stop()
     log.info("engine_stopped")
     return 0

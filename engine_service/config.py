@@ -11,6 +11,10 @@ applied at start-up (``engine_service.cli``):
   (``3 x max_concurrency``); running requests never use more than ``max_concurrency``.
 - ``prefix_cache = on`` keeps every ended sequence and every turn / shared-prefix checkpoint
   on the device for reuse (``engine_service.cache``), evicted LRU when memory is needed.
+- ``kv_daemon`` (the KV-cache daemon's address) adds the host tier: entries are spilled to the
+  daemon before they are evicted and at shutdown (for at most ``shutdown_spill_s``), and
+  restored from it; the daemon's own budget (``deepwell kvcache --budget-bytes``) is the host
+  budget. Empty: device only.
 - The served context is ``min(max_context or the model's, num_pages * page_size)``.
 - ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv.quant_pool``):
   it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
@@ -102,6 +106,12 @@ class EngineConfig:
                                                               "checkpoints on the device and reuse them for "
                                                               "prompts that start with them (on, off)",
                                                       "choices": ("on", "off")})
+    kv_daemon: str = field(default="", metadata={"help": "KV-cache daemon address (unix:///path or host:port): "
+                                                         "spill cache entries to host RAM before evicting them "
+                                                         "and restore them from there ('' = device only)"})
+    shutdown_spill_s: float = field(default=10.0, metadata={"help": "on SIGTERM, seconds spent at most spilling "
+                                                                    "the device's cache entries to the KV-cache "
+                                                                    "daemon (a restarted engine resumes them)"})
     cpu_threads: int = field(default=0, metadata={"help": "torch intra-op CPU threads (0 = torch's default; "
                                                           "1 is much faster on an oversubscribed machine)"})
     max_concurrency: int = field(default=16, metadata={"help": "requests running at once"})
@@ -156,6 +166,9 @@ class EngineConfig:
         c(self.cpu_kv_gib > 0, "cpu_kv_gib", self.cpu_kv_gib, "must be > 0")
         c(self.state_slots >= 0, "state_slots", self.state_slots, "must be >= 0")
         c(self.prefix_cache in ("on", "off"), "prefix_cache", self.prefix_cache, "must be on or off")
+        c(not self.kv_daemon or self.prefix_cache == "on", "kv_daemon", self.kv_daemon,
+          "needs the prefix cache (--prefix-cache on): the daemon holds the cache's spilled entries")
+        c(self.shutdown_spill_s >= 0, "shutdown_spill_s", self.shutdown_spill_s, "must be >= 0")
         c(self.cpu_threads >= 0, "cpu_threads", self.cpu_threads, "must be >= 0 (0 = torch's default)")
         c(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
         c(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")

@@ -30,6 +30,7 @@ Cancelling during a step is safe: freed pages and slots are reused only by a lat
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import uuid
@@ -39,7 +40,8 @@ import torch
 
 from deepwell.logs import get_logger
 from engine_service.block_manager import BlockManager
-from engine_service.cache.index import scope_key
+from engine_service.cache.index import Owner
+from engine_service.cache.host import HostCounters, HostTier
 from engine_service.cache.resident import CacheCounters, PrefixCache
 from engine_service.runner_api import ForwardBatch, ModelRunner, SeqSlice
 from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
@@ -123,6 +125,7 @@ class Snapshot:
     cache_slots: int = 0  # state slots held by cache entries alone (images)
     cache_bytes: int = 0  # what those pages and slots hold
     cache: CacheCounters | None = None  # None: no prefix cache
+    host: HostCounters | None = None  # None: no host tier
 
 
 class StepObserver:
@@ -134,6 +137,9 @@ class StepObserver:
     def on_finished(self, reason: str) -> None: ...
     def on_kv_scales(self, k: ScaleCounts, v: ScaleCounts) -> None:
         """Running totals of the quantized KV cache's block-scale health (fp8 / nvfp4)."""
+
+    def on_host_copy(self, kind: str, seconds: float, nbytes: int, ok: bool) -> None:
+        """A spill to (``kind`` = spill) or restore from (restore) the host tier ended."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,13 @@ class EngineCore:
         self._in_step: set[str] = set()  # ids of the requests in the step running now
         self.observer.on_step(self.snapshot(), 0, 0)
 
+    def attach_host(self, host: HostTier) -> None:
+        """Give the prefix cache its host tier (after the KV calibration: the fingerprint names it)."""
+        if self.cache is None:
+            raise ValueError("the host tier needs the prefix cache (prefix_cache=True)")
+        with self.lock:
+            self.cache.host = host
+
     # -- requests ------------------------------------------------------------------------
     def make_request(self, prompt_ids: Sequence[int], params: SamplingParams, *, request_id: str = "",
                      turn_boundary: int | None = None, priority: int = 0, timeout_s: float | None = None,
@@ -206,7 +219,7 @@ class EngineCore:
         req = Request(request_id=request_id or uuid.uuid4().hex, prompt_ids=list(prompt_ids), params=params,
                       max_tokens=max_tokens, eos_ids=self.eos_ids, turn_boundary=turn_boundary,
                       priority=priority, deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-                      prefix_boundary=prefix_boundary, scope=scope_key(tenant, metadata_digest), session=session_key)
+                      prefix_boundary=prefix_boundary, owner=Owner(tenant, metadata_digest, session_key))
         req.extra["sink"] = sink
         req.extra["times"] = _Times(arrival=req.arrival)
         if not params.greedy:
@@ -245,7 +258,8 @@ class EngineCore:
                             cache_slots=b.cached_only_slots,
                             cache_bytes=b.cached_only_pages * self.spec.bytes_per_page
                             + b.cached_only_slots * self.spec.bytes_per_state_slot,
-                            cache=replace_counters(cache.counters) if cache else None)
+                            cache=copy.deepcopy(cache.counters) if cache else None,
+                            host=copy.deepcopy(cache.host.counters) if cache and cache.host else None)
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> int:
@@ -317,7 +331,7 @@ class EngineCore:
             if s.new_seq and seq.state_slot >= 0:
                 if r is not None and r.image_slot >= 0:
                     self.runner.copy_state(r.image_slot, seq.state_slot)
-                else:
+                elif r is None or not r.state_ready:
                     self.runner.reset_state(seq.state_slot)
         logits = self.runner.forward(batch)
         for s, seq in zip(plan.slices, batch.seqs):
@@ -420,12 +434,6 @@ class EngineCore:
             stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits)))
 
 
-def replace_counters(c: CacheCounters) -> CacheCounters:
-    """A copy of the cache's counters (a snapshot is read on other threads)."""
-    return CacheCounters(c.lookups, c.hits, dict(c.hit_tokens), dict(c.inserted), dict(c.evictions),
-                         c.checkpoints_skipped)
-
-
 def _is_decode(s: Slice) -> bool:
     """A decode slice feeds back the one token generated last step; anything else is prefill."""
     return s.num_tokens == 1 and not s.new_seq and s.start >= len(s.request.prompt_ids)
@@ -454,8 +462,10 @@ class Engine:
     def snapshot(self) -> Snapshot:
         return self.core.snapshot()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop stepping; every unfinished request gets ``Finished(CANCELLED)``."""
+    def stop(self, timeout_s: float = 10.0, spill_s: float = 0.0) -> None:
+        """Stop stepping; every unfinished request gets ``Finished(CANCELLED)`` (what it computed
+        goes to the prefix cache); then for at most ``spill_s`` seconds the cache's entries are
+        spilled to the host tier (when there is one), so a restarted engine resumes them."""
         with self._wake:
             self._stop = True
             self._wake.notify()
@@ -467,6 +477,11 @@ class Engine:
                 req = sched.cancel(rid, Finish.CANCELLED, "engine shutting down", retain=rid not in busy)
                 if req is not None:
                     self.core._emit_finished(req)
+            cache = self.core.cache
+            if spill_s > 0 and cache is not None and cache.host is not None and not busy:
+                t0 = time.monotonic()
+                n = cache.spill_all(spill_s)
+                log.info("shutdown_spill", entries=n, of=len(cache.entries), seconds=round(time.monotonic() - t0, 3))
 
     def _loop(self) -> None:
         while True:

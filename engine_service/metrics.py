@@ -35,7 +35,12 @@ resident_checkpoint, host_entry, session_lookup, shared_prefix),
 checkpoints, shared-prefix checkpoints), ``deepwell_engine_cache_checkpoints_skipped_total`` (no
 state slot for the image) and ``deepwell_engine_cache_evictions_total{cause="pressure|superseded|chain"}``
 (memory needed; a longer entry of the same conversation made it redundant; an older checkpoint
-of a conversation's chain).
+of a conversation's chain). With the host tier (``--kv-daemon``):
+``deepwell_engine_cache_spills_total{result="ok|failed"}`` and ``..._restores_total{result}``,
+``deepwell_engine_cache_copy_bytes_total{direction="spill|restore"}``, and the latency histograms
+``deepwell_engine_cache_spill_seconds`` / ``deepwell_engine_cache_restore_seconds`` (Reserve or
+Lookup to Commit or Release, copies included). The host tier's entries and bytes are the daemon's
+own metrics (``deepwell kvcache --metrics-address``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from engine_service.engine import Snapshot, StepObserver
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_COPY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class EngineMetrics(StepObserver):
@@ -115,6 +121,14 @@ class EngineMetrics(StepObserver):
         self.cache_evictions = Counter("deepwell_engine_cache_evictions", "Prefix-cache entries dropped, by cause",
                                        labels + ["cause"], registry=r)
         self._totals: dict[tuple[str, ...], float] = {}
+        self.cache_copies = {kind: Counter(f"deepwell_engine_cache_{kind}s", f"Host-tier {kind}s, by result",
+                                           labels + ["result"], registry=r) for kind in ("spill", "restore")}
+        self.cache_copy_bytes = Counter("deepwell_engine_cache_copy_bytes", "Bytes moved between the device and "
+                                        "the host tier, by direction", labels + ["direction"], registry=r)
+        self.cache_copy_seconds = {kind: Histogram(f"deepwell_engine_cache_{kind}_seconds",
+                                                   f"Host-tier {kind} latency (RPCs and copies)", labels,
+                                                   buckets=_COPY_BUCKETS, registry=r)
+                                   for kind in ("spill", "restore")}
         self.model = model
         self._server: Any = None
 
@@ -182,6 +196,12 @@ class EngineMetrics(StepObserver):
             for cause, n in c.evictions.items():
                 self._advance(self.cache_evictions, n, cause)
             self._advance(self.cache_skipped, c.checkpoints_skipped)
+
+    def on_host_copy(self, kind: str, seconds: float, nbytes: int, ok: bool) -> None:
+        self.cache_copies[kind].labels(self.model, "ok" if ok else "failed").inc()
+        if ok:
+            self.cache_copy_bytes.labels(self.model, kind).inc(nbytes)
+            self.cache_copy_seconds[kind].labels(self.model).observe(seconds)
 
     def _advance(self, counter: Counter, total: float, *labels: str) -> None:
         """Move ``counter{labels}`` up to the running ``total`` the engine keeps."""

@@ -33,6 +33,7 @@ import torch
 from deepwell.logs import get_logger
 from engine_service.kv.calibration import KVCalibration, RecordingPool
 from engine_service.kv.float_pool import KVPool
+from engine_service.kv.pool import Region
 from engine_service.kv.quant_pool import QuantKVPool
 from engine_service.kv.selfcheck import KVKernelCheck
 from engine_service.kv.settings import KVSettings, KVSpec, resolve
@@ -213,6 +214,21 @@ class TorchModelRunner:
     def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """KV pages ``dst[i]`` become byte copies of ``src[i]`` in every attention layer."""
         self.kv_store.copy_pages(src, dst)
+
+    def entry_nbytes(self, num_pages: int, with_state: bool) -> int:
+        """Bytes of a host cache entry of ``num_pages`` pages (and a state image)."""
+        return num_pages * self.kv_store.page_nbytes + (self.kv_store.slot_nbytes if with_state else 0)
+
+    def export_kv(self, pages: Sequence[int], slot: int, out: Region) -> None:
+        """Write ``pages`` and (``slot >= 0``) the state slot into ``out`` (a host entry's bytes)."""
+        self.kv_store.export_entry(pages, slot, out)
+
+    def import_kv(self, pages: Sequence[int], slot: int, position: int, src: Region, entry_pages: int) -> None:
+        """Fill ``pages`` (a prefix of an entry of ``entry_pages`` pages) and (``slot >= 0``) the slot,
+        whose state is then at ``position`` tokens."""
+        self.kv_store.import_entry(pages, slot, src, entry_pages)
+        if slot >= 0 and self.state is not None:
+            self._slot_pos[slot] = position
 
     # -- step metadata --------------------------------------------------------------
     def _context(self, batch: ForwardBatch, kv: Any, state: StatePool | None,

@@ -50,8 +50,10 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from engine_service.block_manager import BlockManager, OutOfPages, pages_for
-from engine_service.cache.index import Ledger
+from engine_service.cache.index import Ledger, Owner
 from engine_service.cache.resident import Hit, Kind, Level, PrefixCache, Restore
 
 if TYPE_CHECKING:
@@ -88,8 +90,7 @@ class Request:
     turn_boundary: int | None = None
     priority: int = 0
     prefix_boundary: int | None = None  # end of the shared system-and-tools block
-    scope: bytes = b""  # cache identity besides the tokens: tenant + metadata digest (cache.index.scope_key)
-    session: str = ""  # session key, tenant-namespaced
+    owner: Owner = field(default_factory=Owner)  # tenant, metadata digest, session: the cache identity
     deadline: float | None = None  # time.monotonic() value
     arrival: float = field(default_factory=time.monotonic)
     # engine-side attachments (generator, event sink); the scheduler never reads them
@@ -108,6 +109,8 @@ class Request:
     ledger: Ledger | None = field(init=False, default=None)  # the prompt prepared for lookups
     cache_hits: dict[str, int] = field(init=False, default_factory=dict)  # at first admission, by Level value
     anchor: bool = field(init=False, default=True)  # its checkpoints do not extend its conversation's latest
+    host_lease: Any = field(init=False, default=None)  # cache.host.HostLease pinned for its admission
+    host_checked: bool = field(init=False, default=False)  # the host tier was asked (once per admission)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -276,6 +279,13 @@ class Scheduler:
     def _admit(self, req: Request) -> Restore | None:
         """Place ``req`` (reusing a cached prefix when there is one); None when it does not fit yet."""
         hit = self._lookup(req)
+        lease = self._host_lookup(req)
+        if lease is not None:
+            if lease.tokens > (hit.tokens if hit is not None else 0):
+                return self._admit_from_host(req)
+            assert self.cache is not None and self.cache.host is not None
+            self.cache.host.release(lease)  # the device holds as much: keep the host's recency
+            req.host_lease = None
         shared = hit.tokens // self.blocks.page_size if hit is not None else 0
         pages = pages_for(req.num_tokens, self.blocks.page_size) - shared
         slots = 1 if self.blocks.uses_slots else 0
@@ -301,15 +311,59 @@ class Scheduler:
         self.running.append(req)
         return restore
 
+    def _host_lookup(self, req: Request) -> Any:
+        """The host tier's pinned match for ``req`` (asked once per admission; None: a miss)."""
+        host = self.cache.host if self.cache is not None else None
+        if host is None or req.host_checked:
+            return req.host_lease
+        req.host_checked = True
+        ledger = req.ledger
+        assert ledger is not None  # _lookup prepared it
+        tokens = ledger.tokens if req.num_tokens == len(req.prompt_ids) else self._extended(req, req.num_tokens).tokens
+        o = req.owner
+        req.host_lease = host.lookup(tokens, tenant=o.tenant, metadata_digest=o.metadata_digest, session=o.session)
+        return req.host_lease
+
+    def _admit_from_host(self, req: Request) -> Restore | None:
+        """Admit ``req`` into fresh pages and a slot filled from its host lease (levels 3 / 4);
+        computed from scratch when the restore is not confirmed."""
+        assert self.cache is not None and self.cache.host is not None
+        lease = req.host_lease
+        if not self._room(pages_for(req.num_tokens, self.blocks.page_size), 1 if self.blocks.uses_slots else 0):
+            return None  # waits with its lease
+        self.blocks.add(req.request_id)
+        self.blocks.ensure(req.request_id, req.num_tokens)
+        req.host_lease = None
+        ok = self.cache.host.restore(lease, self.blocks.block_table(req.request_id),
+                                     self.blocks.state_slot(req.request_id))
+        start = lease.tokens if ok else 0
+        if ok:
+            self.cache.count_host_hit(lease.level, start)
+        req.status = Status.RUNNING
+        req.num_computed = start
+        if not req.ever_admitted:
+            req.cache_hits = {lease.level.value: start} if ok else {}
+        req.ever_admitted = True
+        self.running.append(req)
+        return Restore(state_ready=ok)
+
     def _lookup(self, req: Request) -> Hit | None:
         if self.cache is None:
             return None
         if req.ledger is None:  # once per request: a prompt waiting head-of-line is looked up every step
-            req.ledger = Ledger.of(req.scope, req.prompt_ids, self.blocks.page_size)
+            req.ledger = Ledger.of(req.owner.scope, req.prompt_ids, self.blocks.page_size)
         ledger = req.ledger
         if req.num_tokens > len(req.prompt_ids):  # preempted after generating: its generated tokens too
-            ledger = Ledger.of(req.scope, req.tokens, self.blocks.page_size, ledger.digests)
-        return self.cache.lookup(ledger, req.scope, req.session)
+            ledger = self._extended(req, req.num_tokens)
+        return self.cache.lookup(ledger, req.owner)
+
+    def _extended(self, req: Request, n: int) -> Ledger:
+        """The ledger of ``req``'s first ``n`` tokens (``n`` beyond its prompt): the prompt's array
+        and digests reused, only the generated tokens converted and hashed."""
+        assert req.ledger is not None
+        gen = np.asarray(req.tokens[len(req.prompt_ids):n], dtype=np.uint32)
+        return Ledger.of(req.owner.scope, np.concatenate([req.ledger.tokens, gen]), self.blocks.page_size,
+                         req.ledger.digests)
 
     def _room(self, pages: int, slots: int, hit: Hit | None = None) -> bool:
         if self.cache is not None:
@@ -349,8 +403,7 @@ class Scheduler:
         assert req.ledger is not None  # looked up at admission
         ps = self.blocks.page_size
         ledger = Ledger(req.ledger.tokens[:cp.position], req.ledger.digests[:cp.position // ps])
-        self.cache.checkpoint(req.request_id, ledger, cp.kind, req.scope, req.session, cp.image_slot,
-                              anchor=req.anchor)
+        self.cache.checkpoint(req.request_id, ledger, cp.kind, req.owner, cp.image_slot, anchor=req.anchor)
 
     def fail(self, request_id: str, error: str) -> Request | None:
         return self.cancel(request_id, Finish.ERROR, error=error)
@@ -431,6 +484,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = 0
         req.num_preemptions += 1
+        req.host_checked = False
         heapq.heappush(self._waiting, (-req.priority, req.seq_no, req))
 
     def _release(self, req: Request, retain: bool) -> None:
@@ -439,11 +493,11 @@ class Scheduler:
             return
         ledger = req.ledger
         if req.num_computed > len(ledger):
-            ledger = Ledger.of(req.scope, req.tokens[:req.num_computed], self.blocks.page_size, ledger.digests)
+            ledger = self._extended(req, req.num_computed)
         else:
             ps = self.blocks.page_size
             ledger = Ledger(ledger.tokens[:req.num_computed], ledger.digests[:req.num_computed // ps])
-        self.cache.retire(req.request_id, ledger, req.scope, req.session)
+        self.cache.retire(req.request_id, ledger, req.owner)
 
     def _stop_reason(self, req: Request, tok: int) -> Finish | None:
         p = req.params
@@ -462,6 +516,9 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self._waiting = [e for e in self._waiting if e[2] is not req]
             heapq.heapify(self._waiting)
+            if req.host_lease is not None and self.cache is not None and self.cache.host is not None:
+                self.cache.host.release(req.host_lease)
+                req.host_lease = None
         req.status = Status.FINISHED
         req.finish = reason
         req.error = error

@@ -210,7 +210,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             return
         done = False
         log.info("request_queued", request_id=req.request_id, prompt_tokens=len(req.prompt_ids),
-                 max_tokens=req.max_tokens, session=req.session or None)
+                 max_tokens=req.max_tokens, session=req.owner.session or None)
         try:
             while not done:
                 ev = await events.get()

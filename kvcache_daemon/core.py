@@ -281,6 +281,8 @@ class Core:
         for eid in self.index.session_entries(new.scope, session):
             old = self.entries[eid]
             n = len(old.tokens)
+            if old.identity.requires_state and old.identity.frontier_kind != pb.FRONTIER_KIND_EXEC:
+                continue  # a state image at a checkpoint: the longer entry has none there
             if n < len(new.tokens) and ix.common_prefix(old.tokens, new.tokens[:n]) == n:
                 out.append((self.epoch, old.id, old.generation))
                 self._remove_committed(old)

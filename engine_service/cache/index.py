@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -28,6 +29,20 @@ def scope_key(tenant: str, metadata_digest: bytes) -> bytes:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.digest()
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose tokens: the tenant and per-token metadata digest (the scope: ledgers of different
+    scopes never match) and the session key (which conversation; tenant-namespaced)."""
+
+    tenant: str = ""
+    metadata_digest: bytes = b""
+    session: str = ""
+
+    @cached_property
+    def scope(self) -> bytes:
+        return scope_key(self.tenant, self.metadata_digest)
 
 
 def is_prefix(short: np.ndarray, short_digests: Sequence[bytes], long: np.ndarray, long_digests: Sequence[bytes]) -> bool:

@@ -58,16 +58,21 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from deepwell.logs import get_logger
-from engine_service.block_manager import BlockManager
-from engine_service.cache.index import Ledger, MatchIndex, common_prefix, is_prefix
+from engine_service.block_manager import BlockManager, pages_for
+from engine_service.cache.index import Ledger, MatchIndex, Owner, common_prefix, is_prefix
+
+if TYPE_CHECKING:
+    from engine_service.cache.host import HostTier
 
 log = get_logger(__name__)
 
@@ -91,11 +96,14 @@ class Kind(Enum):
 @dataclass(eq=False)
 class Entry:
     id: int
-    scope: bytes
-    session: str
+    owner: Owner
     ledger: Ledger
     kind: Kind
     anchor: bool = False
+
+    @property
+    def scope(self) -> bytes:
+        return self.owner.scope
 
     @property
     def holder(self) -> Hashable:
@@ -120,6 +128,7 @@ class Restore:
 
     image_slot: int = -1  # copy this state image into the request's slot (-1: none, attention-only)
     copy_page: tuple[int, int] | None = None  # (source page, the request's page): copy-on-write
+    state_ready: bool = False  # the slot already holds the state (restored from the host): no reset
 
 
 @dataclass
@@ -136,10 +145,12 @@ EVICTION_CAUSES = ("pressure", "superseded", "chain")
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockManager, *, hybrid: bool, anchors_kept: int = 4) -> None:
+    def __init__(self, blocks: BlockManager, *, hybrid: bool, anchors_kept: int = 4,
+                 host: HostTier | None = None) -> None:
         if anchors_kept < 1:
             raise ValueError(f"anchors_kept must be >= 1, got {anchors_kept}")
         self.blocks = blocks
+        self.host = host  # spill-before-evict and restores (levels 3 and 4); None: device only
         self.page_size = blocks.page_size
         self.hybrid = hybrid
         self.anchors_kept = anchors_kept
@@ -154,10 +165,11 @@ class PrefixCache:
         self._tick = 0
 
     # -- lookup ----------------------------------------------------------------------------
-    def lookup(self, ledger: Ledger, scope: bytes, session: str) -> Hit | None:
-        """The longest usable reuse of ``ledger`` (a prompt), or None."""
+    def lookup(self, ledger: Ledger, owner: Owner) -> Hit | None:
+        """The longest usable reuse of ``ledger`` (a prompt) among ``owner``'s scope, or None."""
         self.counters.lookups += 1
         prompt, limit, ps = ledger.tokens, len(ledger) - 1, self.page_size
+        scope, session = owner.scope, owner.session
         best: tuple[tuple[int, int, int], Entry] | None = None
         turn_agrees = 0  # longest common prefix of any TURN entry with the prompt
         for pages, ids in self._index.candidates(scope, ledger.digests):
@@ -174,7 +186,7 @@ class PrefixCache:
                 r = self._usable(e, agree, limit)
                 if r <= 0:
                     continue
-                key = (r, int(e.session == session), self._recency(e))
+                key = (r, int(e.owner.session == session), self._recency(e))
                 if best is None or key > best[0]:
                     best = (key, e)
         if best is None:
@@ -192,7 +204,7 @@ class PrefixCache:
 
     @staticmethod
     def _level(e: Entry, r: int, session: str) -> Level:
-        if e.kind is Kind.PREFIX or e.session != session:
+        if e.kind is Kind.PREFIX or e.owner.session != session:
             return Level.SHARED_PREFIX
         if e.kind is Kind.EXEC and r == len(e):
             return Level.RESIDENT_FRONTIER
@@ -209,8 +221,34 @@ class PrefixCache:
             victim = next((eid for eid in self._lru if protect is None or eid != protect.id), None)
             if victim is None:
                 return False
+            self.spill(self.entries[victim])  # spill before evict (a miss when the host tier is down)
             self.drop(self.entries[victim], "pressure")
         return True
+
+    def spill(self, e: Entry) -> bool:
+        """Offer ``e`` to the host tier (True once the daemon committed it)."""
+        if self.host is None or not self.host.available:
+            return False
+        pages = self.blocks.block_table(e.holder)[:pages_for(len(e), self.page_size)]
+        o = e.owner
+        return self.host.spill(tokens=e.ledger.tokens, pages=pages, slot=self.blocks.state_slot(e.holder),
+                               tenant=o.tenant, metadata_digest=o.metadata_digest, session=o.session,
+                               checkpoint=e.kind is not Kind.EXEC)
+
+    def spill_all(self, budget_s: float) -> int:
+        """At shutdown: spill entries, most recently used first, for at most ``budget_s`` seconds;
+        returns how many the daemon committed."""
+        end, done = time.monotonic() + budget_s, 0
+        for eid in reversed(list(self._lru)):
+            if time.monotonic() >= end or self.host is None or not self.host.available:
+                break
+            done += int(self.spill(self.entries[eid]))
+        return done
+
+    def count_host_hit(self, level: Level, tokens: int) -> None:
+        """A request resumed from the host tier (its own lookup and restore: ``cache.host``)."""
+        self.counters.hits += 1
+        self.counters.hit_tokens[level.value] += tokens
 
     def adopt(self, hit: Hit, seq: Hashable) -> Restore:
         """Give ``seq`` (a new holder with its own slot and an empty table) the reuse of ``hit``:
@@ -228,7 +266,7 @@ class PrefixCache:
         return Restore(image_slot=image, copy_page=None if src is None else (src, -1))
 
     # -- entries from running sequences ----------------------------------------------------
-    def checkpoint(self, seq: Hashable, ledger: Ledger, kind: Kind, scope: bytes, session: str, image_slot: int,
+    def checkpoint(self, seq: Hashable, ledger: Ledger, kind: Kind, owner: Owner, image_slot: int,
                    anchor: bool) -> Entry | None:
         """Keep ``seq``'s first ``len(ledger)`` positions as an entry (its pages shared, the state
         image in ``image_slot``, a slot ``seq`` pinned and the engine filled). None when an equal
@@ -237,27 +275,27 @@ class PrefixCache:
         if self.hybrid and image_slot < 0:
             self.counters.checkpoints_skipped += 1
             return None
-        dup = self._exact.get(self._exact_key(scope, ledger))
+        dup = self._exact.get(self._exact_key(owner.scope, ledger))
         if dup is not None:
             self._touch(self.entries[dup])
             return None
-        e = Entry(next(self._ids), scope, session, ledger, kind, anchor)
+        e = Entry(next(self._ids), owner, ledger, kind, anchor)
         self.blocks.add(e.holder, slot=False, cached=True)
         self.blocks.share(seq, e.holder, len(ledger), copy_last=False)
         if image_slot >= 0:
             self.blocks.give_slot(seq, image_slot, e.holder)
         return self._insert(e)
 
-    def retire(self, seq: Hashable, ledger: Ledger, scope: bytes, session: str) -> Entry | None:
+    def retire(self, seq: Hashable, ledger: Ledger, owner: Owner) -> Entry | None:
         """The running sequence ``seq`` ended with ``len(ledger)`` computed tokens (its slot's
         state at exactly that position): keep it as an ``EXEC`` entry, or free it."""
-        dup = self._exact.get(self._exact_key(scope, ledger)) if len(ledger) else None
+        dup = self._exact.get(self._exact_key(owner.scope, ledger)) if len(ledger) else None
         if not len(ledger) or dup is not None:
             self.blocks.free(seq)
             if dup is not None:
                 self._touch(self.entries[dup])
             return None
-        e = Entry(next(self._ids), scope, session, ledger, Kind.EXEC)
+        e = Entry(next(self._ids), owner, ledger, Kind.EXEC)
         self.blocks.convert(seq, e.holder, len(ledger), keep_slot=self.hybrid)
         return self._insert(e)
 

@@ -8,9 +8,10 @@ hands ``kv`` / ``state`` to the model. Everything else about KV lives here too:
   installed here and are then fixed: ``written`` turns True at the first serving forward);
 - the start-up check of the device's KV kernels against the reference (``check_kernels``);
 - the byte movers the prefix cache needs (``kv.pool``): copy a page or a state slot on the
-  device (copy-on-write of a shared page, a state image), export / import pages and slots
-  to / from a flat host buffer (spill to and restore from the daemon's arena). They are
-  the same calls for the float and the quantized pools.
+  device (copy-on-write of a shared page, a state image), export / import an entry's pages
+  and state slot to / from a byte ``Region`` (spill to and restore from the daemon's arena:
+  the pages row-major, then the slot). They are the same calls for the float and the
+  quantized pools.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from deepwell.logs import get_logger
 from engine_service.kv import quant_pool, selfcheck
 from engine_service.kv.calibration import KVCalibration, RecordingPool, calibrate_layers, rotation_sizes
 from engine_service.kv.float_pool import KVPool
-from engine_service.kv.pool import copy_rows, export_rows, import_rows, row_nbytes
+from engine_service.kv.pool import Region, copy_rows, export_rows, import_rows, row_nbytes
 from engine_service.kv.quant_pool import QuantKVPool, describe
 from engine_service.kv.selfcheck import KVKernelCheck
 from engine_service.kv.settings import KVSpec
@@ -91,17 +92,28 @@ class KVStore:
             self._check_pages([*src, *dst])
             copy_rows(self.kv.page_tensors(), src, dst)
 
-    def export_pages(self, pages: Sequence[int], out: torch.Tensor) -> None:
-        """Write ``pages`` of every layer into the uint8 buffer ``out`` (``kv.pool`` byte order)."""
-        if self.kv is not None:
+    def export_entry(self, pages: Sequence[int], slot: int, out: Region) -> None:
+        """Write ``pages`` (row-major over every attention layer: ``kv.pool``) and then, when
+        ``slot >= 0``, that state slot's row into ``out``: the bytes of a host cache entry."""
+        n = 0
+        if self.kv is not None and pages:
             self._check_pages(pages)
             export_rows(self.kv.page_tensors(), pages, out)
+            n = len(pages) * self.page_nbytes
+        if slot >= 0 and self.state is not None:
+            self.state.check_slot(slot)
+            export_rows(self.state.slot_tensors(), [slot], out, start=n)
 
-    def import_pages(self, pages: Sequence[int], src: torch.Tensor) -> None:
-        if self.kv is not None:
+    def import_entry(self, pages: Sequence[int], slot: int, src: Region, entry_pages: int) -> None:
+        """Fill ``pages`` from the first pages of an entry of ``entry_pages`` pages (a prefix of
+        it: ``kv.pool``'s row-major order) and, when ``slot >= 0``, the slot from its state row."""
+        if self.kv is not None and pages:
             self._check_pages(pages)
             import_rows(self.kv.page_tensors(), pages, src)
             self.written = True
+        if slot >= 0 and self.state is not None:
+            self.state.check_slot(slot)
+            import_rows(self.state.slot_tensors(), [slot], src, start=entry_pages * self.page_nbytes)
 
     def _check_pages(self, pages: Sequence[int]) -> None:
         assert self.kv is not None

@@ -56,3 +56,29 @@ def test_movers_refuse_bad_buffers_and_overlaps() -> None:
         import_rows(tensors, [0], torch.empty(row_nbytes(tensors), dtype=torch.int8))
     with pytest.raises(ValueError, match="overlap"):
         copy_rows(tensors, [1, 2], [2, 3])
+
+
+def test_region_over_uneven_extents_and_prefix_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region split in uneven arena extents holds the same bytes as one buffer; rows move in
+    small staging chunks; a prefix of the pages is a prefix of the bytes."""
+    import engine_service.kv.pool as pool
+
+    monkeypatch.setattr(pool, "CHUNK_BYTES", 1000)  # several chunks per export
+    src, dst = _pools()["float"], _pools()["float"]
+    _fill(src, 3)
+    _fill(dst, 4)
+    row = row_nbytes(src)
+    arena = torch.zeros(5 * row + 100, dtype=torch.uint8)
+    region = pool.Region([arena[10:10 + 2 * row + 7], arena[3 * row:3 * row + 2 * row - 7],
+                          arena[5 * row + 50:5 * row + 100], arena[2 * row + 20:3 * row]])
+    assert region.nbytes >= 4 * row
+    export_rows(src, [1, 2, 3, 8], region)
+    flat = torch.empty(4 * row, dtype=torch.uint8)
+    export_rows(src, [1, 2, 3, 8], flat)
+    assert torch.equal(region.read(0, 4 * row, torch.device("cpu")), flat)
+    import_rows(dst, [6, 0], region)  # the first two rows only
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(a[1].view(torch.uint8), b[6].view(torch.uint8))
+        assert torch.equal(a[2].view(torch.uint8), b[0].view(torch.uint8))
+    with pytest.raises(ValueError, match="outside a region"):
+        region.read(region.nbytes - 1, 2, torch.device("cpu"))

@@ -5,7 +5,9 @@ prefill of the same prompt; ``CacheHits`` names the level that served it.
 Models: SmolLM2-135M (attention-only, the embedded GGUF) and a tiny random ``qwen3_5`` hybrid
 (Gated DeltaNet + attention, head_dim 64); KV caches fp32 and nvfp4 (the cached pages and the
 state images are the very bytes the first request wrote; the cold engine gets the same
-calibration). Levels 3 and 4 (host entries through the daemon) are not built yet.
+calibration). Levels 3 and 4 go through a real KV-cache daemon process: the cached engine's
+entries are spilled (the bytes of its pages and state image), dropped from the device, and
+restored into fresh pages and a fresh slot.
 """
 
 from __future__ import annotations
@@ -44,10 +46,20 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TorchModelRunne
             "qwen3_5": build_runner(open_model(hybrid_dir))}
 
 
-class Engines:
-    """A caching engine and a cold one (no prefix cache) over the same weights and KV calibration."""
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[object]:
+    from tests.kvcache.kvtest_helpers import Daemon
 
-    def __init__(self, base: TorchModelRunner, kv: str) -> None:
+    d = Daemon(arena_bytes=96 << 20, granule_bytes=1 << 20).start()
+    yield d
+    d.cleanup()
+
+
+class Engines:
+    """A caching engine and a cold one (no prefix cache) over the same weights and KV calibration;
+    with ``daemon`` the caching one has a host tier."""
+
+    def __init__(self, base: TorchModelRunner, kv: str, daemon: object = None) -> None:
         self.runners = [TorchModelRunner(base.model, torch.device("cpu"), torch.float32, KVSettings(kv), 64)
                         for _ in range(2)]
         self.cached, self.cold = (self._core(r, cache) for r, cache in zip(self.runners, (True, False), strict=True))
@@ -68,6 +80,24 @@ class Engines:
                 return out
 
             r.forward = record  # type: ignore[method-assign]
+        self.client = None
+        if daemon is not None:
+            from deepwell.kvclient.client import KVClient
+            from engine_service.cache.host import HostTier
+
+            self.client = KVClient(daemon.address, "test", rpc_timeout_s=5.0)  # type: ignore[attr-defined]
+            assert self.client.start(10.0)
+            r = self.runners[0]
+            fp = f"{id(self)}-{kv}".encode()  # one engine's entries only
+            self.cached.attach_host(HostTier(self.client, r, fingerprint=fp, page_size=64,
+                                             hybrid=r.memory_spec().hybrid))
+
+    def spill_all(self) -> None:
+        """Every device entry to the daemon, then off the device (what memory pressure does)."""
+        cache = self.cached.cache
+        for e in list(cache.entries.values()):
+            assert cache.spill(e)
+            cache.drop(e, "pressure")
 
     @staticmethod
     def _core(runner: TorchModelRunner, cache: bool) -> EngineCore:
@@ -130,6 +160,33 @@ def test_shared_prefix(bases: dict, model: str, kv: str) -> None:
     system = _prompt(5, 90, vocab)  # the system prompt + tools every session sends
     e.run(e.cached, system + _prompt(6, 40, vocab), 2, session_key="t/a", prefix_boundary=90)
     e.check(system + _prompt(7, 25, vocab), "shared_prefix", 90, session_key="t/b", prefix_boundary=90)
+
+
+@pytest.mark.parametrize("model,kv", CASES)
+def test_host_entry(bases: dict, daemon: object, model: str, kv: str) -> None:
+    e = Engines(bases[model], kv, daemon)
+    try:
+        p1 = _prompt(9, 150, e.runners[0].vocab_size)
+        gen, _, _ = e.run(e.cached, p1, 6, turn_boundary=120, session_key="t/h")
+        e.spill_all()
+        p2 = p1 + gen + _prompt(10, 20, e.runners[0].vocab_size)
+        e.check(p2, "host_entry", 155, session_key="t/h")
+    finally:
+        e.client.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kv", ["fp32", "nvfp4"])
+def test_session_lookup(bases: dict, daemon: object, kv: str) -> None:
+    """Attention-only (a hybrid model resumes only at a state image, which the digest path
+    always finds): a prompt that leaves the session's entry inside its first 64 tokens."""
+    e = Engines(bases["smollm2"], kv, daemon)
+    try:
+        p1 = _prompt(11, 100, e.runners[0].vocab_size)
+        e.run(e.cached, p1, 2, session_key="t/k")
+        e.spill_all()
+        e.check(p1[:40] + _prompt(12, 30, e.runners[0].vocab_size), "session_lookup", 40, session_key="t/k")
+    finally:
+        e.client.close()  # type: ignore[union-attr]
 
 
 def test_other_kv_dtype_or_tenant_never_matches(bases: dict) -> None:

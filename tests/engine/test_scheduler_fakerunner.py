@@ -124,6 +124,25 @@ class FakeRunner:
             self.page_copies.append((a, b))
             self.pages[b] = self.pages[a]
 
+    # a host cache entry's bytes: its pages row-major, then the state slot (kv.pool)
+    def entry_nbytes(self, num_pages: int, with_state: bool) -> int:
+        return num_pages * self.page_size * 8 + (16 if with_state and self.hybrid else 0)
+
+    def export_kv(self, pages: Sequence[int], slot: int, out) -> None:
+        from engine_service.kv.pool import export_rows
+
+        export_rows([self.pages], pages, out)
+        if slot >= 0 and self.hybrid:
+            export_rows([self.state], [slot], out, start=len(pages) * self.page_size * 8)
+
+    def import_kv(self, pages: Sequence[int], slot: int, position: int, src, entry_pages: int) -> None:
+        from engine_service.kv.pool import import_rows
+
+        import_rows([self.pages], pages, src)
+        if slot >= 0 and self.hybrid:
+            import_rows([self.state], [slot], src, start=entry_pages * self.page_size * 8)
+            assert int(self.state[slot, 0]) == position, "restored state is not at the entry's position"
+
 
 def greedy_reference(runner: FakeRunner, prompt: list[int], n: int) -> list[int]:
     """What a fresh sequence generates greedily, token by token, with no engine at all."""

@@ -39,6 +39,8 @@ def test_engine_reserves_gpus_and_shares_the_arena(compose: dict) -> None:
     mounts = {s: {v.split(":")[0] for v in services[s]["volumes"]} for s in ("kvcache", "engine")}
     assert "arena" in mounts["kvcache"] & mounts["engine"]
     assert "run" in mounts["kvcache"] & mounts["engine"]  # the daemon's unix socket
+    engine_env, daemon_env = services["engine"]["environment"], services["kvcache"]["environment"]
+    assert engine_env["DEEPWELL_ENGINE_KV_DAEMON"] == daemon_env["DEEPWELL_KVCACHE_ADDRESS"]
     assert compose["volumes"]["arena"]["driver_opts"]["type"] == "tmpfs"
 
 

@@ -1,5 +1,6 @@
 """`deepwell up` end to end: starts daemon + engine + gateway, serves a chat completion,
-shuts everything down on SIGINT, and stops everything when a child dies."""
+restarts the KV-cache daemon when it dies (serving on), shuts everything down on SIGINT, and
+stops everything when the engine dies."""
 
 from __future__ import annotations
 
@@ -76,16 +77,32 @@ def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
     raise AssertionError("deepwell up did not come up:\n" + "".join(seen) + (tmp_path / "up.log").read_text()[-4000:])
 
 
+def _daemon(kids: list[int]) -> list[int]:
+    return [k for k in kids if _alive(k) and "kvcache_daemon" in Path(f"/proc/{k}/cmdline").read_text()]
+
+
 def test_up_serves_and_shuts_down_on_sigint(tmp_path: Path) -> None:
     proc, port = _start_up(tmp_path)
     kids = _children(proc.pid)
     try:
         assert len(kids) == 3, kids  # daemon, engine, gateway
+        engine = [k for k in kids if "engine_service" in Path(f"/proc/{k}/cmdline").read_text()]
+        assert "--kv-daemon" in Path(f"/proc/{engine[0]}/cmdline").read_text()
         body = {"model": "default", "max_tokens": 8, "temperature": 0,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"]
+        # the daemon dies: up restarts it, the engine serves on (and reconnects)
+        old = _daemon(kids)
+        os.kill(old[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not [k for k in _daemon(_children(proc.pid)) if k not in old]:
+            time.sleep(0.2)
+        assert proc.poll() is None and [k for k in _daemon(_children(proc.pid)) if k not in old]
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        kids = _children(proc.pid)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
         deadline = time.monotonic() + 30

@@ -116,15 +116,19 @@ def test_session_lookup_finds_short_ledger(core):
 
 
 def test_supersede_replaces_prefix_entry_of_session(core):
+    """A longer entry of the same session replaces an ended sequence's entry (EXEC) or an
+    attention-only one; a hybrid checkpoint stays: its state image exists nowhere else."""
     cid = core.attach("eng", 1)
     t1 = toks(1, 200)
-    e1, _ = put(core, cid, t1, MiB, seed=1, session="s")
+    e1, _ = put(core, cid, t1, MiB, seed=1, session="s", kind=pb.FRONTIER_KIND_EXEC)
+    cp, _ = put(core, cid, t1[:150], MiB, seed=3, session="s")  # a hybrid checkpoint at 150
+    flat, _ = put(core, cid, t1[:120], MiB, seed=4, session="s", requires_state=False)
     t2 = np.concatenate([t1, toks(2, 50)])
     r = core.reserve(cid, "", identity(t2, session="s"), layout(MiB), t2)
     c = core.commit(cid, "", r.reservation, True, ["kv", "state"])
-    assert isinstance(c, Committed) and c.superseded == [e1]
+    assert isinstance(c, Committed) and sorted(c.superseded) == sorted([e1, flat])
     assert isinstance(core.delete(cid, "", e1), Failure)
-    assert core.stats().entries == 1
+    assert core.stats().entries == 2  # the new entry and the checkpoint
 
 
 def test_missing_part_rejected_and_state_part_required(core):

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 from kvtest_helpers import identity, layout, pattern, read_extents, write_extents
 
+from deepwell.kvcache.v1 import kvcache_pb2 as pb
+
 from kvcache_daemon.core import Core
 from kvcache_daemon.model import (EXHAUSTED, INCOMPLETE, QUOTA, Committed, Done, Failure, Match, Reserved, State,
                                   Taken)
@@ -40,6 +42,7 @@ class MEntry:
     granules: int
     state: str = "committed"  # committed | taken | doomed
     leases: int = 0
+    checkpoint: bool = False  # a state image at a checkpoint: never superseded
 
 
 class KVMachine(RuleBasedStateMachine):
@@ -98,13 +101,15 @@ class KVMachine(RuleBasedStateMachine):
     # -- rules ----------------------------------------------------------------------------
     @rule(target=reservations, client=st.integers(0, 1), granules=st.integers(1, 4), prefix=st.integers(0, 2),
           extra=st.integers(0, 20), salt=st.integers(0, 2), tenant=st.sampled_from(["t", "u"]),
-          session=st.sampled_from(["", "s1"]))
-    def reserve(self, client, granules, prefix, extra, salt, tenant, session):
+          session=st.sampled_from(["", "s1"]), checkpoint=st.booleans())
+    def reserve(self, client, granules, prefix, extra, salt, tenant, session, checkpoint=False):
         t = ledger(prefix, extra, salt)
         size = granules * G - (self.seed % 3) * 1000
         self.seed += 1
         want = self.expected_evictions(granules)
-        r = self.core.reserve(self.clients[client], "", identity(t, tenant=tenant, session=session), layout(size), t)
+        kind = pb.FRONTIER_KIND_CHECKPOINT if checkpoint else pb.FRONTIER_KIND_EXEC
+        r = self.core.reserve(self.clients[client], "", identity(t, tenant=tenant, session=session, kind=kind),
+                              layout(size), t)
         if want is None:
             assert isinstance(r, Failure) and r.code == EXHAUSTED
             return None
@@ -118,20 +123,22 @@ class KVMachine(RuleBasedStateMachine):
                 evicted += 1
         self.sync_generations()
         write_extents(self.core.arena, r.extents, pattern(self.seed, size))
-        self.reserved[r.reservation[1]] = (self.clients[client], granules, self.seed, size, t, tenant, session)
+        self.reserved[r.reservation[1]] = (self.clients[client], granules, self.seed, size, t, tenant, session,
+                                           checkpoint)
         return r.reservation
 
     @rule(client=st.integers(0, 1), granules=st.integers(1, 3), prefix=st.integers(0, 2), extra=st.integers(0, 20),
-          salt=st.integers(0, 2), tenant=st.sampled_from(["t", "u"]), session=st.sampled_from(["", "s1"]))
-    def put(self, client, granules, prefix, extra, salt, tenant, session):
-        h = self.reserve(client, granules, prefix, extra, salt, tenant, session)
+          salt=st.integers(0, 2), tenant=st.sampled_from(["t", "u"]), session=st.sampled_from(["", "s1"]),
+          checkpoint=st.booleans())
+    def put(self, client, granules, prefix, extra, salt, tenant, session, checkpoint):
+        h = self.reserve(client, granules, prefix, extra, salt, tenant, session, checkpoint)
         self.finish(h, "ok")
 
     @rule(h=consumes(reservations), how=st.sampled_from(["ok", "fail", "missing", "abort"]))
     def finish(self, h, how):
         if h is None or h[1] not in self.reserved:
             return
-        client, granules, seed, size, t, tenant, session = self.reserved.pop(h[1])
+        client, granules, seed, size, t, tenant, session, checkpoint = self.reserved.pop(h[1])
         if how == "abort":
             assert isinstance(self.core.abort(client, "", h), Done)
             return
@@ -148,11 +155,11 @@ class KVMachine(RuleBasedStateMachine):
         if session:
             for eid, e in list(self.entries.items()):
                 if (e.state == "committed" and e.session == session and e.tenant == tenant and len(e.tokens) < len(t)
-                        and np.array_equal(e.tokens, t[: len(e.tokens)])):
+                        and not e.checkpoint and np.array_equal(e.tokens, t[: len(e.tokens)])):
                     expect_sup.append(eid)
                     self.free_entry(eid)
         assert sorted(x[1] for x in r.superseded) == sorted(expect_sup)
-        self.entries[h[1]] = MEntry(r.entry, t, tenant, session, seed, size, granules)
+        self.entries[h[1]] = MEntry(r.entry, t, tenant, session, seed, size, granules, checkpoint=checkpoint)
         self.touch(h[1])
 
     @rule(target=leases, client=st.integers(0, 1), prefix=st.integers(0, 2), extra=st.integers(0, 24),
