@@ -250,6 +250,7 @@ async def serve(cfg: EngineConfig) -> int:
     await loop.run_in_executor(None, lambda: engine.stop(spill_s=cfg.shutdown_spill_s))
     await handle.stop(grace_s=2.0)
     if client is not None:
+        core.cache.host.close()  # jobs in flight finish first
         client.close()
     metrics.stop()
     log.info("engine_stopped")

@@ -227,7 +227,9 @@ class EngineCore:
         return req
 
     def submit(self, req: Request) -> None:
-        """Queue ``req``; raises QueueFull or InvalidRequest."""
+        """Queue ``req``; raises QueueFull or InvalidRequest. Its cache preparation (prompt digests,
+        the host tier's lookup) runs first, on the calling thread, outside the lock."""
+        self.scheduler.prepare(req)
         with self.lock:
             try:
                 self.scheduler.add(req)
@@ -251,7 +253,8 @@ class EngineCore:
         with self.lock:
             b, c = self.blocks, self.counters
             cache = self.cache
-            return Snapshot(self.scheduler.num_running, self.scheduler.num_waiting, b.used_pages, b.num_pages,
+            return Snapshot(self.scheduler.num_running + len(self.scheduler.restoring), self.scheduler.num_waiting,
+                            b.used_pages, b.num_pages,
                             b.used_slots, b.num_state_slots, c.tokens_prefilled, c.tokens_decoded,
                             c.requests_finished, time.monotonic() - self.started,
                             cache_entries=len(cache.entries) if cache else 0, cache_pages=b.cached_only_pages,
@@ -478,6 +481,8 @@ class Engine:
                 if req is not None:
                     self.core._emit_finished(req)
             cache = self.core.cache
+            if not busy:
+                sched.settle()
             if spill_s > 0 and cache is not None and cache.host is not None and not busy:
                 t0 = time.monotonic()
                 n = cache.spill_all(spill_s)

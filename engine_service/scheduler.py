@@ -46,6 +46,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
 
 class Status(Enum):
     WAITING = "waiting"
+    RESTORING = "restoring"  # admitted; its pages and slot are being filled from the host tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -72,6 +74,10 @@ class Finish(Enum):
     CANCELLED = "cancelled"
     DEADLINE = "deadline"
     ERROR = "error"
+
+
+SLOT_RESERVE = 2  # with a host tier, state slots kept free (spilling ahead) for checkpoint images
+_WAIT = object()  # a checkpoint's image slot is on its way: the slice waits a step
 
 
 class QueueFull(RuntimeError):
@@ -111,6 +117,8 @@ class Request:
     anchor: bool = field(init=False, default=True)  # its checkpoints do not extend its conversation's latest
     host_lease: Any = field(init=False, default=None)  # cache.host.HostLease pinned for its admission
     host_checked: bool = field(init=False, default=False)  # the host tier was asked (once per admission)
+    host_asked: int = field(init=False, default=0)  # the longest spilled match it asked the daemon about
+    first_slice: Restore | None = field(init=False, default=None)  # after a host restore: its first slice's
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -180,6 +188,7 @@ class Scheduler:
         self.clock = clock
         self.cache = cache
         self.running: list[Request] = []
+        self.restoring: list[tuple[Request, Future[bool]]] = []  # admitted, filled from the host tier
         self._waiting: list[tuple[int, int, Request]] = []  # heap of (-priority, seq_no, req)
         self._by_id: dict[str, Request] = {}
         self._seq = itertools.count()
@@ -194,7 +203,7 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.running or self._waiting)
+        return bool(self.running or self._waiting or self.restoring)
 
     def get(self, request_id: str) -> Request | None:
         return self._by_id.get(request_id)
@@ -249,6 +258,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         slices: list[Slice] = []
         preempted: list[Request] = []
+        self._finish_restores()
+        if self.cache is not None:  # room ahead for the next checkpoints and decode pages (host tier only)
+            self.cache.keep_free(pages=len(self.running) + 1, slots=SLOT_RESERVE if self.blocks.uses_slots else 0)
         # decodes (1-token catch-ups) first so a long prefill never delays them, then the rest
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1)
         for req in order:
@@ -261,25 +273,44 @@ class Scheduler:
             if n == 0:
                 continue
             if not self._grow(req, req.num_computed + n, slices, preempted):
-                continue  # req itself was preempted
-            slices.append(self._slice(req, n, new_seq=False))
+                continue  # req itself was preempted, or waits for a spill to free a page
+            first, req.first_slice = req.first_slice, None
+            sl = self._slice(req, n, new_seq=first is not None, restore=first)
+            if sl is not None:
+                slices.append(sl)
         budget = self.limits.token_budget - sum(s.num_tokens for s in slices)
         if not preempted:
-            while (self._waiting and budget > 0 and len(self.running) < self.limits.max_concurrency):
+            while (self._waiting and budget > 0
+                   and len(self.running) + len(self.restoring) < self.limits.max_concurrency):
                 req = self._waiting[0][2]
                 admitted = self._admit(req)
                 if admitted is None:
                     break
                 heapq.heappop(self._waiting)
+                if req.status is Status.RESTORING:
+                    continue  # joins the steps once its pages are filled
                 n = self._slice_len(req, budget)
-                slices.append(self._slice(req, n, new_seq=True, restore=admitted))
-                budget -= n
+                sl = self._slice(req, n, new_seq=True, restore=admitted)
+                if sl is not None:
+                    slices.append(sl)
+                    budget -= n
         return StepPlan(slices=slices, preempted=preempted)
 
     def _admit(self, req: Request) -> Restore | None:
         """Place ``req`` (reusing a cached prefix when there is one); None when it does not fit yet."""
         hit = self._lookup(req)
         lease = self._host_lookup(req)
+        if self.cache is not None and self.cache.host is not None:
+            assert req.ledger is not None
+            ledger = req.ledger if req.num_tokens == len(req.prompt_ids) else self._extended(req, req.num_tokens)
+            known = max(hit.tokens if hit is not None else 0, lease.tokens if lease is not None else 0)
+            hint = self.cache.host_hint(ledger, req.owner)
+            if hint > known and hint > req.host_asked:  # spilled since it was asked: ask again (once per hint)
+                if lease is not None:
+                    self.cache.host.release(lease)
+                    req.host_lease = None
+                req.host_asked, req.host_checked = hint, False
+                lease = self._host_lookup(req)
         if lease is not None:
             if lease.tokens > (hit.tokens if hit is not None else 0):
                 return self._admit_from_host(req)
@@ -311,6 +342,15 @@ class Scheduler:
         self.running.append(req)
         return restore
 
+    def prepare(self, req: Request) -> None:
+        """Work a request needs before admission that can run outside the engine's lock, on the
+        caller's thread: its prompt's ledger (digests), and the host tier's lookup (an RPC)."""
+        if self.cache is None:
+            return
+        if req.ledger is None:
+            req.ledger = Ledger.of(req.owner.scope, req.prompt_ids, self.blocks.page_size)
+        self._host_lookup(req)
+
     def _host_lookup(self, req: Request) -> Any:
         """The host tier's pinned match for ``req`` (asked once per admission; None: a miss)."""
         host = self.cache.host if self.cache is not None else None
@@ -318,34 +358,57 @@ class Scheduler:
             return req.host_lease
         req.host_checked = True
         ledger = req.ledger
-        assert ledger is not None  # _lookup prepared it
+        assert ledger is not None  # _lookup / prepare made it
         tokens = ledger.tokens if req.num_tokens == len(req.prompt_ids) else self._extended(req, req.num_tokens).tokens
         o = req.owner
         req.host_lease = host.lookup(tokens, tenant=o.tenant, metadata_digest=o.metadata_digest, session=o.session)
         return req.host_lease
 
     def _admit_from_host(self, req: Request) -> Restore | None:
-        """Admit ``req`` into fresh pages and a slot filled from its host lease (levels 3 / 4);
-        computed from scratch when the restore is not confirmed."""
+        """Admit ``req`` into fresh pages and a slot that the host tier fills from its lease
+        (levels 3 / 4) on its own worker and copy stream; the request joins the steps when that is
+        done (``_finish_restores``), from scratch when the restore is not confirmed."""
         assert self.cache is not None and self.cache.host is not None
-        lease = req.host_lease
         if not self._room(pages_for(req.num_tokens, self.blocks.page_size), 1 if self.blocks.uses_slots else 0):
             return None  # waits with its lease
         self.blocks.add(req.request_id)
         self.blocks.ensure(req.request_id, req.num_tokens)
-        req.host_lease = None
-        ok = self.cache.host.restore(lease, self.blocks.block_table(req.request_id),
-                                     self.blocks.state_slot(req.request_id))
-        start = lease.tokens if ok else 0
-        if ok:
-            self.cache.count_host_hit(lease.level, start)
-        req.status = Status.RUNNING
-        req.num_computed = start
-        if not req.ever_admitted:
-            req.cache_hits = {lease.level.value: start} if ok else {}
+        future = self.cache.host.restore_async(req.host_lease, self.blocks.block_table(req.request_id),
+                                               self.blocks.state_slot(req.request_id))
+        req.status = Status.RESTORING
         req.ever_admitted = True
-        self.running.append(req)
-        return Restore(state_ready=ok)
+        self.restoring.append((req, future))
+        return Restore()
+
+    def _finish_restores(self) -> None:
+        """Requests whose host restore is done join the running ones (at the lease's position when
+        the daemon confirmed it, else at 0); a request cancelled meanwhile gives its memory back."""
+        for item in [x for x in self.restoring if x[1].done()]:
+            self.restoring.remove(item)
+            req, future = item
+            lease, req.host_lease = req.host_lease, None
+            if req.status is Status.FINISHED:
+                self.blocks.free(req.request_id)
+                continue
+            ok = future.exception() is None and bool(future.result())
+            start = lease.tokens if ok else 0
+            if ok:
+                assert self.cache is not None
+                self.cache.count_host_hit(lease.level, start)
+            if not req.cache_hits and req.num_preemptions == 0:
+                req.cache_hits = {lease.level.value: start} if ok else {}
+            req.status = Status.RUNNING
+            req.num_computed = start
+            req.first_slice = Restore(state_ready=ok)
+            self.running.append(req)
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for the host restores and spills in flight and apply them (shutdown, tests)."""
+        for _, future in list(self.restoring):
+            future.exception(timeout=timeout_s)
+        self._finish_restores()
+        if self.cache is not None:
+            self.cache.settle(timeout_s)
 
     def _lookup(self, req: Request) -> Hit | None:
         if self.cache is None:
@@ -427,15 +490,23 @@ class Scheduler:
                 n = b - req.num_computed
         return n
 
-    def _slice(self, req: Request, n: int, new_seq: bool, restore: Restore | None = None) -> Slice:
+    def _slice(self, req: Request, n: int, new_seq: bool, restore: Restore | None = None) -> Slice | None:
+        """The slice, or None when it ends at a boundary whose image slot a spill in flight is about
+        to free: the request then waits a step (its first slice's ``restore`` kept for it)."""
         end = req.num_computed + n
+        checkpoint = self._checkpoint_at(req, end)
+        if checkpoint is _WAIT:
+            if new_seq:
+                req.first_slice = restore if restore is not None else Restore()
+            return None
         return Slice(request=req, start=req.num_computed, num_tokens=n, need_logits=end == req.num_tokens,
                      new_seq=new_seq, restore=restore if restore is not None and restore != Restore() else None,
-                     checkpoint=self._checkpoint_at(req, end))
+                     checkpoint=checkpoint)  # type: ignore[arg-type]
 
-    def _checkpoint_at(self, req: Request, end: int) -> Checkpoint | None:
-        """A checkpoint when the slice ends at a boundary not kept yet (with a state slot
-        reserved for the image on hybrid models; none when no slot can be had)."""
+    def _checkpoint_at(self, req: Request, end: int) -> Checkpoint | object | None:
+        """A checkpoint when the slice ends at a boundary not kept yet, with a state slot reserved
+        for the image on hybrid models; ``_WAIT`` when a spill in flight frees one soon; None
+        (counted as skipped) when no slot can be had."""
         if self.cache is None or end in req.checkpoints or end not in self._boundaries(req):
             return None
         kind = Kind.TURN if end == req.turn_boundary else Kind.PREFIX
@@ -445,20 +516,26 @@ class Scheduler:
                 self.cache.room(0, 1)
             got = self.blocks.take_slot(req.request_id)
             if got is None:
+                if self.cache.pending_slots > 0:
+                    return _WAIT
                 self.cache.counters.checkpoints_skipped += 1
                 return None
             slot = got
         return Checkpoint(kind, end, slot)
 
     def _grow(self, req: Request, num_tokens: int, slices: list[Slice], preempted: list[Request]) -> bool:
-        """Make ``req`` hold pages for ``num_tokens``, evicting cache entries, then preempting others."""
+        """Make ``req`` hold pages for ``num_tokens``, evicting cache entries, then preempting others;
+        False when it was preempted or waits (no slice this step) for spills in flight to free pages."""
         while True:
             try:
                 self.blocks.ensure(req.request_id, num_tokens)
                 return True
             except OutOfPages:
-                if self._room(self.blocks.extra_pages_needed(req.request_id, num_tokens), 0):
+                need = self.blocks.extra_pages_needed(req.request_id, num_tokens)
+                if self._room(need, 0):
                     continue
+                if self.cache is not None and self.blocks.free_pages + self.cache.pending_pages >= need:
+                    return False  # a spill will free the pages: wait rather than preempt
                 victim = self._pick_victim(exclude=req)
                 if victim is None:
                     self._preempt(req)
@@ -484,7 +561,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_computed = 0
         req.num_preemptions += 1
-        req.host_checked = False
+        req.host_checked, req.host_asked = False, 0
         heapq.heappush(self._waiting, (-req.priority, req.seq_no, req))
 
     def _release(self, req: Request, retain: bool) -> None:
@@ -510,6 +587,7 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: Finish, error: str = "", retain: bool = True) -> None:
+        # RESTORING: its pages are being written; _finish_restores frees them once that is done
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self._release(req, retain=retain and reason is not Finish.ERROR)

@@ -201,7 +201,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 prefix_boundary=request.prefix_boundary if request.HasField("prefix_boundary") else None,
                 priority=request.priority, timeout_s=remaining, sink=sink, tenant=request.tenant,
                 session_key=request.session_key, metadata_digest=request.prompt_metadata_digest)
-            self.engine.submit(req)
+            # off the event loop: the prompt's digests and the host tier's lookup (an RPC) come first
+            await loop.run_in_executor(None, self.engine.submit, req)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return

@@ -18,15 +18,20 @@ Identity: tenant, the model / layout fingerprint (``cache.identity``), per-token
 digest, session key, exact tokens; the frontier kind is ``EXEC`` for an ended sequence and
 ``CHECKPOINT`` for a turn / shared-prefix checkpoint.
 
-Copies run on the engine thread in this version (spills while the scheduler makes room,
-restores while it admits the request), so a large copy delays that step; the device-side
-copy stream is the next step.
+Asynchronous: ``spill_async`` / ``restore_async`` run the whole exchange (RPCs and copies) on
+one worker thread and, on CUDA, on a copy stream of their own that first waits for what the
+compute stream had queued when the job was made (an event), so decode steps of other sequences
+go on meanwhile. The caller keeps the memory involved allocated until the job's future is done
+(``cache.resident`` keeps a spilling entry's pages; the scheduler keeps a restoring request out
+of steps). ``spill`` / ``restore`` are the same exchange on the calling thread (shutdown, tests).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -97,6 +102,50 @@ class HostTier:
         # test seam: called after a copy, before the daemon confirms it ("spill" / "restore")
         self.after_copy: Callable[[str], None] | None = None
         self._arena: tuple[ArenaMap, torch.Tensor] | None = None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-tier")
+        cuda = runner.device.type == "cuda"
+        self._stream = torch.cuda.Stream(runner.device) if cuda else None
+        if cuda:  # page-lock the arena now, not in the first spill (seconds for a large arena)
+            self._worker.submit(self._lock_arena)
+
+    def _lock_arena(self) -> None:
+        if self.client.wait_attached(30.0) and self.client.arena is not None:
+            self._region(self.client.arena, [], 0)
+
+    def close(self) -> None:
+        """Finish the jobs in flight, then stop the worker (the client is the caller's)."""
+        self._worker.shutdown(wait=True)
+        self._unregister()
+
+    def _unregister(self) -> None:
+        """Drop the arena's page-locking (before its mapping can go away)."""
+        if self._arena is not None and self.runner.device.type == "cuda":
+            torch.cuda.cudart().cudaHostUnregister(self._arena[1].data_ptr())
+        self._arena = None
+
+    # -- asynchronous jobs -----------------------------------------------------------------
+    def _submit(self, fn: Callable[[], bool]) -> Future[bool]:
+        ready = None
+        if self._stream is not None:  # the copy stream starts after what the compute stream queued so far
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def job() -> bool:
+            ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+            with ctx:
+                if ready is not None:
+                    self._stream.wait_event(ready)  # type: ignore[union-attr]
+                return fn()
+        return self._worker.submit(job)
+
+    def spill_async(self, **kw: Any) -> Future[bool]:
+        """``spill`` on the worker; the entry's pages and slot must stay allocated until it is done."""
+        return self._submit(lambda: self.spill(**kw))
+
+    def restore_async(self, lease: HostLease, pages: Sequence[int], slot: int) -> Future[bool]:
+        """``restore`` on the worker; the pages and slot must stay out of steps until it is done."""
+        pages = list(pages)
+        return self._submit(lambda: self.restore(lease, pages, slot))
 
     @property
     def available(self) -> bool:
@@ -104,7 +153,8 @@ class HostTier:
 
     # -- arena -----------------------------------------------------------------------------
     def _region(self, arena: ArenaMap, extents: list[tuple[int, int]], nbytes: int) -> Region:
-        if self._arena is None or self._arena[0] is not arena:
+        if self._arena is None or self._arena[0] is not arena:  # first use, or a restarted daemon's arena
+            self._unregister()
             whole = torch.frombuffer(arena.map, dtype=torch.uint8, count=arena.size)
             if self.runner.device.type == "cuda":  # page-locked: device copies at full speed, async
                 torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), arena.size, 0)
@@ -122,8 +172,9 @@ class HostTier:
         return Region(segments)
 
     def _sync(self) -> None:
+        """Wait for this thread's copies (the copy stream on the worker, else the current one)."""
         if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.current_stream(self.runner.device).synchronize()
 
     # -- spill -----------------------------------------------------------------------------
     def spill(self, *, tokens: np.ndarray, pages: Sequence[int], slot: int, tenant: str, metadata_digest: bytes,

@@ -45,8 +45,12 @@ Retention and eviction
   message arrives, so across a new user turn the prompt diverges right after the previous user
   query, and only the checkpoint taken by the first request after it (an anchor) still matches;
   within a tool loop each request extends the previous checkpoint (not an anchor, replaced).
-- Eviction is LRU over whole entries when a request needs pages or slots (``room``); an entry
-  is never taken from a running request, which holds its own references (pages, pinned image).
+- Eviction takes whole entries when a request needs pages or slots (``room``), by rank then
+  LRU (``Entry.keep_rank``): first ended sequences a checkpoint of their own covers (losing one
+  costs at most its generated tokens; with thinking stripped from the history they are never
+  reused at all), then the rest, last the anchors and shared prefixes. With a host tier each
+  is spilled first. An entry is never taken from a running request, which holds its own
+  references (pages, pinned image).
 
 State machine of an entry (this slice: resident only; host tiers come with the daemon):
 ``(running sequence) --retire / checkpoint--> resident --adopt--> resident (touched)``;
@@ -61,6 +65,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -100,6 +105,17 @@ class Entry:
     ledger: Ledger
     kind: Kind
     anchor: bool = False
+    cheap: bool = False  # EXEC with its own turn checkpoint close below: losing it costs little
+    spilling: bool = False  # evicted, its spill in flight: still matched until the copy is done
+
+    @property
+    def keep_rank(self) -> int:
+        """Eviction takes the lowest rank first (LRU within a rank): 0 ended sequences covered by
+        a checkpoint of their own, 1 the rest, 2 anchors and shared prefixes (what new user
+        turns and new sessions resume from)."""
+        if self.kind is Kind.PREFIX or (self.kind is Kind.TURN and self.anchor):
+            return 2
+        return 0 if self.cheap else 1
 
     @property
     def scope(self) -> bytes:
@@ -142,6 +158,18 @@ class CacheCounters:
 
 
 EVICTION_CAUSES = ("pressure", "superseded", "chain")
+CHEAP_GAP = 4096  # an ended sequence within this many tokens (or a quarter) of a checkpoint is cheap
+SHADOW_ENTRIES = 4096  # spilled entries remembered for host_hint
+
+
+@dataclass
+class _Spilling:
+    """An evicted entry whose spill is in flight: its memory is freed when ``future`` is done."""
+
+    entry: Entry
+    future: Future[bool]
+    pages: int  # pages only it held: free then
+    slots: int
 
 
 class PrefixCache:
@@ -163,20 +191,43 @@ class PrefixCache:
         self._ids = itertools.count(1)
         self._rank: dict[int, int] = {}  # entry id -> recency tick
         self._tick = 0
+        self._spilling: list[_Spilling] = []
+        # what this engine spilled (the daemon may have evicted some since): admission asks the
+        # daemon only when these reach further than the device (host_hint)
+        self._shadow: dict[int, Entry] = {}
+        self._shadow_index = MatchIndex()
 
     # -- lookup ----------------------------------------------------------------------------
     def lookup(self, ledger: Ledger, owner: Owner) -> Hit | None:
         """The longest usable reuse of ``ledger`` (a prompt) among ``owner``'s scope, or None."""
         self.counters.lookups += 1
+        found = self._search(self._index, self.entries, ledger, owner)
+        if found is None:
+            return None
+        r, e, turn_agrees = found
+        if common_prefix(e.ledger.tokens[:r], ledger.tokens[:r]) != r:  # digests shortlist, tokens decide
+            log.error("prefix_cache_digest_collision", entry=e.id, tokens=r)
+            return None
+        return Hit(e, r, self._level(e, r, owner.session), branch=turn_agrees > r)
+
+    def host_hint(self, ledger: Ledger, owner: Owner) -> int:
+        """How far the entries this engine spilled (and the daemon may still hold) would reach for
+        ``ledger``: worth a Lookup at admission when it beats the device (0: none)."""
+        found = self._search(self._shadow_index, self._shadow, ledger, owner)
+        return found[0] if found is not None else 0
+
+    def _search(self, index: MatchIndex, entries: dict[int, Entry], ledger: Ledger,
+                owner: Owner) -> tuple[int, Entry, int] | None:
+        """(reuse, entry, longest agreement of a TURN entry) of the best entry in ``index``."""
         prompt, limit, ps = ledger.tokens, len(ledger) - 1, self.page_size
         scope, session = owner.scope, owner.session
         best: tuple[tuple[int, int, int], Entry] | None = None
         turn_agrees = 0  # longest common prefix of any TURN entry with the prompt
-        for pages, ids in self._index.candidates(scope, ledger.digests):
+        for pages, ids in index.candidates(scope, ledger.digests):
             if best is not None and best[0][0] >= (pages + 1) * ps:
                 break  # the rest share fewer pages: none reaches further
             for eid in ids:
-                e = self.entries[eid]
+                e = entries[eid]
                 if e.scope != scope:
                     continue
                 lo = pages * ps  # digests agree on these; compare the next page's tokens
@@ -189,13 +240,7 @@ class PrefixCache:
                 key = (r, int(e.owner.session == session), self._recency(e))
                 if best is None or key > best[0]:
                     best = (key, e)
-        if best is None:
-            return None
-        (r, _, _), e = best
-        if common_prefix(e.ledger.tokens[:r], prompt[:r]) != r:  # digests shortlist, tokens decide
-            log.error("prefix_cache_digest_collision", entry=e.id, tokens=r)
-            return None
-        return Hit(e, r, self._level(e, r, session), branch=turn_agrees > r)
+        return None if best is None else (best[0][0], best[1], turn_agrees)
 
     def _usable(self, e: Entry, agree: int, limit: int) -> int:
         if self.hybrid:  # the state exists at the end of the ledger only
@@ -212,28 +257,120 @@ class PrefixCache:
 
     # -- admission -------------------------------------------------------------------------
     def room(self, pages: int, slots: int, protect: Entry | None = None) -> bool:
-        """Evict LRU entries (never ``protect``) until ``pages`` pages and ``slots`` slots are
-        free; False, evicting nothing more, when even evicting every entry could not do it."""
+        """Make ``pages`` pages and ``slots`` slots free by evicting LRU entries (never ``protect``),
+        each spilled to the host tier first when there is one. False when they are not free *now*:
+        spills in flight will free them (evicting nothing more meanwhile), or even evicting every
+        entry could not (evicting nothing)."""
+        self.poll()
         b = self.blocks
         while b.free_pages < pages or b.free_slots < slots:
             if b.free_pages + b.cached_only_pages < pages or b.free_slots + b.cached_only_slots < slots:
                 return False
-            victim = next((eid for eid in self._lru if protect is None or eid != protect.id), None)
+            if b.free_pages + self.pending_pages >= pages and b.free_slots + self.pending_slots >= slots:
+                return False  # the spills in flight free enough
+            victim = self._victim(protect)
             if victim is None:
                 return False
-            self.spill(self.entries[victim])  # spill before evict (a miss when the host tier is down)
-            self.drop(self.entries[victim], "pressure")
+            self.evict(victim)
         return True
 
+    def _victim(self, protect: Entry | None) -> Entry | None:
+        """The entry to evict next: lowest ``keep_rank``, least recently used within it."""
+        best: tuple[int, int] | None = None
+        found = None
+        for eid in self._lru:  # oldest first
+            e = self.entries[eid]
+            if (protect is not None and e is protect) or e.spilling:
+                continue
+            key = (e.keep_rank, self._recency(e))
+            if best is None or key < best:
+                best, found = key, e
+                if key[0] == 0:
+                    break  # the oldest of the lowest rank
+        return found
+
+    def keep_free(self, pages: int, slots: int) -> None:
+        """With a host tier: start spilling LRU entries (by rank) while fewer than ``pages`` pages
+        and ``slots`` slots are free or about to be, so that checkpoints and admissions find room
+        without waiting for a copy. Without one nothing is evicted early (it would be lost)."""
+        if self.host is None or not self.host.available:
+            return
+        self.poll()
+        b = self.blocks
+        while (b.free_pages + self.pending_pages < pages or b.free_slots + self.pending_slots < slots):
+            victim = self._victim(None)
+            if victim is None:
+                return
+            self.evict(victim)
+
+    def evict(self, e: Entry) -> None:
+        """Drop ``e`` for memory: with a host tier, spill it first (asynchronously: its pages and
+        image stay allocated, matched by nobody, until the copy is done; ``poll`` frees them)."""
+        if self.host is None or not self.host.available:
+            self.drop(e, "pressure")
+            return
+        b = self.blocks
+        table = b.block_table(e.holder)
+        slot = b.state_slot(e.holder)
+        own_pages = sum(1 for p in table if b.refcount(p) == 1)
+        own_slots = int(slot >= 0 and b.slot_refcount(slot) == 1)
+        o = e.owner
+        future = self.host.spill_async(tokens=e.ledger.tokens, pages=table[:pages_for(len(e), self.page_size)],
+                                       slot=slot, tenant=o.tenant, metadata_digest=o.metadata_digest,
+                                       session=o.session, checkpoint=e.kind is not Kind.EXEC)
+        e.spilling = True  # requests may still adopt it meanwhile (they take their own references)
+        self.counters.evictions["pressure"] += 1
+        self._spilling.append(_Spilling(e, future, own_pages, own_slots))
+
+    @property
+    def pending_pages(self) -> int:
+        """Pages spills in flight will free."""
+        return sum(s.pages for s in self._spilling)
+
+    @property
+    def pending_slots(self) -> int:
+        return sum(s.slots for s in self._spilling)
+
+    def poll(self) -> None:
+        """Free the memory of every spill that is done (committed or not)."""
+        done = [s for s in self._spilling if s.future.done()]
+        for s in done:
+            self._spilling.remove(s)
+            if s.entry.id in self.entries:
+                self._forget(s.entry, None)
+            self.blocks.free(s.entry.holder)
+            if s.future.exception() is None and s.future.result():
+                self._remember_spilled(s.entry)
+
+    def _remember_spilled(self, e: Entry) -> None:
+        if e.id in self._shadow:
+            return
+        while len(self._shadow) >= SHADOW_ENTRIES:
+            old = next(iter(self._shadow))
+            del self._shadow[old]
+            self._shadow_index.remove(old)
+        self._shadow[e.id] = e
+        self._shadow_index.add(e.id, e.scope, e.ledger.digests)
+
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for the spills in flight, then free their memory."""
+        for s in list(self._spilling):
+            s.future.exception(timeout=timeout_s)  # waits; never raises the spill's own error
+        self.poll()
+
     def spill(self, e: Entry) -> bool:
-        """Offer ``e`` to the host tier (True once the daemon committed it)."""
+        """Offer ``e`` to the host tier now, on this thread (True once the daemon committed it)."""
         if self.host is None or not self.host.available:
             return False
         pages = self.blocks.block_table(e.holder)[:pages_for(len(e), self.page_size)]
         o = e.owner
-        return self.host.spill(tokens=e.ledger.tokens, pages=pages, slot=self.blocks.state_slot(e.holder),
-                               tenant=o.tenant, metadata_digest=o.metadata_digest, session=o.session,
-                               checkpoint=e.kind is not Kind.EXEC)
+        ok = self.host.spill(tokens=e.ledger.tokens, pages=pages, slot=self.blocks.state_slot(e.holder),
+                             tenant=o.tenant, metadata_digest=o.metadata_digest, session=o.session,
+                             checkpoint=e.kind is not Kind.EXEC)
+        if ok:
+            self._remember_spilled(e)
+        return ok
 
     def spill_all(self, budget_s: float) -> int:
         """At shutdown: spill entries, most recently used first, for at most ``budget_s`` seconds;
@@ -308,6 +445,9 @@ class PrefixCache:
         self.counters.inserted[e.kind.value] += 1
         for old in self._prefixes_of(e, Kind.EXEC):
             self.drop(old, "superseded")
+        if e.kind is Kind.EXEC:  # covered by its own turn checkpoint: evicted before what is not
+            reach = max((len(t) for t in self._prefixes_of(e, Kind.TURN)), default=0)
+            e.cheap = reach >= len(e) - max(CHEAP_GAP, len(e) // 4)
         if e.kind is Kind.TURN:
             ancestors = self._prefixes_of(e, Kind.TURN)  # oldest first
             anchors = [a for a in ancestors if a.anchor]
@@ -326,19 +466,26 @@ class PrefixCache:
     # -- eviction --------------------------------------------------------------------------
     def drop(self, e: Entry, cause: str | None) -> None:
         """Forget ``e`` and release its pages and image (those others hold stay); ``cause``
-        (one of ``EVICTION_CAUSES``) is counted, None is not (``clear``)."""
+        (one of ``EVICTION_CAUSES``) is counted, None is not (``clear``). A spilling entry's
+        memory is released when its copy is done (``poll``)."""
+        self._forget(e, cause)
+        if not e.spilling:
+            self.blocks.free(e.holder)
+
+    def _forget(self, e: Entry, cause: str | None) -> None:
+        """``e`` stops matching (its memory is the caller's to free)."""
         del self.entries[e.id]
         self._lru.pop(e.id, None)
         self._rank.pop(e.id, None)
         self._index.remove(e.id)
         self._exact.pop(self._exact_key(e.scope, e.ledger), None)
         self._by_kind[(e.scope, e.kind)].discard(e.id)
-        self.blocks.free(e.holder)
         if cause is not None:
             self.counters.evictions[cause] += 1
 
     def clear(self) -> None:
-        """Drop every entry (tests, shutdown)."""
+        """Drop every entry (tests, shutdown), after the spills in flight."""
+        self.settle()
         for e in list(self.entries.values()):
             self.drop(e, None)
 

@@ -31,7 +31,7 @@ import torch
 
 from engine_service.layers.context import StepContext
 
-CHUNK_BYTES = 64 << 20  # staging per step of an export / import (at least one row)
+CHUNK_BYTES = 256 << 20  # staging per step of an export / import (at least one row)
 
 
 class AttentionKV(Protocol):
@@ -162,6 +162,10 @@ def import_rows(tensors: Sequence[torch.Tensor], rows: Sequence[int], src: torch
         stage = region.read(start + i * row, k * row, dev).view(k, row)
         for t in tensors:
             rb = t[0].numel() * t.element_size()
-            vals = stage[:, off:off + rb].contiguous().view(t.dtype).view(k, *t.shape[1:])
+            col = stage[:, off:off + rb]
+            try:  # read the staging columns in place (one pass less over the bytes)
+                vals = col.view(t.dtype).view(k, *t.shape[1:])
+            except RuntimeError:  # a column offset the dtype cannot start at
+                vals = col.contiguous().view(t.dtype).view(k, *t.shape[1:])
             t.index_copy_(0, idx, vals)
             off += rb

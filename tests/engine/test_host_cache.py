@@ -9,6 +9,7 @@ so a wrong restore shows), sharing one daemon with a fresh engine where a restar
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -47,10 +48,10 @@ class Node:
         col = Collector()
         self.core.submit(self.core.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens),
                                                 sink=col, **kw))
-        for _ in range(500):
-            self.core.step()
-            if not self.core.has_work():
-                break
+        deadline = time.monotonic() + 60
+        while self.core.has_work() and time.monotonic() < deadline:
+            if self.core.step() == 0:
+                time.sleep(0.001)  # a restore on the host tier's worker
         self.core.blocks.check()
         return col
 
@@ -209,3 +210,44 @@ def test_fingerprint_names_everything_the_bytes_depend_on(tmp_path) -> None:
     assert EntryShape.parse(shape.layout(), 100, 10) == shape
     assert EntryShape.parse(shape.layout(), 100, 0) is None  # another engine's state layout
     assert EntryShape.parse(EntryShape(3, 99, 10).layout(), 100, 10) is None
+
+
+def test_engine_process_restart_resumes_from_the_daemon(daemon: Daemon, tmp_path) -> None:
+    """Two real engine processes in turn on one daemon: the first spills its entries when it
+    gets SIGTERM; the second (same model, same fingerprint) serves the session's next turn from
+    the host (level 3), and its tokens equal a cold run's."""
+    import asyncio
+
+    from deepwell import grpcx
+    from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
+    from tests.engine.helpers_models import save_tiny
+    from tests.engine.helpers_process import engine_process
+
+    model = tmp_path / "model"
+    save_tiny("qwen3_5", model)
+    args = ["--model", str(model), "--num-pages", "16", "--page-size", "16", "--max-concurrency", "2",
+            "--cpu-threads", "1", "--log-level", "warning"]
+
+    def generate(address: str, ids: list[int]) -> tuple[list[int], engine_pb2.CacheHits]:
+        async def go() -> list:
+            async with grpcx.aio_channel(address) as ch:
+                stub = engine_pb2_grpc.EngineStub(ch)
+                return [m async for m in stub.Generate(engine_pb2.GenerateRequest(
+                    prompt_token_ids=ids, session_key="t/p", turn_boundary=len(ids) - 1,
+                    sampling=engine_pb2.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)))]
+        msgs = asyncio.run(go())
+        return [t for m in msgs if m.HasField("tokens") for t in m.tokens.token_ids], msgs[-1].finished.usage.cached
+
+    p1 = _prompt(8, 40)
+    (tmp_path / "a").mkdir()
+    with engine_process(tmp_path / "a", [*args, "--kv-daemon", daemon.address]) as (address, _):
+        first, _ = generate(address, p1)
+    p2 = p1 + first + [5, 6]
+    (tmp_path / "b").mkdir()
+    with engine_process(tmp_path / "b", [*args, "--kv-daemon", daemon.address]) as (address, _):
+        tokens, cached = generate(address, p2)
+    assert cached.host_entry == len(p1) + 2, cached
+    (tmp_path / "c").mkdir()
+    with engine_process(tmp_path / "c", [*args, "--prefix-cache", "off"]) as (address, _):
+        cold, cold_cached = generate(address, p2)
+    assert tokens == cold and cold_cached.host_entry == 0

@@ -219,3 +219,21 @@ def _done(col: Collector) -> bool:
     from engine_service.engine import FinishedEvent
 
     return any(isinstance(e, FinishedEvent) for e in col.events)
+
+
+def test_eviction_takes_covered_ended_sequences_before_checkpoints() -> None:
+    """Slots for state images run short: the ended sequence (covered by its own turn checkpoint)
+    goes before the older anchor checkpoint, which a new user turn needs."""
+    runner, core = make(hybrid=True, pages=64, slots=3, conc=1)  # 1 running + 2 images
+    p = list(range(10, 40))
+    run(core, p, max_tokens=3, turn_boundary=30, session_key="t/a")  # turn checkpoint (anchor) + exec
+    kinds = {e.kind: e for e in core.cache.entries.values()}
+    assert kinds[Kind.EXEC].keep_rank == 0 and kinds[Kind.TURN].keep_rank == 2
+    run(core, list(range(50, 70)), max_tokens=1)  # the last free slot; it ends as a third image
+    run(core, list(range(71, 85)), max_tokens=1)  # needs a running slot: one image must go
+    assert [e.kind for e in core.cache.entries.values() if len(e) >= 30] == [Kind.TURN]
+    assert core.cache.counters.evictions["pressure"] == 1
+    again = run(core, p + [7, 7], session_key="t/a")
+    assert again.finished.cached == {"resident_checkpoint": 30}
+    assert again.tokens == greedy_reference(runner, p + [7, 7], 3)
+    drained(core)
