@@ -147,7 +147,8 @@ def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, m
         kv_format=runner.kv_dtype_name, calibration_digest=cal.digest() if cal is not None else "",
         page_size=runner.page_size, page_nbytes=runner.entry_nbytes(1, False),
         slot_nbytes=runner.entry_nbytes(0, True) if core.spec.hybrid else 0)
-    client = KVClient(cfg.kv_daemon, name=f"engine-{model_id}", rpc_timeout_s=2.0, retries=1)
+    # fast misses: a slow daemon must not hold up admissions (the circuit opens after 3 failures)
+    client = KVClient(cfg.kv_daemon, name=f"engine-{model_id}", rpc_timeout_s=1.0, retries=1)
     if not client.start(wait_s=5.0):
         from deepwell.logs import get_logger
 
@@ -164,7 +165,7 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
     try:
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
                             kv_hadamard=cfg.kv_hadamard, kv_center_k=cfg.kv_center_k,
-                            kv_k_rounding=cfg.kv_k_rounding)
+                            kv_k_rounding=cfg.kv_k_rounding, random=cfg.random_weights)
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
 
@@ -198,7 +199,7 @@ async def serve(cfg: EngineConfig) -> int:
         torch.set_num_threads(cfg.cpu_threads)
     dtype = resolve_dtype(cfg.dtype, device)
     loop = asyncio.get_running_loop()
-    source = await loop.run_in_executor(None, open_model, model_path)
+    source = await loop.run_in_executor(None, lambda: open_model(model_path, weights=not cfg.random_weights))
     runner = await loop.run_in_executor(
         None, lambda: _build_runner(build_runner, cfg, source, device, dtype))
     model_id = cfg.served_model_name or default_name or source.model_id or Path(model_path).stem

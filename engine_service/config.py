@@ -124,6 +124,11 @@ class EngineConfig:
                                                            "get RESOURCE_EXHAUSTED"})
     max_context: int = field(default=0, metadata={"help": "serve at most this many tokens per sequence "
                                                           "(0 = the model's limit)"})
+    random_weights: bool = field(default=False, metadata={"help": "fill the weights with random values instead of "
+                                                                  "loading them (speed and memory measurements of "
+                                                                  "full-size shapes: a HF directory then needs only "
+                                                                  "config.json and the tokenizer files; the outputs "
+                                                                  "mean nothing)"})
     served_model_name: str = field(default="", metadata={"help": "model id reported to clients ('' = from the "
                                                                  "checkpoint)"})
     engine_id: str = field(default="", metadata={"help": "this engine's id in ModelInfo ('' = host:pid)"})

@@ -43,7 +43,7 @@ from engine_service.layers.backend import ReferenceBackend, get_backend
 from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
 from engine_service.layers.rope import inv_freq_and_scale
 from engine_service.loading.source import ModelSource
-from engine_service.models import build_model, load_weights
+from engine_service.models import build_model, load_weights, random_weights
 from engine_service.models.decoder import CausalLM
 from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
 from kernels.calibration import ScaleCounts
@@ -347,8 +347,10 @@ def build_runner(
     kv_hadamard: str = "auto",
     kv_center_k: str = "auto",
     kv_k_rounding: str = "auto",
+    random: bool = False,
 ) -> TorchModelRunner:
-    """Build the model for ``source`` on ``device`` and stream its weights in.
+    """Build the model for ``source`` on ``device`` and stream its weights in (``random``: fill
+    them with random values instead, ``models.random_weights``).
 
     The runner (and so every KV setting) is checked before the weights load."""
     dev = torch.device(device)
@@ -356,7 +358,10 @@ def build_runner(
     model, family, text_cfg = build_model(source.config, dev, dtype, ops)
     runner = TorchModelRunner(model, dev, dtype, KVSettings(kv_dtype, kv_hadamard, kv_center_k, kv_k_rounding),
                               page_size, ops)
-    load_weights(model, family, text_cfg, source.iter_tensors())
+    if random:
+        random_weights(model)
+    else:
+        load_weights(model, family, text_cfg, source.iter_tensors())
     log.info(
         "runner_built",
         model_id=source.model_id,

@@ -13,7 +13,9 @@ from pathlib import Path
 from engine_service.loading.source import ModelSource
 
 
-def open_model(path: str | Path) -> ModelSource:
+def open_model(path: str | Path, weights: bool = True) -> ModelSource:
+    """A HF directory or a .gguf file; ``weights=False`` opens a HF directory without reading or
+    requiring its weight files (``--random-weights``)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ValueError(f"model path {p} does not exist")
@@ -26,7 +28,7 @@ def open_model(path: str | Path) -> ModelSource:
     if (p / "config.json").is_file():
         from engine_service.loading.hf import open_hf
 
-        return open_hf(p)
+        return open_hf(p, weights)
     ggufs = sorted(p.glob("*.gguf"))
     if len(ggufs) == 1:
         from engine_service.loading.gguf import open_gguf

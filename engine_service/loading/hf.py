@@ -91,13 +91,15 @@ def _reader(p: Path) -> Callable[[], bytes]:
     return p.read_bytes
 
 
-def open_hf(path: str | Path) -> ModelSource:
+def open_hf(path: str | Path, weights: bool = True) -> ModelSource:
+    """The directory's model; ``weights=False``: its config and side files only (the tensor stream
+    is empty: random-weight benchmarks of full-size shapes)."""
     root = Path(path)
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{root} has no config.json (not a Hugging Face model directory)")
     config = _read_json(cfg_path)
-    files = safetensors_files(root)
+    files = safetensors_files(root) if weights else []
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get(
         "quantization_config"
     )

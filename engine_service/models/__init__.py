@@ -7,7 +7,7 @@ it (``loader``). Supported: llama (SmolLM2), qwen2, qwen3, qwen3_5 (+ ``_text``)
 qwen3_5_moe (+ ``_text``), qwen3_next.
 """
 
-from engine_service.models.loader import build_model, load_weights
+from engine_service.models.loader import build_model, load_weights, random_weights
 from engine_service.models.registry import resolve, supported
 
-__all__ = ["build_model", "load_weights", "resolve", "supported"]
+__all__ = ["build_model", "load_weights", "random_weights", "resolve", "supported"]

@@ -84,6 +84,21 @@ def build_model(
     return model, family, tc
 
 
+def random_weights(model: CausalLM, seed: int = 0) -> None:
+    """Fill every parameter with random values on its device instead of loading a checkpoint:
+    matrices N(0, 0.02), vectors (norm weights, biases, gates) ones. For speed and memory
+    measurements of full-size shapes only: the outputs mean nothing."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+            else:
+                p.fill_(1.0)
+    log.warning("random_weights", architecture=model.args.architecture,
+                detail="weights are random: for speed measurements only")
+
+
 @dataclass
 class _LoadState:
     skipped: int = 0

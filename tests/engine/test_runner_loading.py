@@ -368,3 +368,26 @@ def test_gguf_paths_dispatch_to_the_gguf_loader(
     (tmp_path / "n.gguf").write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="several .gguf files"):
         open_model(tmp_path)
+
+
+def test_random_weights_need_no_weight_files(tmp_path) -> None:
+    """``--random-weights``: a directory with config.json only builds and runs (finite logits)."""
+    import json
+
+    import torch
+
+    from engine_service.loading import open_model
+    from engine_service.runner import build_runner
+    from engine_service.runner_api import ForwardBatch, SeqSlice
+    from tests.engine.helpers_models import TINY
+
+    _, _, _, kwargs = TINY["qwen3_5"]
+    (tmp_path / "config.json").write_text(json.dumps({**kwargs, "model_type": "qwen3_5_text",
+                                                      "architectures": ["Qwen3_5ForCausalLM"]}))
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        open_model(tmp_path)
+    r = build_runner(open_model(tmp_path, weights=False), random=True)
+    r.allocate(4, 1)
+    r.reset_state(0)
+    out = r.forward(ForwardBatch(torch.arange(3, 20), [SeqSlice(0, [0, 1, 2, 3], 0, 17)]))
+    assert out.shape == (1, r.vocab_size) and bool(torch.isfinite(out).all())
