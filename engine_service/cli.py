@@ -98,7 +98,8 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     pages, slots = size_pools(cfg, spec, runner.max_context, runner.device)
     limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,
                           token_budget=cfg.token_budget, queue_size=cfg.queue_size, chunk_tokens=cfg.chunk_tokens,
-                          max_context=cfg.max_context or runner.max_context, prefix_cache=cfg.prefix_cache == "on")
+                          max_context=cfg.max_context or runner.max_context, prefix_cache=cfg.prefix_cache == "on",
+                          cache_fraction=cfg.cache_fraction)
     core = EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
                       defaults=default_sampling(source.generation_config), observer=observer)
     calibrate_kv(source, runner, served_context=core.max_context)

@@ -11,6 +11,8 @@ applied at start-up (``engine_service.cli``):
   (``3 x max_concurrency``); running requests never use more than ``max_concurrency``.
 - ``prefix_cache = on`` keeps every ended sequence and every turn / shared-prefix checkpoint
   on the device for reuse (``engine_service.cache``), evicted LRU when memory is needed.
+- ``cache_fraction`` is the resident budget: the share of the KV pool's pages cache entries alone
+  may hold (beyond it the least valuable are evicted right away, spilled first with a host tier).
 - ``kv_daemon`` (the KV-cache daemon's address) adds the host tier: entries are spilled to the
   daemon before they are evicted and at shutdown (for at most ``shutdown_spill_s``), and
   restored from it; the daemon's own budget (``deepwell kvcache --budget-bytes``) is the host
@@ -106,6 +108,10 @@ class EngineConfig:
                                                               "checkpoints on the device and reuse them for "
                                                               "prompts that start with them (on, off)",
                                                       "choices": ("on", "off")})
+    cache_fraction: float = field(default=1.0, metadata={"help": "the resident budget: the most of the KV pool's "
+                                                                 "pages that cached entries alone may hold (beyond "
+                                                                 "it they are evicted, spilled first with "
+                                                                 "--kv-daemon); 1 = all of it, evicted on demand"})
     kv_daemon: str = field(default="", metadata={"help": "KV-cache daemon address (unix:///path or host:port): "
                                                          "spill cache entries to host RAM before evicting them "
                                                          "and restore them from there ('' = device only)"})
@@ -174,6 +180,7 @@ class EngineConfig:
         c(not self.kv_daemon or self.prefix_cache == "on", "kv_daemon", self.kv_daemon,
           "needs the prefix cache (--prefix-cache on): the daemon holds the cache's spilled entries")
         c(self.shutdown_spill_s >= 0, "shutdown_spill_s", self.shutdown_spill_s, "must be >= 0")
+        c(0.0 <= self.cache_fraction <= 1.0, "cache_fraction", self.cache_fraction, "must be in [0, 1]")
         c(self.cpu_threads >= 0, "cpu_threads", self.cpu_threads, "must be >= 0 (0 = torch's default)")
         c(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
         c(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")

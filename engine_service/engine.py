@@ -152,6 +152,7 @@ class EngineLimits:
     max_context: int
     chunk_tokens: int = 0  # per-request cap per step (0 = token_budget)
     prefix_cache: bool = True  # keep ended sequences and checkpoints for reuse (cache.resident)
+    cache_fraction: float = 1.0  # the most of the KV pool's pages that entries alone may hold
 
 
 class EngineCore:
@@ -167,7 +168,8 @@ class EngineCore:
         runner.allocate(limits.num_pages, slots)
         self.blocks = BlockManager(limits.num_pages, spec.page_size, slots)
         max_conc = min(limits.max_concurrency, slots) if spec.hybrid else limits.max_concurrency
-        self.cache = PrefixCache(self.blocks, hybrid=spec.hybrid) if limits.prefix_cache else None
+        self.cache = (PrefixCache(self.blocks, hybrid=spec.hybrid, max_pages=int(limits.cache_fraction * limits.num_pages))
+                      if limits.prefix_cache else None)
         self.scheduler = Scheduler(
             SchedulerLimits(max_concurrency=max_conc, token_budget=limits.token_budget,
                             queue_size=limits.queue_size, max_context=self.max_context,

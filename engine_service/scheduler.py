@@ -259,7 +259,8 @@ class Scheduler:
         slices: list[Slice] = []
         preempted: list[Request] = []
         self._finish_restores()
-        if self.cache is not None:  # room ahead for the next checkpoints and decode pages (host tier only)
+        if self.cache is not None:  # the resident budget; room ahead for checkpoints and decodes (host tier)
+            self.cache.trim()
             self.cache.keep_free(pages=len(self.running) + 1, slots=SLOT_RESERVE if self.blocks.uses_slots else 0)
         # decodes (1-token catch-ups) first so a long prefill never delays them, then the rest
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed > 1)

@@ -174,10 +174,11 @@ class _Spilling:
 
 class PrefixCache:
     def __init__(self, blocks: BlockManager, *, hybrid: bool, anchors_kept: int = 4,
-                 host: HostTier | None = None) -> None:
+                 host: HostTier | None = None, max_pages: int | None = None) -> None:
         if anchors_kept < 1:
             raise ValueError(f"anchors_kept must be >= 1, got {anchors_kept}")
         self.blocks = blocks
+        self.max_pages = blocks.num_pages if max_pages is None else max_pages  # the resident budget
         self.host = host  # spill-before-evict and restores (levels 3 and 4); None: device only
         self.page_size = blocks.page_size
         self.hybrid = hybrid
@@ -288,6 +289,15 @@ class PrefixCache:
                 if key[0] == 0:
                     break  # the oldest of the lowest rank
         return found
+
+    def trim(self) -> None:
+        """Keep the pages only entries hold within the resident budget (``max_pages``): evict
+        (spilling first, with a host tier) the lowest-ranked, least recently used beyond it."""
+        while self.blocks.cached_only_pages - self.pending_pages > self.max_pages:
+            victim = self._victim(None)
+            if victim is None:
+                return
+            self.evict(victim)
 
     def keep_free(self, pages: int, slots: int) -> None:
         """With a host tier: start spilling LRU entries (by rank) while fewer than ``pages`` pages

@@ -237,3 +237,16 @@ def test_eviction_takes_covered_ended_sequences_before_checkpoints() -> None:
     assert again.finished.cached == {"resident_checkpoint": 30}
     assert again.tokens == greedy_reference(runner, p + [7, 7], 3)
     drained(core)
+
+
+def test_resident_budget_evicts_beyond_its_share_of_the_pool() -> None:
+    """``cache_fraction``: entries alone hold at most that share of the pages; beyond it the
+    least valuable go at the next step, even with the pool otherwise free."""
+    runner = FakeRunner(page_size=4)
+    core = EngineCore(runner, EngineLimits(40, 12, 4, 16, 16, 1024, cache_fraction=0.25), eos_ids=())
+    for seed in range(4):
+        run(core, [seed + 10] + list(range(20, 40)), max_tokens=2)  # 6 pages each
+        core.step()  # the next step trims
+        assert core.blocks.cached_only_pages <= 10
+    assert core.cache.counters.evictions["pressure"] >= 2
+    drained(core)
