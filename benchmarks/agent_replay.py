@@ -225,12 +225,17 @@ def write_tiny_hybrid(directory: Path, seed: int = 0) -> Path:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
     torch.manual_seed(seed)
     Qwen3_5ForCausalLM(config).float().save_pretrained(directory)
+    _write_chat_files(directory, tok_json, eos, pad, 65536)
+    return directory
+
+
+def _write_chat_files(directory: Path, tok_json: str, eos: int, pad: int, max_length: int) -> None:
+    """The tokenizer, its config, the generation config and the Qwen3.5 XML-tools chat template."""
     (directory / "tokenizer.json").write_text(tok_json, encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 65536}))
+        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": max_length}))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
     (directory / "chat_template.jinja").write_text(QWEN35_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
-    return directory
 
 
 QWEN35_27B = {  # the text model of Qwen3.5-27B's config (shared/DESIGN.md "Target model facts")
@@ -252,11 +257,7 @@ def write_qwen35_27b(directory: Path) -> Path:
     ids = {t["content"]: t["id"] for t in json.loads(tok_json)["added_tokens"]}
     eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     (directory / "config.json").write_text(json.dumps({**QWEN35_27B, "eos_token_id": eos, "pad_token_id": pad}))
-    (directory / "tokenizer.json").write_text(tok_json, encoding="utf-8")
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "model_max_length": 262144}))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "pad_token_id": pad}))
-    (directory / "chat_template.jinja").write_text(QWEN35_TEMPLATE.read_text(encoding="utf-8"), encoding="utf-8")
+    _write_chat_files(directory, tok_json, eos, pad, 262144)
     return directory
 
 

@@ -9,7 +9,7 @@ caller-chosen seed (a scope key: entries of different scopes never share a diges
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -39,3 +39,12 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if len(diff) else n
+
+
+def discard(table: dict[Hashable, set[int]], key: Hashable, item: int) -> None:
+    """Remove ``item`` from the set ``table[key]``, and the key once its set is empty."""
+    s = table.get(key)
+    if s is not None:
+        s.discard(item)
+        if not s:
+            del table[key]

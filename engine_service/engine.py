@@ -42,7 +42,8 @@ from deepwell.logs import get_logger
 from engine_service.block_manager import BlockManager
 from engine_service.cache.index import Owner
 from engine_service.cache.host import HostCounters, HostTier
-from engine_service.cache.resident import CacheCounters, PrefixCache
+from engine_service.cache.resident import PrefixCache
+from engine_service.cache.types import CacheCounters
 from engine_service.runner_api import ForwardBatch, ModelRunner, SeqSlice
 from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
 from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan

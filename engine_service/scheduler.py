@@ -55,7 +55,8 @@ import numpy as np
 
 from engine_service.block_manager import BlockManager, OutOfPages, pages_for
 from engine_service.cache.index import Ledger, Owner
-from engine_service.cache.resident import Hit, Kind, Level, PrefixCache, Restore
+from engine_service.cache.resident import PrefixCache
+from engine_service.cache.types import Hit, Kind, Level, Restore
 
 if TYPE_CHECKING:
     from engine_service.sampling import SamplingParams

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deepwell.ledger import DIGEST_BYTES, chain_digests, common_prefix
+from deepwell.ledger import DIGEST_BYTES, chain_digests, common_prefix, discard
 
 __all__ = ["DIGEST_BYTES", "common_prefix", "page_digests", "scope_key", "usable_prefix", "MatchIndex"]
 
@@ -97,11 +97,11 @@ class MatchIndex:
         if item is None:
             return
         for d in item.digests:
-            _discard(self._by_digest, d, entry_id)
+            discard(self._by_digest, d, entry_id)
         if not item.digests:
-            _discard(self._short, item.scope, entry_id)
+            discard(self._short, item.scope, entry_id)
         if item.session:
-            _discard(self._by_session, (item.scope, item.session), entry_id)
+            discard(self._by_session, (item.scope, item.session), entry_id)
 
     def session_entries(self, scope: bytes, session: str) -> list[int]:
         return sorted(self._by_session.get((scope, session), ()))
@@ -141,11 +141,3 @@ class MatchIndex:
             if best is None or key > best:
                 best = key
         return best
-
-
-def _discard(table: dict, key: object, entry_id: int) -> None:
-    s = table.get(key)
-    if s is not None:
-        s.discard(entry_id)
-        if not s:
-            del table[key]

@@ -43,7 +43,7 @@ from deepwell.kvclient.arena import ArenaMap, as_extents
 from deepwell.kvclient.client import KVClient
 from deepwell.logs import get_logger
 from engine_service.cache.identity import EntryShape
-from engine_service.cache.resident import Level
+from engine_service.cache.types import Level
 from engine_service.kv.pool import Region
 
 log = get_logger(__name__)

@@ -19,7 +19,7 @@ from functools import cached_property
 
 import numpy as np
 
-from deepwell.ledger import chain_digests, common_prefix
+from deepwell.ledger import chain_digests, common_prefix, discard
 
 
 def scope_key(tenant: str, metadata_digest: bytes) -> bytes:
@@ -93,9 +93,9 @@ class MatchIndex:
     def remove(self, entry_id: int) -> None:
         scope, digests = self._digests.pop(entry_id)
         for d in digests:
-            _discard(self._by_digest, d, entry_id)
+            discard(self._by_digest, d, entry_id)
         if not digests:
-            _discard(self._short, scope, entry_id)
+            discard(self._short, scope, entry_id)
 
     def candidates(self, scope: bytes, digests: Sequence[bytes]) -> Iterator[tuple[int, list[int]]]:
         """``(pages, ids)`` with the most shared pages first: ids whose first ``pages`` full pages
@@ -118,11 +118,3 @@ class MatchIndex:
         short = self._short.get(scope)
         if short:
             yield 0, sorted(short)
-
-
-def _discard(table: dict, key: object, entry_id: int) -> None:
-    s = table.get(key)
-    if s is not None:
-        s.discard(entry_id)
-        if not s:
-            del table[key]

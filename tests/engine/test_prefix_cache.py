@@ -14,7 +14,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_service.cache.resident import Kind
+from engine_service.cache.types import Kind
 from engine_service.engine import EngineCore, EngineLimits
 from engine_service.sampling import SamplingParams
 from engine_service.scheduler import Finish
