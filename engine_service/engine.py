@@ -299,8 +299,9 @@ class EngineCore:
             return 0
         self._report_kv_scales()
         with self.lock:
-            self._in_step = set()
-            return self._apply(plan, sampled)
+            done = self._apply(plan, sampled)
+            self._in_step = set()  # (after: a failure while applying leaves these half-updated)
+            return done
 
     def _report_kv_scales(self) -> None:
         """Hand the runner's served block-scale counts (if it keeps any) to the observer, at
@@ -504,9 +505,10 @@ class Engine:
             except Exception as exc:  # a bug outside the model step: fail what is in flight, keep serving
                 log.exception("engine loop error; failing every request in flight")
                 try:
-                    with self.core.lock:
-                        self.core._in_step = set()
-                        for req in self.core.scheduler.finish_all(Finish.ERROR, f"internal error: {exc}"):
+                    with self.core.lock:  # what a finished step left consistent is still kept in the cache
+                        busy, self.core._in_step = self.core._in_step, set()
+                        for req in self.core.scheduler.finish_all(Finish.ERROR, f"internal error: {exc}",
+                                                                  keep=lambda r: r.request_id not in busy):
                             self.core._emit_finished(req)
                 except Exception:
                     log.exception("could not fail the requests in flight")

@@ -120,6 +120,9 @@ class Request:
     host_checked: bool = field(init=False, default=False)  # the host tier was asked (once per admission)
     host_asked: int = field(init=False, default=0)  # the longest spilled match it asked the daemon about
     first_slice: Restore | None = field(init=False, default=None)  # after a host restore: its first slice's
+    # its memory holds exactly its num_computed positions (False from admission until a step of it
+    # is applied: pending copies): only then may it be kept in the cache
+    consistent: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -337,6 +340,7 @@ class Scheduler:
             restore = replace(restore, copy_page=(restore.copy_page[0], dst))
         req.status = Status.RUNNING
         req.num_computed = start
+        req.consistent = start == 0
         if not req.ever_admitted:
             req.cache_hits = {hit.level.value: hit.tokens} if hit is not None else {}
             req.anchor = hit is None or hit.level is Level.SHARED_PREFIX or hit.branch
@@ -401,6 +405,7 @@ class Scheduler:
                 req.cache_hits = {lease.level.value: start} if ok else {}
             req.status = Status.RUNNING
             req.num_computed = start
+            req.consistent = True  # the copy is done (or nothing was restored)
             req.first_slice = Restore(state_ready=ok)
             self.running.append(req)
 
@@ -451,6 +456,7 @@ class Scheduler:
             if s.restore is not None or s.checkpoint is not None:
                 self.blocks.unpin(req.request_id)
             req.num_computed += s.num_tokens
+            req.consistent = True
             if not s.need_logits:
                 continue
             tok = sampled[req.request_id]
@@ -471,12 +477,15 @@ class Scheduler:
         self.cache.checkpoint(req.request_id, ledger, cp.kind, req.owner, cp.image_slot, anchor=req.anchor)
 
     def fail(self, request_id: str, error: str) -> Request | None:
-        return self.cancel(request_id, Finish.ERROR, error=error)
+        """End a request its step failed on: never cached (the step may have half written it)."""
+        return self.cancel(request_id, Finish.ERROR, error=error, retain=False)
 
-    def finish_all(self, reason: Finish, error: str = "") -> list[Request]:
+    def finish_all(self, reason: Finish, error: str = "", keep: Callable[[Request], bool] = lambda r: False
+                   ) -> list[Request]:
+        """Finish every request; ``keep(req)``: may its memory go to the cache (its state consistent)."""
         reqs = list(self._by_id.values())
         for r in reqs:
-            self._finish(r, reason, error=error)
+            self._finish(r, reason, error=error, retain=keep(r))
         return reqs
 
     # -- helpers -------------------------------------------------------------------------
@@ -567,7 +576,7 @@ class Scheduler:
         heapq.heappush(self._waiting, (-req.priority, req.seq_no, req))
 
     def _release(self, req: Request, retain: bool) -> None:
-        if self.cache is None or not retain or req.ledger is None:
+        if self.cache is None or not retain or not req.consistent or req.ledger is None:
             self.blocks.free(req.request_id)
             return
         ledger = req.ledger
@@ -592,7 +601,7 @@ class Scheduler:
         # RESTORING: its pages are being written; _finish_restores frees them once that is done
         if req.status is Status.RUNNING:
             self.running.remove(req)
-            self._release(req, retain=retain and reason is not Finish.ERROR)
+            self._release(req, retain=retain)
         elif req.status is Status.WAITING:
             self._waiting = [e for e in self._waiting if e[2] is not req]
             heapq.heapify(self._waiting)

@@ -359,3 +359,37 @@ def test_engine_thread_serves_survives_a_scheduler_bug_and_stops() -> None:
         eng.stop()
     assert pending.finished.reason in (Finish.CANCELLED, Finish.LENGTH)
     drained(c)
+
+
+def test_a_loop_bug_keeps_what_finished_steps_left_consistent() -> None:
+    """The engine loop's fail-all after a bug outside the model step (``Engine._loop``): what
+    finished steps left consistent stays in the cache; a request of the failing step does not."""
+
+    def fail_all(c: EngineCore) -> None:  # what Engine._loop does on an exception
+        with c.lock:
+            busy, c._in_step = c._in_step, set()
+            for req in c.scheduler.finish_all(Finish.ERROR, "internal error", keep=lambda r: r.request_id not in busy):
+                c._emit_finished(req)
+
+    for where in ("schedule", "apply"):
+        c = core(FakeRunner(), budget=8)
+        sink = Collector()
+        c.submit(c.make_request(prompt(1, 20), GREEDY, request_id="a", sink=sink))
+        c.step()
+        c.step()  # "a" has 16 computed tokens
+        target = c.scheduler if where == "schedule" else c
+        name = "schedule" if where == "schedule" else "_apply"
+        real = getattr(target, name)
+
+        def broken(*a, **kw):
+            raise RuntimeError("bug")
+
+        setattr(target, name, broken)
+        with pytest.raises(RuntimeError):
+            c.step()
+        fail_all(c)
+        setattr(target, name, real)
+        assert sink.finished.reason is Finish.ERROR
+        kept = [len(e) for e in c.cache.entries.values()]  # type: ignore[union-attr]
+        assert kept == ([16] if where == "schedule" else []), where
+        drained(c)
