@@ -5,7 +5,9 @@ namespaced session key or null), ``endpoint``, ``status`` (HTTP-style code), ``e
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (a dict per reuse level plus
 ``total``), ``timings`` (gateway ``ttft_ms`` / ``total_ms`` and the engine's
 ``queue_ms`` / ``prefill_ms`` / ``decode_ms``), ``finish_reason``, ``tool_parse``
-(``ok`` | ``failure`` | ``none``) and ``tool_parse_reasons``. Writes are line-atomic
+(``ok`` | ``failure`` | ``none``), ``tool_parse_reasons`` and ``tool_format`` (how the
+request's tools reached the prompt: ``template``, ``generic_hermes`` for a template that
+ignores tools, null without tools). Writes are line-atomic
 (one ``write`` of a full line on an append-mode file) and serialized by a lock.
 """
 
@@ -36,6 +38,7 @@ class RequestRecord:
     finish_reason: str | None = None
     tool_parse: str = "none"
     tool_parse_reasons: list[str] = field(default_factory=list)
+    tool_format: str | None = None
 
 
 class RequestLog:

@@ -71,7 +71,8 @@ class ModelBundle:
     tokenizer: Any  # tokenizers.Tokenizer
     template: Any | None  # gateway.templates.ChatTemplate, None when the model has none
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
-    tool_parser: str = "hermes_json"
+    tool_parser: str | None = "hermes_json"
+    renders_tools: bool = True  # False: the template ignores tools -> the generic tool prompt
 
     @property
     def model_id(self) -> str:
@@ -110,7 +111,27 @@ def build_bundle(info: engine_pb2.ModelInfo, files: dict[str, bytes], tool_parse
     eos = info.eos_token or _special_token(tok_cfg.get("eos_token"))
     template = ChatTemplate(source, bos_token=bos, eos_token=eos) if source else None
     parser = tool_parser_override or parser_for_template(source or "", info.model_type)
-    return ModelBundle(info=info, tokenizer=tokenizer, template=template, tokenizer_config=tok_cfg, tool_parser=parser)
+    renders = template is not None and _renders_tools(template)
+    if template is not None and not renders:
+        log.info("generic_tool_prompt", model=info.model_id,
+                 detail="the chat template ignores tools; they go into the system turn in the Hermes form")
+    return ModelBundle(info=info, tokenizer=tokenizer, template=template, tokenizer_config=tok_cfg,
+                       tool_parser=parser, renders_tools=renders)
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "deepwell_probe_tool", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+
+
+def _renders_tools(template: Any) -> bool:
+    """Whether the chat template writes the tools it is given into the prompt."""
+    from gateway.templates import TemplateError
+
+    try:
+        text = template.render([{"role": "user", "content": "hi"}], [_PROBE_TOOL], add_generation_prompt=True)
+    except TemplateError:
+        return False
+    return "deepwell_probe_tool" in text
 
 
 class EngineClient:

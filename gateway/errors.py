@@ -1,9 +1,9 @@
 """API-neutral gateway errors; each front end maps them to its own wire form.
 
 ``kind`` decides the status: ``invalid_request`` 400, ``authentication`` 401,
-``not_found`` 404, ``too_large`` 413, ``context_length`` (400 for OpenAI as
-``context_length_exceeded``, 413 ``request_too_large`` for Anthropic; carries both
-numbers), ``overloaded`` (429 OpenAI / 529 Anthropic, ``Retry-After``), ``unavailable``
+``not_found`` 404, ``too_large`` 413, ``context_length`` (400; OpenAI
+``context_length_exceeded``, Anthropic ``invalid_request_error`` whose message starts
+"prompt is too long: N tokens > M maximum" as Anthropic's does; carries both numbers), ``overloaded`` (429 OpenAI / 529 Anthropic, ``Retry-After``), ``unavailable``
 (503, ``Retry-After``), ``internal`` 500 (a gateway bug only — never a client error).
 """
 

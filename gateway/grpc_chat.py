@@ -4,7 +4,7 @@ Same translation as the HTTP APIs (``ChatService``): the proto ``ChatRequest`` b
 ``gateway.chat_types.ChatRequest``; the stream is ``started`` -> content / reasoning /
 tool-call events -> ``finished``. Auth reads ``authorization: Bearer <key>`` or
 ``x-api-key`` metadata; the session comes from ``session_id`` or the same headers the HTTP
-API reads (``x-claude-code-session-id``, ``x-session-id``), namespaced by tenant.
+API reads (``gateway.session``), namespaced by tenant.
 
 Status codes: bad request INVALID_ARGUMENT (the reason in the message), auth
 UNAUTHENTICATED, engine overloaded RESOURCE_EXHAUSTED, no healthy engine UNAVAILABLE.

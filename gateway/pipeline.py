@@ -34,6 +34,7 @@ from gateway.errors import ContextLengthError, GatewayError, invalid
 from gateway.metrics import GatewayMetrics
 from gateway.output import OutputProcessor
 from gateway.routing import NoHealthyEngine, Router
+from gateway.tool_format import tool_format
 
 log = logs.get_logger("gateway.pipeline")
 
@@ -44,13 +45,6 @@ ENGINE_FINISH = {
     engine_pb2.FINISH_REASON_DEADLINE: "cancelled",
     engine_pb2.FINISH_REASON_ERROR: "error",
 }
-
-# Opening markup that forces a tool call (tool_choice required / named), per parser.
-FORCED_CALL_PREFIX = {
-    "qwen_xml": ("<tool_call>\n", "<tool_call>\n<function={name}>\n"),
-    "hermes_json": ("<tool_call>\n", '<tool_call>\n{{"name": "{name}", "arguments": '),
-}
-
 
 @dataclass
 class Started:
@@ -105,6 +99,7 @@ class Prepared:
     model_name: str
     chat: ChatRequest | None = None  # kept for failover re-preparation
     text_prompt: str | list[int] | None = None
+    tool_format: str | None = None  # how the tools reached the prompt: "template" | "generic_hermes"
     exclude: tuple[str, ...] = ()
     prefix_boundary: int | None = None  # end of the shared system-and-tools block
 
@@ -161,7 +156,8 @@ class ChatService:
         if bundle.template is None:
             raise invalid(f"model {bundle.model_id!r} has no chat template; use /v1/completions with a raw prompt")
         try:
-            return build_prompt(req, bundle.template, bundle.tokenizer)
+            fmt = tool_format(req, bundle)
+            return build_prompt(req, bundle.template, bundle.tokenizer, generic_tools=fmt is not None and fmt.generic)
         except TemplateError as exc:
             raise invalid(f"chat template error: {exc}") from None
         except InvalidRequest as exc:
@@ -187,16 +183,17 @@ class ChatService:
         ids = list(prompt.token_ids)
         start_in_reasoning = prompt.opens_reasoning
         tools = req.active_tools()
-        if tools and bundle.tool_parser is None:
+        fmt = tool_format(req, bundle)
+        if fmt is not None and fmt.parser is None:
             log.warning("no_tool_parser", model=bundle.model_id,
                         detail="the model's template has no known tool-call format; calls stay text "
                                "(set --tool-parser to choose one)")
         forced = ""
-        if tools and (req.tool_choice == "required" or req.forced_tool()):
-            templates = FORCED_CALL_PREFIX.get(bundle.tool_parser)
-            if templates is None:
-                raise invalid(f"tool_choice {req.tool_choice!r} is not supported with tool parser {bundle.tool_parser!r}")
-            forced = templates[0] if req.tool_choice == "required" else templates[1].format(name=req.forced_tool())
+        if fmt is not None and (req.tool_choice == "required" or req.forced_tool()):
+            prefix = fmt.forced_prefix(req.forced_tool() if req.tool_choice != "required" else None)
+            if prefix is None:
+                raise invalid(f"tool_choice {req.tool_choice!r} is not supported with tool parser {fmt.parser!r}")
+            forced = prefix
             close = "</think>\n\n" if start_in_reasoning else ""
             ids += bundle.tokenizer.encode(close + forced, add_special_tokens=False).ids
             start_in_reasoning = False
@@ -205,9 +202,10 @@ class ChatService:
             request_id=request_id, endpoint=endpoint, tenant=req.tenant, session_key=req.session_key, engine=engine,
             bundle=bundle, prompt_ids=ids, turn_boundary=prompt.turn_boundary, sampling=req.sampling,
             model_name=req.model or bundle.model_id, chat=req, exclude=exclude, prefix_boundary=prompt.prefix_boundary,
+            tool_format=fmt.name if fmt is not None else None,
             processor_args=dict(
                 stops=req.sampling.stop, start_in_reasoning=start_in_reasoning, split_reasoning=True,
-                tools=tools, parser_name=bundle.tool_parser if tools else None,
+                tools=tools, parser_name=fmt.parser if fmt is not None else None,
                 tolerant=self.config.tolerant_tool_calls, parallel_tool_calls=parallel_tool_calls,
                 forced_prefix=forced,
             ),
@@ -271,7 +269,7 @@ class Generation:
         self._iter: AsyncIterator[OutEvent] | None = None
         self._primed: list[OutEvent] = []
         self.record = RequestRecord(request_id=prepared.request_id, tenant=prepared.tenant, endpoint=prepared.endpoint,
-                                    session=prepared.session_key)
+                                    session=prepared.session_key, tool_format=prepared.tool_format)
 
     # ------------------------------------------------------------------ engine side
     def _request(self) -> engine_pb2.GenerateRequest:

@@ -20,6 +20,17 @@ Contract of :func:`build_prompt`:
   the token count of that text when the prompt starts with it as text and as tokens, else the
   end of the last special token inside it; None when the prompt has no such block or the
   template cannot render it. The engine keeps a state image there once per distinct prefix.
+- Generic tools (``generic_tools``: the model's template cannot render tools, e.g. SmolLM2's):
+  the tools go into the system turn as JSON schemas with the instruction to answer in the
+  Hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` form (which the gateway
+  then parses, as llama.cpp does for generic models); earlier tool calls are written into their
+  assistant message in that form and each run of tool results becomes one user message of
+  ``<tool_response>`` blocks, so the history reads the same way.
+- System messages after the first position (Claude Code sends them mid-conversation) and
+  ``developer`` messages (Codex; system messages for a template that never names the role)
+  are rendered as they are when the template accepts them; a
+  template that refuses them (``raise_exception``) gets them merged into one leading system
+  message instead.
 - Tokenization uses ``add_special_tokens=False``: the template writes BOS and the role
   markers itself (as ``transformers`` does for chat templates).
 - Errors: :class:`~gateway.templates.TemplateError` from rendering,
@@ -36,7 +47,7 @@ from typing import Any, Protocol
 from deepwell.logs import get_logger
 from gateway.chat_types import ChatMessage, ChatRequest, InvalidRequest, ToolCallSpec
 from gateway.reasoning import prompt_opens_reasoning
-from gateway.templates import ChatTemplate
+from gateway.templates import ChatTemplate, TemplateError
 
 log = get_logger(__name__)
 
@@ -231,18 +242,88 @@ def shared_prefix_boundary(messages: list[dict[str, Any]], tools: list[dict[str,
     return n if n and n < len(enc.ids) else None
 
 
-def build_prompt(req: ChatRequest, template: ChatTemplate, tokenizer: _Tokenizer) -> PromptResult:
-    messages = message_dicts(strip_billing_header(req.messages), req.preserve_thinking)
-    tools = [t.to_template() for t in req.active_tools()] or None
-    kwargs = template_kwargs(req)
-    if req.continue_final_message and is_prefill(messages):
+GENERIC_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to help with the request. They are listed below as JSON "
+    "schemas:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with one block per call, each a JSON "
+    "object with the function's name and its arguments:\n<tool_call>\n{{\"name\": \"<function name>\", "
+    "\"arguments\": {{<arguments as JSON>}}}}\n</tool_call>"
+)
+
+
+def generic_tool_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a template that cannot render tools (see the module doc)."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    header = GENERIC_TOOLS_HEADER.format(tools=listing)
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "\n".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                              "arguments": c["function"]["arguments"]},
+                                                             ensure_ascii=False) + "\n</tool_call>"
+                              for c in m.pop("tool_calls"))
+            m["content"] = (m["content"] + "\n" if m["content"] else "") + calls
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("tool_results"):  # consecutive results: one user turn
+                out[-1]["content"] += "\n" + block
+                continue
+            m = {"role": "user", "content": block, "tool_results": True}
+        out.append(m)
+    for m in out:
+        m.pop("tool_results", None)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + header}
+    else:
+        out.insert(0, {"role": "system", "content": header})
+    return out
+
+
+_INSTRUCTION_ROLES = ("system", "developer")
+
+
+def merge_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every system (and developer) message folded into one leading system message, for
+    templates that refuse them later or do not know the developer role."""
+    system = [m["content"] for m in messages if m["role"] in _INSTRUCTION_ROLES]
+    rest = [m for m in messages if m["role"] not in _INSTRUCTION_ROLES]
+    return ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
+
+
+def _needs_merge(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] == "developer" for m in messages) or any(
+        m["role"] == "system" for m in messages[1:])
+
+
+def _render_pair(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 prefill: bool, kwargs: dict[str, Any]) -> tuple[str, str]:
+    """(the prompt, the prompt without the generation prologue)."""
+    if prefill:
         # assistant prefill: the prompt ends inside the last (assistant) message, which
         # the model continues; the turn boundary is where the previous turns end
         full = template.render(messages, tools, continue_final_message=True, **kwargs)
-        base = template.render(messages[:-1], tools, add_generation_prompt=False, **kwargs)
-    else:
-        full = template.render(messages, tools, add_generation_prompt=True, **kwargs)
-        base = template.render(messages, tools, add_generation_prompt=False, **kwargs)
+        return full, template.render(messages[:-1], tools, add_generation_prompt=False, **kwargs)
+    full = template.render(messages, tools, add_generation_prompt=True, **kwargs)
+    return full, template.render(messages, tools, add_generation_prompt=False, **kwargs)
+
+
+def build_prompt(req: ChatRequest, template: ChatTemplate, tokenizer: _Tokenizer,
+                 generic_tools: bool = False) -> PromptResult:
+    messages = message_dicts(strip_billing_header(req.messages), req.preserve_thinking)
+    tools = [t.to_template() for t in req.active_tools()] or None
+    if generic_tools and tools:
+        messages, tools = generic_tool_messages(messages, tools), None
+    if "developer" not in template.source:  # a template that has never heard of the role
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    kwargs = template_kwargs(req)
+    prefill = bool(req.continue_final_message and is_prefill(messages))
+    try:
+        full, base = _render_pair(template, messages, tools, prefill, kwargs)
+    except TemplateError:
+        if not _needs_merge(messages):
+            raise
+        messages = merge_system_messages(messages)  # late system / developer messages refused
+        full, base = _render_pair(template, messages, tools, prefill, kwargs)
     enc = tokenizer.encode(full, add_special_tokens=False)
     ids = list(enc.ids)
     boundary: int | None = None

@@ -1,7 +1,8 @@
 """Anthropic-compatible ``/v1/messages`` and ``/v1/messages/count_tokens``.
 
 Translation: ``system`` (string or text blocks; the billing-header block is stripped by
-prompt building) -> a system message; user ``tool_result`` blocks -> ``tool`` messages (in
+prompt building) -> a system message, as is a ``system``-role entry of ``messages`` (Claude
+Code sends them mid-conversation; rendered where it stands, or merged into the first); user ``tool_result`` blocks -> ``tool`` messages (in
 order), user text blocks -> a user message; assistant ``thinking`` -> reasoning,
 ``tool_use`` -> tool calls. ``thinking.type`` enabled/adaptive -> ``enable_thinking``,
 disabled -> off; ``output_config.effort`` is accepted. ``tool_choice`` any -> required,
@@ -13,7 +14,7 @@ cache, ``cache_read_input_tokens`` = cached prompt tokens; the sum is the prompt
 per block ``content_block_start`` / deltas / ``content_block_stop`` (thinking blocks end
 with a ``signature_delta``; tool_use blocks stream ``input_json_delta``) ->
 ``message_delta`` (stop_reason, stop_sequence, usage.output_tokens) -> ``message_stop``.
-Keep-alives are SSE comments. Thinking signatures are a SHA-256 digest of the thinking text
+Keep-alives are ``ping`` events (what the SDKs skip). Thinking signatures are a SHA-256 digest of the thinking text
 (an opaque integrity tag, not an attestation).
 """
 
@@ -46,7 +47,6 @@ from gateway.chat_types import (
 from gateway.errors import GatewayError, invalid
 from gateway.http import schemas_anthropic as s
 from gateway.http.common import (
-    KEEPALIVE_COMMENT,
     RequestContext,
     SSEResponse,
     anthropic_error_body,
@@ -55,6 +55,8 @@ from gateway.http.common import (
     validate,
 )
 from gateway.pipeline import Finished, Generation, KeepAlive, Started
+
+PING = sse({"type": "ping"}, "ping")
 
 log = logs.get_logger("gateway.http.anthropic")
 
@@ -141,6 +143,8 @@ def _assistant_message(content: str | list[dict[str, Any]], where: str) -> ChatM
 
 
 def to_chat_request(body: s.CountTokensRequest, ctx: RequestContext) -> tuple[ChatRequest, bool]:
+    if body.model_extra:  # e.g. context_management, container, mcp_servers: accepted, not applied
+        log.debug("ignored_fields", fields=sorted(body.model_extra), beta=ctx.headers.get("anthropic-beta", ""))
     messages: list[ChatMessage] = []
     if body.system:
         if isinstance(body.system, str):
@@ -154,6 +158,8 @@ def to_chat_request(body: s.CountTokensRequest, ctx: RequestContext) -> tuple[Ch
             where = f"messages[{i}].content"
             if m.role == "user":
                 messages.extend(_user_messages(m.content, where))
+            elif m.role == "system":  # Claude Code sends these mid-conversation
+                messages.append(ChatMessage(role="system", content=_text_of(m.content, where)))
             else:
                 messages.append(_assistant_message(m.content, where))
         tools: list[ToolDef] = []
@@ -295,7 +301,7 @@ async def _message_stream(gen: Generation, mid: str, model: str) -> AsyncIterato
     try:
         async for ev in gen.stream():
             if isinstance(ev, KeepAlive):
-                yield KEEPALIVE_COMMENT
+                yield PING
             elif isinstance(ev, Started):
                 msg = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
                        "stop_reason": None, "stop_sequence": None, "usage": _usage(ev, 0)}

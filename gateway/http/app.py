@@ -105,6 +105,12 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
         log.error("unhandled_error", path=request.url.path, error=repr(exc), exc_info=exc)
         return error_response(GatewayError("internal", "internal gateway error"), api_for_path(request.url.path))
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.api_route("/api/hello", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        # clients probe the server before their first request (Claude Code: HEAD /api/hello)
+        return JSONResponse({"name": "deepwell gateway", "version": __version__, "endpoints": list(ENDPOINTS)})
+
     @app.get("/health")
     async def health() -> Response:
         healthy = [e for e in st.engines if e.healthy]
@@ -158,6 +164,9 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
     return app
 
 
+ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions", "/v1/messages": "messages",
+             "/v1/messages/count_tokens": "messages.count_tokens", "/v1/responses": "responses"}
+
+
 def _endpoint(path: str) -> str:
-    return {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions", "/v1/messages": "messages",
-            "/v1/messages/count_tokens": "messages.count_tokens", "/v1/responses": "responses"}.get(path, "other")
+    return ENDPOINTS.get(path, "other")

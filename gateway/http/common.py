@@ -153,7 +153,7 @@ _ANTHROPIC_TYPES = {
     "authentication": ("authentication_error", 401),
     "not_found": ("not_found_error", 404),
     "too_large": ("request_too_large", 413),
-    "context_length": ("request_too_large", 413),
+    "context_length": ("invalid_request_error", 400),
     "overloaded": ("overloaded_error", 529),
     "unavailable": ("api_error", 503),
     "internal": ("api_error", 500),
@@ -171,7 +171,11 @@ def openai_error_body(err: GatewayError) -> dict[str, Any]:
 
 def anthropic_error_body(err: GatewayError) -> dict[str, Any]:
     etype, _ = _ANTHROPIC_TYPES[err.kind]
-    return {"type": "error", "error": {"type": etype, "message": err.message}}
+    message = err.message
+    if isinstance(err, ContextLengthError):
+        # Anthropic's wording: Claude Code matches "prompt is too long" to compact the conversation
+        message = f"prompt is too long: {err.prompt_tokens} tokens > {err.max_context - 1} maximum. {message}"
+    return {"type": "error", "error": {"type": etype, "message": message}}
 
 
 def status_for(err: GatewayError, api: str) -> int:

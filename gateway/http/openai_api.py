@@ -135,7 +135,8 @@ def to_chat_request(body: s.ChatCompletionRequest, ctx: RequestContext) -> tuple
         req = ChatRequest(
             messages=messages, tools=tools, tool_choice=choice, sampling=sampling_from(body, max_tokens),
             enable_thinking=enable_thinking, preserve_thinking=preserve, template_kwargs=kwargs,
-            session_key=session.session_key(ctx.headers, ctx.tenant, openai_user=body.user), tenant=ctx.tenant,
+            session_key=session.session_key(ctx.headers, ctx.tenant, openai_user=body.user,
+                                           prompt_cache_key=body.prompt_cache_key), tenant=ctx.tenant,
             model=body.model,
         )
     except InvalidRequest as exc:
@@ -270,7 +271,7 @@ async def completions(app_state: Any, request: Request, ctx: RequestContext, dat
         raise invalid("prompt must not be empty", param="prompt")
     sampling = sampling_from(body, body.max_tokens)
     service = app_state.service
-    key = session.session_key(ctx.headers, ctx.tenant, openai_user=body.user)
+    key = session.session_key(ctx.headers, ctx.tenant, openai_user=body.user, prompt_cache_key=body.prompt_cache_key)
     prepared = service.prepare_text(prompt, sampling, ctx.request_id, "completions", ctx.tenant, key, body.model)
     gen = service.generation(prepared)
     created = int(time.time())

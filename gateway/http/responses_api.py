@@ -71,6 +71,7 @@ class ResponsesRequest(Lenient):
     stream: bool = False
     reasoning: dict[str, Any] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # a session source (gateway.session)
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
@@ -161,7 +162,8 @@ def to_chat_request(body: ResponsesRequest, ctx: RequestContext) -> ChatRequest:
             messages=_messages(body), tools=tools, tool_choice=choice,
             sampling=SamplingOptions(temperature=body.temperature, top_p=body.top_p, max_tokens=body.max_output_tokens),
             enable_thinking=enable_thinking,
-            session_key=session.session_key(ctx.headers, ctx.tenant, openai_user=body.user), tenant=ctx.tenant,
+            session_key=session.session_key(ctx.headers, ctx.tenant, openai_user=body.user,
+                                           prompt_cache_key=body.prompt_cache_key), tenant=ctx.tenant,
             model=body.model,
         )
     except InvalidRequest as exc:

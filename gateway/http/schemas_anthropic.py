@@ -14,7 +14,7 @@ class Lenient(BaseModel):
 
 
 class Message(Lenient):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

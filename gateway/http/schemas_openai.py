@@ -82,6 +82,7 @@ class SamplingFields(Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # a session source (gateway.session)
     logprobs: bool | int | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 

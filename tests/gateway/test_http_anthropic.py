@@ -16,6 +16,7 @@ SCRIPTS = [
     Script(trigger="reason first", text="Let me think.</think>It is 4.", chunk=2),
     Script(trigger="stop at END", text="abc END def", chunk=1),
     Script(trigger="too long", text="a b c d e f g h", finish="length"),
+    Script(trigger="slow start", text="late", admit_delay_s=1.3),
 ]
 TOOLS = [{"name": "get_weather", "description": "weather",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
@@ -25,7 +26,7 @@ TOOLS = [{"name": "get_weather", "description": "weather",
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     engine = FakeEngine(scripts=SCRIPTS).start()
-    gw = start_gateway([engine.address], str(tmp_path_factory.mktemp("gw")))
+    gw = start_gateway([engine.address], str(tmp_path_factory.mktemp("gw")), "--keepalive-s", "0.5")
     yield engine, gw
     gw.stop()
     engine.stop()
@@ -36,12 +37,12 @@ def post(gw, content, path="/v1/messages", **extra):
     return httpx.post(gw.url + path, json=body, timeout=30)
 
 
-def stream(gw, content, **extra):
+def stream(gw, content, pings=False, **extra):
     body = {"model": "claude-x", "max_tokens": 64, "stream": True,
             "messages": [{"role": "user", "content": content}], **extra}
     with httpx.stream("POST", gw.url + "/v1/messages", json=body, timeout=30) as r:
         assert r.status_code == 200
-        return [(ev, data) for ev, data in read_sse(r.iter_lines()) if ev != ":"]
+        return [(ev, data) for ev, data in read_sse(r.iter_lines()) if pings or ev != "ping"]
 
 
 def test_message_non_stream(env):
@@ -173,3 +174,39 @@ def test_session_from_metadata_user_id(env):
             "messages": [{"role": "user", "content": "say hello"}]}
     httpx.post(gw.url + "/v1/messages", json=body, headers={"x-claude-code-session-id": "sess-9"})
     assert engine.requests[-1].session_key == "default/sess-9"
+    body["metadata"] = {"user_id": '{"device_id":"00","account_uuid":"","session_id":"e9e2"}'}  # current Claude Code
+    httpx.post(gw.url + "/v1/messages", json=body)
+    assert engine.requests[-1].session_key == "default/e9e2"
+
+
+def test_keepalives_are_ping_events(env):
+    _, gw = env
+    events = stream(gw, "slow start", pings=True)
+    assert events[0] == ("ping", {"type": "ping"})  # at least one while the engine admits
+    assert all(ev != ":" for ev, _ in events)  # no SSE comments
+    names = [e for e, _ in events if e != "ping"]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
+
+
+def test_system_role_message_mid_conversation(env):
+    """Claude Code puts ``system``-role entries (text or text blocks) into ``messages``."""
+    engine, gw = env
+    msgs = [{"role": "user", "content": "first question"},
+            {"role": "system", "content": [{"type": "text", "text": "# Environment"}, {"type": "text", "text": "cwd /x"}]},
+            {"role": "user", "content": "say hello"}]
+    r = httpx.post(gw.url + "/v1/messages?beta=true", json={"model": "m", "max_tokens": 8, "messages": msgs},
+                   headers={"anthropic-beta": "claude-code-20250219,context-management-2025-06-27"})
+    assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(list(engine.requests[-1].prompt_token_ids), skip_special_tokens=False)
+    assert "first question<|im_end|>\n<|im_start|>system\n# Environment\ncwd /x<|im_end|>\n<|im_start|>user\nsay hello" in prompt
+    bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": [{"type": "image", "source": {}}]}]
+    r = httpx.post(gw.url + "/v1/messages", json={"model": "m", "max_tokens": 8, "messages": bad})
+    assert r.status_code == 400 and "messages[1].content[0]: only text blocks" in r.json()["error"]["message"]
+
+
+def test_probes_of_the_base_url(env):
+    _, gw = env
+    for path in ("/", "/api/hello"):
+        assert httpx.head(gw.url + path).status_code == 200
+        body = httpx.get(gw.url + path).json()
+        assert body["name"] == "deepwell gateway" and "/v1/messages" in body["endpoints"]

@@ -261,7 +261,11 @@ def test_session_key_namespaced_by_tenant(env):
     assert engine.requests[-1].session_key == "default/s1"
     httpx.post(gw.url + "/v1/chat/completions", json=body,
                headers={"X-Session-Id": "s1", "X-Claude-Code-Session-Id": "cc"})
-    assert engine.requests[-1].session_key == "default/cc"
+    assert engine.requests[-1].session_key == "default/s1"  # deepwell's own header wins
+    httpx.post(gw.url + "/v1/chat/completions", json={**body, "prompt_cache_key": "pck"})
+    assert engine.requests[-1].session_key == "default/pck"
+    httpx.post(gw.url + "/v1/chat/completions", json=body, headers={"session_id": "codex-1", "thread_id": "t"})
+    assert engine.requests[-1].session_key == "default/codex-1"
     assert engine.requests[-1].tenant == "default"
 
 

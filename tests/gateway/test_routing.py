@@ -49,8 +49,15 @@ def test_no_healthy_engine_and_exclude():
 
 def test_session_key_sources_and_namespacing():
     h = {"X-Claude-Code-Session-Id": "cc", "X-Session-Id": "xs"}
-    assert raw_session_id(h, "anth", "oai") == "cc"
-    assert raw_session_id({"x-session-id": "xs"}, "anth", "oai") == "xs"
+    assert raw_session_id(h, "anth", "oai") == "xs"  # deepwell's own header first
+    assert raw_session_id({"X-Claude-Code-Session-Id": "cc", "session_id": "codex"}, "anth", "oai") == "cc"
+    assert raw_session_id({"session_id": "codex"}, "anth", "oai") == "codex"
+    assert raw_session_id({"Conversation_Id": "conv"}, None, "oai", "pck") == "conv"
+    assert raw_session_id({}, None, "oai", "pck") == "pck"  # prompt_cache_key before user
+    claude = '{"device_id":"00","account_uuid":"","session_id":"e9e2-session"}'
+    assert raw_session_id({}, claude, "oai") == "e9e2-session"
+    assert raw_session_id({}, '{"device_id":"00"}', None) == '{"device_id":"00"}'  # no session in it: the string
+    assert raw_session_id({}, "{not json", None) == "{not json"
     assert raw_session_id({}, "anth", "oai") == "anth"
     assert raw_session_id({}, None, "oai") == "oai"
     assert raw_session_id({"x-session-id": "  "}, None, None) is None

@@ -159,8 +159,8 @@ def test_anthropic_errors(claude):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
-    with pytest.raises(anthropic.APIStatusError) as e:
+    with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "word " * 500}])
-    assert e.value.status_code == 413 and e.value.body["error"]["type"] == "request_too_large"
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "prompt is too long" in e.value.message
     with pytest.raises(anthropic.OverloadedError):
         claude.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "overload me"}])
