@@ -440,10 +440,12 @@ def render(bundle: Any, body: dict[str, Any], headers: dict[str, str]) -> Prompt
     from gateway.http.anthropic_api import to_chat_request
     from gateway.http.common import RequestContext
     from gateway.prompting import build_prompt
+    from gateway.tool_format import tool_format
 
     ctx = RequestContext(request_id=headers["x-request-id"], tenant="default", headers=headers)
     req, _ = to_chat_request(schemas_anthropic.MessagesRequest.model_validate(body), ctx)
-    p = build_prompt(req, bundle.template, bundle.tokenizer)
+    fmt = tool_format(req, bundle)  # a template that ignores tools gets the generic tool prompt
+    p = build_prompt(req, bundle.template, bundle.tokenizer, generic_tools=fmt is not None and fmt.generic)
     return Prompt(array("I", p.token_ids).tobytes(), len(p.token_ids), p.turn_boundary, p.prefix_boundary)
 
 

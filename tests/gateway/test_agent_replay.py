@@ -1,6 +1,7 @@
 """``benchmarks/agent_replay.py`` at CI scale: scripted coding-agent sessions through a real
-gateway and a real engine process (CPU), for SmolLM2 (the embedded GGUF, ChatML without tool
-rendering, attention only) and a tiny random Qwen3.5-style hybrid served through the
+gateway and a real engine process (CPU), for SmolLM2 (the embedded GGUF, attention only; its
+ChatML template ignores tools, so the tools go into the system turn as the gateway's generic
+Hermes tool prompt) and a tiny random Qwen3.5-style hybrid served through the
 Qwen3.5 XML-tools template (turn checkpoints; a new user message drops the empty think
 blocks of the tool loop before it, so the prompt diverges right after the previous query).
 
@@ -64,7 +65,7 @@ def test_smollm2_sessions_reuse_every_cached_turn(tmp_path: Path) -> None:
     except Exception as exc:  # no network and no cached copy
         pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
     totals, rows = run_case(tmp_path, [
-        "--sessions", "2", "--turns", "6", "--system-chars", "11000", "--tools", "16",
+        "--sessions", "2", "--turns", "6", "--system-chars", "9000", "--tools", "6",
         "--tool-output-chars", "100-300",
         "--engine-arg=--cpu-threads 1 --num-pages 160 --max-context 4096 --log-level warning",
     ])
