@@ -182,6 +182,7 @@ async def serve(cfg: EngineConfig) -> int:
     from deepwell.engine.v1 import engine_pb2_grpc
     from deepwell.logs import get_logger
     from engine_service.engine import Engine
+    from engine_service import rope_scaling
     from engine_service.loading import open_model
     from engine_service.metrics import EngineMetrics
     from engine_service.runner import build_runner
@@ -201,6 +202,11 @@ async def serve(cfg: EngineConfig) -> int:
     dtype = resolve_dtype(cfg.dtype, device)
     loop = asyncio.get_running_loop()
     source = await loop.run_in_executor(None, lambda: open_model(model_path, weights=not cfg.random_weights))
+    yarn = rope_scaling.for_model(cfg.rope_scaling, default_model=not cfg.model)
+    if yarn is not None:
+        source.config = rope_scaling.with_yarn(source.config, yarn)
+        log.info("context_extended", rope="yarn", factor=yarn.factor, attention_factor=yarn.attention_factor,
+                 context=source.text_config().get("max_position_embeddings"))
     runner = await loop.run_in_executor(
         None, lambda: _build_runner(build_runner, cfg, source, device, dtype))
     model_id = cfg.served_model_name or default_name or source.model_id or Path(model_path).stem

@@ -17,7 +17,9 @@ applied at start-up (``engine_service.cli``):
   daemon before they are evicted and at shutdown (for at most ``shutdown_spill_s``), and
   restored from it; the daemon's own budget (``deepwell kvcache --budget-bytes``) is the host
   budget. Empty: device only.
-- The served context is ``min(max_context or the model's, num_pages * page_size)``.
+- The served context is ``min(max_context or the model's, num_pages * page_size)``; the
+  model's is its config's, extended by ``rope_scaling`` (``engine_service.rope_scaling``:
+  YaRN; ``auto`` extends the embedded default model 8192 -> 32768 tokens).
 - ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv.quant_pool``):
   it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
   when the runner is built); a page then costs its true quantized bytes, so the same
@@ -42,6 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepwell import configs
+from engine_service.rope_scaling import parse as parse_rope_scaling
 
 ENV_PREFIX = "ENGINE"
 DEVICES = ("auto", "cpu", "cuda")
@@ -130,6 +133,11 @@ class EngineConfig:
                                                            "get RESOURCE_EXHAUSTED"})
     max_context: int = field(default=0, metadata={"help": "serve at most this many tokens per sequence "
                                                           "(0 = the model's limit)"})
+    rope_scaling: str = field(default="auto", metadata={"help": "context extension: yarn:<factor>[:<attention "
+                                                                "factor>] serves factor x the model's trained "
+                                                                "context with YaRN; model = the checkpoint's own; "
+                                                                "auto = yarn:4:1 for the embedded default model "
+                                                                "(8k -> 32k), model otherwise"})
     random_weights: bool = field(default=False, metadata={"help": "fill the weights with random values instead of "
                                                                   "loading them (speed and memory measurements of "
                                                                   "full-size shapes: a HF directory then needs only "
@@ -187,4 +195,8 @@ class EngineConfig:
         c(self.chunk_tokens >= 0, "chunk_tokens", self.chunk_tokens, "must be >= 0 (0 = token_budget)")
         c(self.queue_size >= 0, "queue_size", self.queue_size, "must be >= 0")
         c(self.max_context >= 0, "max_context", self.max_context, "must be >= 0 (0 = the model's)")
+        try:
+            parse_rope_scaling(self.rope_scaling)
+        except ValueError as exc:
+            c(False, "rope_scaling", self.rope_scaling, str(exc))
         c(self.log_level in LOG_LEVELS, "log_level", self.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
