@@ -56,6 +56,9 @@ class GatewayConfig:
         default="",
         metadata={"help": "tool-call parser override (qwen_xml | hermes_json); empty = chosen from the template"},
     )
+    default_max_tokens: int = field(
+        default=0, metadata={"help": "output cap of requests that set none (Codex sends none); 0 = up to the context"}
+    )
     max_body_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "largest accepted request body in bytes"})
     max_messages: int = field(default=10_000, metadata={"help": "most messages accepted in one request"})
     keepalive_s: float = field(
@@ -74,6 +77,8 @@ class GatewayConfig:
         check(self.tool_parser in TOOL_PARSERS, "tool_parser", self.tool_parser, f"must be one of {TOOL_PARSERS}")
         check(self.max_body_bytes >= 1024, "max_body_bytes", self.max_body_bytes, "must be >= 1024")
         check(self.max_messages >= 1, "max_messages", self.max_messages, "must be >= 1")
+        check(self.default_max_tokens >= 0, "default_max_tokens", self.default_max_tokens,
+              "must be >= 0 (0 = up to the context)")
         check(0 < self.keepalive_s <= 5.0, "keepalive_s", self.keepalive_s, "must be in (0, 5]")
         check(self.health_interval_s > 0, "health_interval_s", self.health_interval_s, "must be > 0")
         check(self.retry_after_s >= 0, "retry_after_s", self.retry_after_s, "must be >= 0")

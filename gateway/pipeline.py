@@ -108,8 +108,8 @@ def _cache_dict(hits: engine_pb2.CacheHits) -> dict[str, int]:
     return {level: int(getattr(hits, level)) for level in CACHE_LEVELS}
 
 
-def sampling_params(s: SamplingOptions) -> engine_pb2.SamplingParams:
-    p = engine_pb2.SamplingParams(max_tokens=s.max_tokens or 0)
+def sampling_params(s: SamplingOptions, default_max_tokens: int = 0) -> engine_pb2.SamplingParams:
+    p = engine_pb2.SamplingParams(max_tokens=s.max_tokens or default_max_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         value = getattr(s, name)
@@ -273,8 +273,9 @@ class Generation:
 
     # ------------------------------------------------------------------ engine side
     def _request(self) -> engine_pb2.GenerateRequest:
+        sampling = sampling_params(self.p.sampling, self.service.config.default_max_tokens)
         req = engine_pb2.GenerateRequest(
-            request_id=self.p.request_id, prompt_token_ids=self.p.prompt_ids, sampling=sampling_params(self.p.sampling),
+            request_id=self.p.request_id, prompt_token_ids=self.p.prompt_ids, sampling=sampling,
             session_key=self.p.session_key or "", tenant=self.p.tenant,
         )
         if self.p.turn_boundary is not None:

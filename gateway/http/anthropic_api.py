@@ -159,7 +159,9 @@ def to_chat_request(body: s.CountTokensRequest, ctx: RequestContext) -> tuple[Ch
             if m.role == "user":
                 messages.extend(_user_messages(m.content, where))
             elif m.role == "system":  # Claude Code sends these mid-conversation
-                messages.append(ChatMessage(role="system", content=_text_of(m.content, where)))
+                text = _text_of(m.content, where)
+                if text:  # `--bare` sends empty ones (carrying only a per-message output_config)
+                    messages.append(ChatMessage(role="system", content=text))
             else:
                 messages.append(_assistant_message(m.content, where))
         tools: list[ToolDef] = []

@@ -199,6 +199,10 @@ def test_system_role_message_mid_conversation(env):
     assert r.status_code == 200, r.text
     prompt = engine.tokenizer.decode(list(engine.requests[-1].prompt_token_ids), skip_special_tokens=False)
     assert "first question<|im_end|>\n<|im_start|>system\n# Environment\ncwd /x<|im_end|>\n<|im_start|>user\nsay hello" in prompt
+    empty = [{"role": "user", "content": "say hello"}, {"role": "system", "content": [], "output_config": {"effort": "low"}}]
+    r = httpx.post(gw.url + "/v1/messages", json={"model": "m", "max_tokens": 8, "messages": empty})
+    assert r.status_code == 200 and "system" not in engine.tokenizer.decode(
+        list(engine.requests[-1].prompt_token_ids), skip_special_tokens=False)
     bad = [{"role": "user", "content": "hi"}, {"role": "system", "content": [{"type": "image", "source": {}}]}]
     r = httpx.post(gw.url + "/v1/messages", json={"model": "m", "max_tokens": 8, "messages": bad})
     assert r.status_code == 400 and "messages[1].content[0]: only text blocks" in r.json()["error"]["message"]

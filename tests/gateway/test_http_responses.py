@@ -25,7 +25,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "weather",
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory):
     engine = FakeEngine(scripts=SCRIPTS).start()
-    proc = start_gateway([engine.address], str(tmp_path_factory.mktemp("gw")))
+    proc = start_gateway([engine.address], str(tmp_path_factory.mktemp("gw")), "--default-max-tokens", "300")
+    proc.engine = engine
     yield proc
     proc.stop()
     engine.stop()
@@ -88,3 +89,11 @@ def test_incomplete_and_unsupported(oai):
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_image",
                                                                              "image_url": "data:x"}]}])
+
+
+def test_default_max_tokens_caps_requests_without_one(gw, oai):
+    """Codex sends no output cap: ``--default-max-tokens`` bounds such requests, not others."""
+    oai.responses.create(model="m", input="say hello")
+    assert gw.engine.requests[-1].sampling.max_tokens == 300
+    oai.responses.create(model="m", input="say hello", max_output_tokens=1000)
+    assert gw.engine.requests[-1].sampling.max_tokens == 1000
