@@ -49,13 +49,29 @@ def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]
     ]
 
 
+KEEPALIVE_TIME_MS = 30_000  # our clients ping an idle connection this often (dead peers are noticed)
+
+
 def channel_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     return [
         *message_options(max_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """Message limits, and a ping policy that accepts our clients' keep-alive pings on idle
+    connections (gRPC's default allows one per 5 minutes without calls and answers more with
+    GOAWAY ``too_many_pings``, dropping the connection)."""
+    return [
+        *message_options(max_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
@@ -159,7 +175,7 @@ def build_server(
     services start NOT_SERVING; call ``set_serving`` when ready.
     """
     server = grpc.aio.server(
-        options=message_options(max_bytes), interceptors=[RequestIdServerInterceptor(), *interceptors]
+        options=server_options(max_bytes), interceptors=[RequestIdServerInterceptor(), *interceptors]
     )
     for add in register:
         add(server)

@@ -89,3 +89,27 @@ async def test_request_id_propagates_and_health_and_reflection_work() -> None:
 
 async def test_wait_healthy_times_out_on_nothing_listening() -> None:
     assert await grpcx.wait_healthy("127.0.0.1:1", timeout_s=0.3) is False
+
+
+async def test_idle_keepalive_pings_do_not_get_the_connection_dropped() -> None:
+    """Clients ping idle connections (``channel_options``); servers must accept that, where
+    gRPC's default answers a second early ping with GOAWAY ``too_many_pings``."""
+    import asyncio
+
+    handle = grpcx.build_server("127.0.0.1:0", [], [])
+    await handle.server.start()
+    await handle.set_serving()
+    fast = [(k, 100 if k == "grpc.keepalive_time_ms" else v) for k, v in grpcx.channel_options()]
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.bound_port}", options=fast)
+    try:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest())  # a long-lived idle stream, like a daemon session
+        first = await watch.read()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+        await asyncio.sleep(3.0)  # ~30 pings without data
+        assert not watch.done(), await watch.code()
+        assert channel.get_state(try_to_connect=False) == grpc.ChannelConnectivity.READY
+        watch.cancel()
+    finally:
+        await channel.close()
+        await handle.server.stop(None)
