@@ -1,0 +1,216 @@
+"""The whole test suite on a GPU machine, serially: one command on the device.
+
+The device machine (``device`` tool, docs/kernels.md "Running the GPU suite") has torch,
+triton and transformers but none of the project's other dependencies, no network and a
+64 MiB limit on what travels per call. So the work is split in two:
+
+``python benchmarks/gpu_suite.py prepare`` (here, with network) downloads the wheels the
+suite needs for the device's Python (3.12, x86-64) into ``.whl/`` and splits the SmolLM2
+GGUF (92 MB, over one call's limit) into ``.model/`` parts of at most ``--part-mib`` MiB;
+both folders are git-ignored and travel with ``carry``.
+
+``python3 benchmarks/gpu_suite.py run [PYTEST ARGS]`` (on the device) installs ``.whl/*.whl``
+into ``/tmp/site`` (put on ``PYTHONPATH`` for the tests' subprocesses too), stages the model
+parts it finds into the model cache and assembles the GGUF once every part has arrived
+(checked against the manifest's SHA-256; a part brought by an earlier call on the same warm
+machine stays staged), checks that every module the suite imports is present, then runs
+``pytest`` serially (parallel workers on one GPU make the large kernel tests fail for
+memory) and writes the log and a JUnit XML under ``$OUT`` (or ``--out``).
+
+Typical device calls (the wheels are ~22 MiB, the GGUF four parts of 28 MiB or less: two calls,
+the second on the machine the first left warm)::
+
+    run(carry=[".model/part-0", ".model/part-1"], command="python3 benchmarks/gpu_suite.py run --stage-only")
+    run(carry=[".whl", ".model/part-2", ".model/part-3", ".model/manifest.json"],
+        command="python3 benchmarks/gpu_suite.py run")
+
+Without the GGUF the SmolLM2 tests skip (they say so); everything else still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / ".whl"
+PARTS = ROOT / ".model"
+SITE = Path("/tmp/site")
+
+# what the suite imports beyond the device image (torch, triton, transformers, numpy, safetensors,
+# tokenizers, jinja2, pytest); pinned where the CPU side pins them
+DEVICE_WHEELS = [
+    "structlog==26.1.0", "gguf==0.19.0", "grpcio==1.85.4", "grpcio-health-checking==1.81.1",
+    "grpcio-reflection==1.81.1", "grpcio-tools==1.78.0", "protobuf==6.33.6", "prometheus-client",
+    "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.55.0", "pydantic==2.14.4", "pydantic-core==2.50.5",
+    "annotated-types==0.8.0", "annotated-doc==0.0.7", "typing-inspection==0.4.5", "typing-extensions==4.16.0",
+    "anyio==4.16.0", "h11", "httpx", "httpcore", "sniffio", "idna", "certifi", "openai", "anthropic",
+    "distro", "jiter", "docstring-parser", "pytest-asyncio", "pytest-timeout", "hypothesis", "sortedcontainers",
+    "attrs", "pyyaml", "fla-core",
+]
+# module -> distribution, checked on the device before pytest starts
+REQUIRED_MODULES = {
+    "structlog": "structlog", "gguf": "gguf", "grpc": "grpcio", "grpc_health": "grpcio-health-checking",
+    "grpc_reflection": "grpcio-reflection", "grpc_tools": "grpcio-tools", "google.protobuf": "protobuf",
+    "prometheus_client": "prometheus-client", "fastapi": "fastapi", "uvicorn": "uvicorn", "pydantic": "pydantic",
+    "httpx": "httpx", "openai": "openai", "anthropic": "anthropic", "pytest_asyncio": "pytest-asyncio",
+    "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "yaml": "pyyaml", "fla": "fla-core",
+    "torch": "torch", "triton": "triton", "transformers": "transformers",
+}
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64"]
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- here
+def split(file: Path, dest: Path, part_bytes: int) -> int:
+    """``file`` as ``dest/part-N`` of at most ``part_bytes`` and ``dest/manifest.json``; returns N parts."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("part-*"):
+        old.unlink()
+    parts = []
+    with file.open("rb") as f:
+        while chunk := f.read(part_bytes):
+            p = dest / f"part-{len(parts)}"
+            p.write_bytes(chunk)
+            parts.append({"name": p.name, "sha256": hashlib.sha256(chunk).hexdigest(), "bytes": len(chunk)})
+    manifest = {"file": file.name, "sha256": sha256(file), "bytes": file.stat().st_size, "parts": parts}
+    (dest / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return len(parts)
+
+
+def prepare(args: argparse.Namespace) -> int:
+    WHEELS.mkdir(exist_ok=True)
+    missing = []
+    for req in DEVICE_WHEELS:
+        name = req.split("==")[0]
+        have = [w for w in WHEELS.glob("*.whl") if w.name.lower().startswith(name.replace("-", "_").lower() + "-")]
+        if have:
+            continue
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+               "3.12", "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d",
+               str(WHEELS), req]
+        if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
+            missing.append(req)
+    if missing:
+        print(f"could not download: {', '.join(missing)}", file=sys.stderr)
+    size = sum(w.stat().st_size for w in WHEELS.glob("*.whl"))
+    print(f".whl: {len(list(WHEELS.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB")
+
+    sys.path.insert(0, str(ROOT))
+    from engine_service.default_model import GGUF_NAME, ensure_default_model
+
+    gguf = ensure_default_model()
+    parts = split(gguf, PARTS, args.part_mib << 20)
+    print(f".model: {GGUF_NAME} in {parts} parts of <= {args.part_mib} MiB (carry one or two per call, "
+          "with .model/manifest.json in the last)")
+    return 1 if missing else 0
+
+
+# ----------------------------------------------------------------------------- device
+def install_wheels() -> None:
+    wheels = sorted(WHEELS.glob("*.whl"))
+    if not wheels:
+        return
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)], check=True)
+    # the engine, daemon and gateway the tests start are subprocesses: they need the path too
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH", "")) if p)
+    sys.path.insert(0, str(SITE))
+    importlib.invalidate_caches()
+
+
+def stage_model(parts_dir: Path = PARTS, cache: Path | None = None) -> str:
+    """Copy the parts that arrived into the cache; assemble the GGUF once all are there."""
+    cache = cache or Path(os.environ.get("DEEPWELL_MODEL_CACHE") or Path.home() / ".cache" / "deepwell" / "models")
+    staged = cache / "parts"
+    staged.mkdir(parents=True, exist_ok=True)
+    for p in parts_dir.glob("part-*"):
+        shutil.copyfile(p, staged / p.name)
+    if (parts_dir / "manifest.json").exists():
+        shutil.copyfile(parts_dir / "manifest.json", staged / "manifest.json")
+    if not (staged / "manifest.json").exists():
+        return "no model manifest: SmolLM2 tests will skip"
+    manifest = json.loads((staged / "manifest.json").read_text())
+    target = cache / manifest["file"]
+    if target.exists() and target.stat().st_size == manifest["bytes"]:
+        return f"model ready: {target}"
+    have = [part for part in manifest["parts"] if (staged / part["name"]).exists()]
+    if len(have) < len(manifest["parts"]):
+        names = [p["name"] for p in manifest["parts"] if p not in have]
+        return f"model parts staged: {len(have)}/{len(manifest['parts'])} (still to carry: {', '.join(names)})"
+    partial = target.with_suffix(".partial")
+    with partial.open("wb") as out:
+        for part in manifest["parts"]:
+            data = (staged / part["name"]).read_bytes()
+            if hashlib.sha256(data).hexdigest() != part["sha256"]:
+                partial.unlink()
+                return f"model part {part['name']} is corrupt: carry it again"
+            out.write(data)
+    if sha256(partial) != manifest["sha256"]:
+        partial.unlink()
+        return "assembled model does not match its SHA-256: prepare again"
+    partial.rename(target)
+    return f"model assembled: {target}"
+
+
+def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
+    install_wheels()
+    print(stage_model(), flush=True)
+    if args.stage_only:
+        return 0
+    absent = sorted({dist for mod, dist in REQUIRED_MODULES.items() if importlib.util.find_spec(mod) is None})
+    if absent:
+        print(f"missing on this machine: {', '.join(absent)} (run `python benchmarks/gpu_suite.py prepare` "
+              "where pip works, and carry .whl)", file=sys.stderr)
+        if not args.allow_missing:
+            return 2
+    out = Path(args.out or os.environ.get("OUT") or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
+           f"--junitxml={out / 'gpu_suite.xml'}", *(pytest_args or ["tests"])]
+    print(" ".join(cmd), flush=True)
+    with (out / "gpu_suite.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        return proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare", help="here: download the device wheels into .whl/ and split the GGUF into .model/")
+    p.add_argument("--part-mib", type=int, default=28, help="size of one model part (default 28 MiB)")
+    r = sub.add_parser("run", help="on the device: install .whl/, stage the model, run pytest serially")
+    r.add_argument("--stage-only", action="store_true", help="install and stage the model parts, run no tests")
+    r.add_argument("--out", help="where the log and JUnit XML go (default $OUT)")
+    r.add_argument("--allow-missing", action="store_true", help="run even if a needed package is absent")
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "prepare":
+        if rest:
+            ap.error(f"unexpected arguments: {rest}")
+        return prepare(args)
+    return run(args, [a for a in rest if a != "--"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
