@@ -64,27 +64,59 @@ def resolve_dtype(name: str, device: Any) -> Any:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any) -> tuple[int, int]:
-    """(num_pages, num_state_slots) for ``cfg`` and the runner's ``MemorySpec``."""
+def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
+               free_bytes: int | None = None) -> tuple[int, int]:
+    """(num_pages, num_state_slots) for ``cfg`` and the runner's ``MemorySpec``.
+
+    From memory (``num_pages = 0``): on CUDA ``memory_fraction`` of the device memory free after
+    the weights (``free_bytes``, else ``torch.cuda.mem_get_info``) less the state slots, on CPU
+    ``cpu_kv_gib``; never more pages than ``max_concurrency`` full contexts. The pages that fit
+    are logged with what the same budget would hold in each KV dtype. On CUDA a budget that
+    cannot hold one full served context is a ``ConfigError`` naming the numbers and the fixes;
+    on CPU (an explicit GiB figure) the served context shrinks to the pool, with a warning."""
     per_request = 3 if cfg.prefix_cache == "on" else 1  # with the cache: two state images per running request
     slots = (cfg.state_slots or per_request * cfg.max_concurrency) if spec.hybrid else 0
     if cfg.num_pages:
         return cfg.num_pages, slots
     context = min(cfg.max_context or model_context, model_context)
-    cap = cfg.max_concurrency * -(-context // spec.page_size)
-    if device.type == "cuda":
-        import torch
+    context_pages = -(-context // spec.page_size)
+    cap = cfg.max_concurrency * context_pages
+    cuda = device.type == "cuda"
+    if cuda:
+        if free_bytes is None:
+            import torch
 
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * cfg.memory_fraction) - slots * spec.bytes_per_state_slot
+            free_bytes, _total = torch.cuda.mem_get_info(device)
+        budget = int(free_bytes * cfg.memory_fraction) - slots * spec.bytes_per_state_slot
+        where = (f"--memory-fraction {cfg.memory_fraction} of {free_bytes / 2**30:.1f} GiB free after the weights"
+                 + (f", less {slots} state slots of {spec.bytes_per_state_slot / 2**20:.1f} MiB" if slots else ""))
     else:
         budget = int(cfg.cpu_kv_gib * (1 << 30))
+        where = f"--cpu-kv-gib {cfg.cpu_kv_gib}"
     pages = min(cap, budget // max(1, spec.bytes_per_page))
     if pages < 1:
         raise configs.ConfigError(f"invalid memory budget: {budget} bytes hold no KV page of "
                                   f"{spec.bytes_per_page} bytes (raise --cpu-kv-gib / --memory-fraction "
                                   "or set --num-pages)")
+    fits = {name: max(0, budget) // b * spec.page_size for name, b in spec.page_bytes_by_kv_dtype if b > 0}
+    _log().info("kv_pool_sized", pages=pages, tokens=pages * spec.page_size, budget_gib=round(budget / 2**30, 2),
+                context=context, tokens_by_kv_dtype=fits)
+    if pages < context_pages:
+        others = ", ".join(f"{n} {t}" for n, t in fits.items())
+        msg = (f"the KV pool holds {pages * spec.page_size} tokens ({pages} pages of {spec.bytes_per_page} bytes in "
+               f"{budget / 2**30:.2f} GiB = {where}), fewer than one full context of {context} tokens"
+               + (f"; the same memory holds, by --kv-dtype: {others}" if others else ""))
+        if cuda:
+            raise configs.ConfigError(f"{msg}. Set --max-context {pages * spec.page_size} or less, pick a smaller "
+                                      "--kv-dtype, or raise --memory-fraction")
+        _log().warning("kv_pool_below_context", detail=msg + f"; serving {pages * spec.page_size} tokens")
     return pages, slots
+
+
+def _log() -> Any:
+    from deepwell.logs import get_logger
+
+    return get_logger("engine_service")
 
 
 def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None) -> EngineCore:

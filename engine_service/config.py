@@ -4,8 +4,11 @@ Validated on construction (``ConfigError`` names the setting and the value). Siz
 applied at start-up (``engine_service.cli``):
 
 - ``num_pages = 0`` sizes the KV pool from memory: on CUDA ``memory_fraction`` of the free
-  device memory after the weights, on CPU ``cpu_kv_gib``; in both cases never more pages
-  than ``max_concurrency`` full-context sequences need.
+  device memory after the weights (less the state slots), on CPU ``cpu_kv_gib``; in both cases
+  never more pages than ``max_concurrency`` full-context sequences need. The log line
+  ``kv_pool_sized`` gives the tokens that fit and what the same memory holds per KV dtype. On
+  CUDA a pool that cannot hold one full served context refuses to start (the message names
+  the numbers and the fixes); on CPU the served context shrinks to the pool, with a warning.
 - ``state_slots = 0`` gives hybrid models one recurrent-state slot per concurrent request, and
   with the prefix cache on two more per concurrent request for the cache's state images
   (``3 x max_concurrency``); running requests never use more than ``max_concurrency``.

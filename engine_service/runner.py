@@ -36,7 +36,7 @@ from engine_service.kv.float_pool import KVPool
 from engine_service.kv.pool import Region
 from engine_service.kv.quant_pool import QuantKVPool
 from engine_service.kv.selfcheck import KVKernelCheck
-from engine_service.kv.settings import KVSettings, KVSpec, resolve
+from engine_service.kv.settings import KVSettings, KVSpec, page_bytes_by_kv_dtype, resolve
 from engine_service.kv.state import StateLayout, StatePool
 from engine_service.kv.store import KVStore
 from engine_service.layers.backend import ReferenceBackend, get_backend
@@ -136,6 +136,7 @@ class TorchModelRunner:
             bytes_per_state_slot=self.state_layout.bytes_per_slot if self.state_layout else 0,
             num_attention_layers=self.kv_spec.float_layout.num_layers,
             num_recurrent_layers=self.state_layout.num_layers if self.state_layout else 0,
+            page_bytes_by_kv_dtype=page_bytes_by_kv_dtype(self.kv_spec.float_layout),
         )
 
     def allocate(self, num_pages: int, num_state_slots: int) -> None:

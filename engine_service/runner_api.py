@@ -66,6 +66,8 @@ class MemorySpec:
     bytes_per_state_slot: int  # all recurrent layers together (0 for attention-only)
     num_attention_layers: int
     num_recurrent_layers: int
+    # what one page would cost in each KV dtype this model can use (sizing logs and errors)
+    page_bytes_by_kv_dtype: tuple[tuple[str, int], ...] = ()
 
     @property
     def hybrid(self) -> bool:

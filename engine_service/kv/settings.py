@@ -19,6 +19,7 @@ from engine_service.kv.float_pool import KVLayout as FloatKVLayout
 from engine_service.kv.float_pool import resolve_kv_dtype
 from engine_service.kv.quant_pool import (
     CENTER_K_MODES,
+    QUANT_FORMATS,
     FEEDBACK_BY_DEFAULT,
     K_ROUNDING_MODES,
     SCALED_FORMATS,
@@ -66,6 +67,20 @@ class KVSpec:
         if self.quant_layout is not None:
             return QuantKVPool.page_bytes(self.quant_layout, self.float_layout.num_layers)
         return self.float_layout.bytes_per_page
+
+
+def page_bytes_by_kv_dtype(float_layout: FloatKVLayout) -> tuple[tuple[str, int], ...]:
+    """What one page over every attention layer costs in bf16 and in each quantized format the
+    model's head_dim and page size allow (bytes; for sizing logs and errors)."""
+    lay = float_layout
+    out = [("bf16", 2 * 2 * lay.num_layers * lay.page_size * lay.num_kv_heads * lay.head_dim)]
+    for fmt in QUANT_FORMATS:
+        try:
+            out.append((fmt, QuantKVPool.page_bytes(quant_layout(fmt, lay.num_kv_heads, lay.head_dim, lay.page_size,
+                                                                 "off"), lay.num_layers)))
+        except KVSettingsError:  # this model's head_dim / page size rules the format out
+            continue
+    return tuple(out)
 
 
 def resolve(settings: KVSettings, *, model_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,

@@ -72,3 +72,27 @@ def test_model_defaults_from_generation_config() -> None:
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens, p.seed) == (0.6, 0.95, 5, 3, None)
     p = params_from_proto(engine_pb2.SamplingParams(temperature=0.0, seed=9), d)
     assert (p.temperature, p.seed) == (0.0, 9)
+
+
+def test_size_pools_on_cuda_refuses_a_pool_below_one_context() -> None:
+    cuda = torch.device("cuda")  # only the type is read: free memory is passed in
+    spec = MemorySpec(page_size=64, bytes_per_page=1 << 20, bytes_per_state_slot=1 << 20, num_attention_layers=4,
+                      num_recurrent_layers=12, page_bytes_by_kv_dtype=(("bf16", 1 << 20), ("nvfp4", 290 << 10)))
+    # 10 GiB free, 0.9 of it less 3 slots: 9213 pages (589,632 tokens) >= 2 contexts of 262,144
+    assert size_pools(EngineConfig(max_concurrency=1), spec, 262_144, cuda, free_bytes=10 << 30) == (4096, 3)
+    with pytest.raises(configs.ConfigError) as err:
+        size_pools(EngineConfig(max_concurrency=1), spec, 262_144, cuda, free_bytes=1 << 30)
+    msg = str(err.value)
+    # the numbers and the fixes: tokens that fit, the context, the budget, what nvfp4 would hold
+    assert "holds 58752 tokens" in msg and "one full context of 262144 tokens" in msg
+    assert "--memory-fraction 0.9 of 1.0 GiB free" in msg and "nvfp4 207" in msg
+    assert "--max-context 58752" in msg
+    # an explicit smaller context fits
+    assert size_pools(EngineConfig(max_concurrency=1, max_context=32768), spec, 262_144, cuda,
+                      free_bytes=1 << 30) == (512, 3)
+
+
+def test_size_pools_on_cpu_shrinks_the_context_with_a_warning() -> None:
+    spec = MemorySpec(page_size=64, bytes_per_page=1 << 20, bytes_per_state_slot=0, num_attention_layers=4,
+                      num_recurrent_layers=0)
+    assert size_pools(EngineConfig(cpu_kv_gib=0.125), spec, 32768, torch.device("cpu")) == (128, 0)
