@@ -41,6 +41,7 @@ from engine_service.kv.state import StateLayout, StatePool
 from engine_service.kv.store import KVStore
 from engine_service.layers.backend import ReferenceBackend, get_backend
 from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
+from engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from engine_service.layers.rope import inv_freq_and_scale
 from engine_service.loading.source import ModelSource
 from engine_service.models import build_model, load_weights, random_weights
@@ -344,7 +345,7 @@ def build_runner(
     dtype: torch.dtype = torch.float32,
     kv_dtype: str = "auto",
     page_size: int = DEFAULT_PAGE_SIZE,
-    backend: str = "reference",
+    backend: str = "auto",
     kv_hadamard: str = "auto",
     kv_center_k: str = "auto",
     kv_k_rounding: str = "auto",
@@ -353,9 +354,18 @@ def build_runner(
     """Build the model for ``source`` on ``device`` and stream its weights in (``random``: fill
     them with random values instead, ``models.random_weights``).
 
+    ``backend`` names the layer ops (``layers.backend.get_backend``); "auto": "cuda" (the GDN
+    ops on fla-core's kernels, ``layers.cuda_backend``) on a CUDA device where fla-core
+    imports, else "reference".
+
     The runner (and so every KV setting) is checked before the weights load."""
     dev = torch.device(device)
+    if backend == "auto":
+        backend, why = default_backend(dev)
+    else:
+        why = "named"
     ops = get_backend(backend)
+    log.info("layer_backend", backend=ops.name, device=str(dev), reason=why)
     model, family, text_cfg = build_model(source.config, dev, dtype, ops)
     runner = TorchModelRunner(model, dev, dtype, KVSettings(kv_dtype, kv_hadamard, kv_center_k, kv_k_rounding),
                               page_size, ops)

@@ -26,7 +26,6 @@ from engine_service.layers.backend import ReferenceBackend
 from engine_service.layers.context import StepContext
 from engine_service.layers.mlp import linear
 from engine_service.layers.norm import RMSNorm
-from engine_service.layers.rope import apply_rope
 
 
 @dataclass(frozen=True)
@@ -91,8 +90,7 @@ class Attention(nn.Module):
         q = self.q_proj(x)
         gate = None
         if s.output_gate:
-            q, gate = q.view(t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(t, -1)
+            q, gate = q.view(t, s.num_heads, 2 * s.head_dim).chunk(2, dim=-1)  # strided views, no copies
         q = q.reshape(t, s.num_heads, s.head_dim)
         k = self.k_proj(x).view(t, s.num_kv_heads, s.head_dim)
         v = self.v_proj(x).view(t, s.num_kv_heads, s.head_dim)
@@ -100,11 +98,11 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos, sin = cos_sin
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        kv.write(k, v, ctx)
+        q, k_rot = self.backend.rope(q, k, cos, sin, inplace=True)
+        assert k_rot is not None
+        kv.write(k_rot, v, ctx)
         out = kv.attend(q, ctx, self.scale)
         out = out.reshape(t, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = self.backend.sigmoid_gate_mul(out, gate)
         return self.o_proj(out)

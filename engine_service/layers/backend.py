@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kernels.fused import references as fused_ref
+
 GDN_CHUNK = 64
 ATTN_SCORE_BYTES = 256 << 20  # fp32 score block budget of the reference attention
 
@@ -199,6 +201,40 @@ class ReferenceBackend:
             out, s = _delta_chunked(q, k, v, g, beta, s, GDN_CHUNK)
         return out.transpose(0, 1), s
 
+    # -- the small elementwise chains (one fused kernel each on CUDA: kernels.fused) ---------
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     zero_centered: bool, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(residual + x), residual + x)``: the residual add and the next norm
+        (``inplace`` lets a fast backend write the sum into ``residual``)."""
+        return fused_ref.add_rms_norm(x, residual, weight, eps, zero_centered)
+
+    def gated_rms_norm_cast(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                            dtype: torch.dtype) -> torch.Tensor:
+        """``gated_rms_norm(x.to(dtype), gate, weight, eps)`` (the GDN output norm of its fp32 core)."""
+        return self.gated_rms_norm(x.to(dtype), gate, weight, eps)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return fused_ref.silu_mul(gate, up)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(g) * u`` for ``g, u = gate_up.chunk(2, -1)``."""
+        return fused_ref.silu_and_mul(gate_up)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """NeoX rotary embedding of q ``[T, Hq, D]`` and k over the first ``cos.shape[-1]`` dims
+        (``inplace`` lets a fast backend rotate q and k themselves)."""
+        return fused_ref.rope(q, k, cos, sin)
+
+    def gdn_gating(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g = -exp(A_log) * softplus(a + dt_bias) fp32, beta = sigmoid(b))``."""
+        return fused_ref.gdn_gating(a, b, A_log, dt_bias)
+
+    def sigmoid_gate_mul(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``o * sigmoid(gate)`` in ``o``'s shape (the attention output gate)."""
+        return fused_ref.sigmoid_gate_mul(o, gate)
+
     # -- mixture of experts -------------------------------------------------------------
     def moe_experts(
         self,
@@ -219,8 +255,8 @@ class ReferenceBackend:
             if n == 0:
                 continue
             tok = token_of[pos : pos + n]
-            gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down[e]) * weight_of[pos : pos + n, None].to(x.dtype)
+            y = F.linear(self.silu_and_mul(F.linear(x[tok], gate_up[e])), down[e])
+            y = y * weight_of[pos : pos + n, None].to(x.dtype)
             out.index_add_(0, tok, y)
             pos += n
         return out

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine_service.layers.backend import ReferenceBackend
@@ -85,8 +84,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, s.num_v_heads, s.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g, beta = self.backend.gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=x.device)
         for seq in ctx.multi:
@@ -124,5 +122,5 @@ class GatedDeltaNet(nn.Module):
             )
             rec_state[slots] = new_rec
             core[dec.rows] = o
-        out = self.norm(core.to(x.dtype), z)
+        out = self.backend.gated_rms_norm_cast(core, z, self.norm.weight, self.norm.eps, x.dtype)
         return self.out_proj(out.reshape(t, s.value_dim))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine_service.layers.backend import ReferenceBackend
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
@@ -17,11 +21,17 @@ def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False,
+                 backend: ReferenceBackend | None = None) -> None:
         super().__init__()
+        if backend is None:
+            from engine_service.layers.backend import ReferenceBackend
+
+            backend = ReferenceBackend()
+        self.backend = backend
         self.gate_proj = linear(hidden, intermediate, bias)
         self.up_proj = linear(hidden, intermediate, bias)
         self.down_proj = linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.backend.silu_mul(self.gate_proj(x), self.up_proj(x)))

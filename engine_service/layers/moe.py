@@ -53,7 +53,7 @@ class SparseMoE(nn.Module):
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if shared_intermediate > 0:
-            self.shared_expert = SwiGLU(hidden, shared_intermediate)
+            self.shared_expert = SwiGLU(hidden, shared_intermediate, backend=backend)
             self.shared_expert_gate = linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

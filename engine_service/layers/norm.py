@@ -21,6 +21,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.rms_norm(x, self.weight, self.eps, self.zero_centered)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(residual + x), residual + x)`` in one op (the residual add fused with the norm)."""
+        return self.backend.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centered)
+
 
 class GatedRMSNorm(nn.Module):
     """``w * rmsnorm(x) * silu(gate)`` (the GDN output norm; plain, not zero-centered)."""

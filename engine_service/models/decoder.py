@@ -33,7 +33,7 @@ def make_mlp(args: ModelArgs, use_moe: bool, backend: ReferenceBackend) -> nn.Mo
             args.hidden, m.num_experts, m.top_k, m.intermediate, m.shared_intermediate,
             m.norm_topk_prob, backend,
         )
-    return SwiGLU(args.hidden, args.intermediate, args.mlp_bias)
+    return SwiGLU(args.hidden, args.intermediate, args.mlp_bias, backend)
 
 
 class DecoderLayer(nn.Module):
@@ -113,8 +113,12 @@ class CausalLM(nn.Module):
         cos_sin = None
         if self.attn_index:
             cos_sin = self.rotary.cos_sin(ctx.positions, h.dtype)
+        pending: torch.Tensor | None = None  # the last MLP's output, added into h with the next norm
         for i, layer in enumerate(self.model.layers):
-            x = layer.input_layernorm(h)
+            if pending is None:
+                x = layer.input_layernorm(h)
+            else:
+                x, h = layer.input_layernorm.add(pending, h)
             if layer.kind == FULL:
                 assert kv is not None and cos_sin is not None
                 x = layer.self_attn(x, cos_sin, ctx, kv.layer(self.attn_index[i]))
@@ -122,9 +126,9 @@ class CausalLM(nn.Module):
                 assert state is not None
                 j = self.state_index[i]
                 x = layer.linear_attn(x, ctx, state.conv[j], state.recurrent[j])
-            h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h
+            x, h = layer.post_attention_layernorm.add(x, h)
+            pending = layer.mlp(x)
+        return h if pending is None else h + pending
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()

@@ -10,7 +10,10 @@ matters; ``save_tiny(name, dir)`` writes it with ``save_pretrained``.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +115,34 @@ def save_tiny(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+# transformers binds these to fla-core's / causal-conv1d's kernels when those import (the GPU
+# machine carries fla-core); the plain-torch function is the wrapper's ``__wrapped__``
+HF_KERNEL_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                   "causal_conv1d_update")
+
+
+@contextmanager
+def hf_torch_path(model: torch.nn.Module) -> Iterator[None]:
+    """Run an HF model on CPU through its plain-torch Gated DeltaNet functions even where
+    fla-core is importable (its Triton kernels take no CPU tensors)."""
+    saved = []
+    if next(model.parameters()).device.type == "cpu":
+        for mod in {sys.modules[type(m).__module__] for m in model.modules()}:
+            for name in HF_KERNEL_FUNCS:
+                fn = getattr(mod, name, None)
+                if fn is not None and hasattr(fn, "__wrapped__"):
+                    saved.append((mod, name, fn))
+                    setattr(mod, name, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """fp32 logits for every position of one prompt, ``[len(ids), vocab]``."""
-    with torch.no_grad():
+    with torch.no_grad(), hf_torch_path(model):
         device = next(model.parameters()).device
         out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
     return out.logits[0].float()

@@ -5,6 +5,8 @@ fragmented pages == dense causal SDPA, MoE == a per-token loop, RMSNorm variants
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,8 +48,14 @@ def test_gated_delta_rule_chunked_equals_recurrent_and_hf(t: int) -> None:
         steps.append(o)
     torch.testing.assert_close(out, torch.cat(steps), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s, st, rtol=1e-4, atol=1e-5)
-    hf = torch_chunk_gated_delta_rule if t > 1 else torch_recurrent_gated_delta_rule
-    ref_o, ref_s = hf(q[None], k[None], v[None], g=g[None], beta=beta[None],
+    # HF's plain-torch functions themselves: with fla-core installed (the GPU machine) transformers
+    # binds these names to fla's Triton kernels (``use_kernel_func_from_hub_with_fallback``; the
+    # torch function is the ``__wrapped__``), which cannot take CPU tensors; and transformers
+    # before ~5.2x (5.17 there) expands q/k to the value heads in the layer, not in the function
+    hf = inspect.unwrap(torch_chunk_gated_delta_rule if t > 1 else torch_recurrent_gated_delta_rule)
+    rep = v.shape[1] // q.shape[1]
+    qh, kh = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    ref_o, ref_s = hf(qh[None], kh[None], v[None], g=g[None], beta=beta[None],
                       initial_state=s0[None].clone(), output_final_state=True,
                       use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(out, ref_o[0], rtol=1e-5, atol=1e-5)

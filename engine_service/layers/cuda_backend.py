@@ -1,0 +1,161 @@
+"""``CudaBackend``: the layer ops on CUDA: the small elementwise chains as fused Triton kernels
+(``kernels.fused``: RMSNorm with the residual add, gated RMSNorm, SwiGLU, RoPE, the GDN gating,
+the attention output gate) and the Gated DeltaNet ones on fla-core's Triton kernels.
+
+Registered as ``get_backend("cuda")``. The fused ops (``kernels.fused.ops.FusedOps``) run for
+CUDA tensors in fp32 / bf16 / fp16, within 2 ulps of the reference in 16-bit (bit-identical
+residual sums and RoPE; ``tests/kernels/test_fused_ops.py``). For CUDA tensors, when fla-core
+imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``kernels.gdn`` (fla):
+
+- ``gated_delta_rule``: fla's chunked kernels for a prefill chunk (T > 1), the fused recurrent
+  kernel for T == 1; ``gated_delta_rule_decode``: the fused recurrent kernel over the B decode
+  sequences at once (batch form, one token each);
+- ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its
+  update kernel (decode), the engine's ``[C, K-1]`` conv state carried through fla's
+  ``[C, K]`` layout with a zero column in front (``kernels.gdn.fla_ops``);
+- ``gated_delta_rule_varlen`` / ``causal_conv1d_varlen`` (extra ops, this backend only): N
+  prefill chunks of different lengths in one launch each (tokens back to back, ``cu_seqlens``),
+  states gathered from and scattered to a pool by slot. The GDN layer does not call them yet
+  (it runs its multi-token slices one by one); on CPU they loop over the reference.
+
+Every other op (attention through the KV pool's own kernels, linear layers through torch), and
+every op on CPU tensors, is the reference's (same results, bit for bit); without fla the GDN ops
+are too. The fla results agree with the reference within the kernels'
+rounding: activations in their own dtype (bf16 in the engine on GPU), accumulation and the
+recurrent state in fp32, fp32 inputs through TF32 tensor-core products (see
+``tests/kernels/test_gdn_fla.py`` for the tolerances). ``default_backend(device)`` is the
+runner's choice when no backend is named: "cuda" on a CUDA device (fla or not: the log says),
+"reference" elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_service.layers.backend import ReferenceBackend, register_backend
+from kernels.fused.ops import FusedOps
+from kernels.gdn import fla_ops
+
+
+class CudaBackend(FusedOps, ReferenceBackend):
+    name = "cuda"
+
+    def __init__(self, use_fla_conv: bool = True) -> None:
+        self.use_fla_conv = use_fla_conv
+
+    @staticmethod
+    def _fla(*tensors: torch.Tensor) -> bool:
+        return all(t.is_cuda for t in tensors) and fla_ops.available()
+
+    # -- gated delta rule ---------------------------------------------------------------
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fla(q, state):
+            return super().gated_delta_rule(q, k, v, g, beta, state)
+        o, final = fla_ops.gated_delta_rule_varlen(q, k, v, g, beta, state.unsqueeze(0), chunked=q.shape[0] > 1)
+        return o.float(), final[0]
+
+    def gated_delta_rule_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fla(q, states):
+            return super().gated_delta_rule_decode(q, k, v, g, beta, states)
+        o, final = fla_ops.gated_delta_rule_decode(q, k, v, g, beta, states)
+        return o.float(), final
+
+    def gated_delta_rule_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        lengths: list[int],
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """N multi-token slices packed back to back (``lengths``, in order), recurrent states
+        read from and written back to ``pool [slots, Hv, Dk, Dv]`` fp32 at ``slots [N]``
+        (distinct). Returns o ``[T, Hv, Dv]`` fp32."""
+        if len(lengths) != slots.shape[0] or sum(lengths) != q.shape[0]:
+            raise ValueError(f"lengths {lengths} do not cover {q.shape[0]} tokens of {slots.shape[0]} slots")
+        states = fla_ops.gather_states(pool, slots)
+        if self._fla(q, pool):
+            cu, cu_host = fla_ops.cu_seqlens_from_lengths(lengths, q.device)
+            o, final = fla_ops.gated_delta_rule_varlen(q, k, v, g, beta, states, cu, cu_host, chunked=True)
+            fla_ops.scatter_states(pool, slots, final)
+            return o.float()
+        outs, finals, lo = [], [], 0
+        for i, n in enumerate(lengths):
+            rows = slice(lo, lo + n)
+            o, s = super().gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows], states[i])
+            outs.append(o)
+            finals.append(s)
+            lo += n
+        fla_ops.scatter_states(pool, slots, torch.stack(finals))
+        return torch.cat(outs)
+
+    # -- causal conv --------------------------------------------------------------------
+    def causal_conv1d(
+        self, x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self.use_fla_conv and self._fla(x, state, weight)):
+            return super().causal_conv1d(x, state, weight)
+        y, final = fla_ops.causal_conv1d_varlen(x, state.unsqueeze(0), weight)
+        return y, final[0]
+
+    def causal_conv1d_decode(
+        self, x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self.use_fla_conv and self._fla(x, states, weight)):
+            return super().causal_conv1d_decode(x, states, weight)
+        return fla_ops.causal_conv1d_decode(x, states, weight)
+
+    def causal_conv1d_varlen(
+        self, x: torch.Tensor, lengths: list[int], pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """N slices packed back to back (``lengths``), conv states read from and written back
+        to ``pool [slots, C, K-1]`` at ``slots [N]``. Returns y ``[T, C]`` in ``x.dtype``."""
+        if len(lengths) != slots.shape[0] or sum(lengths) != x.shape[0]:
+            raise ValueError(f"lengths {lengths} do not cover {x.shape[0]} tokens of {slots.shape[0]} slots")
+        states = fla_ops.gather_states(pool, slots)
+        if self.use_fla_conv and self._fla(x, pool, weight):
+            cu, cu_host = fla_ops.cu_seqlens_from_lengths(lengths, x.device)
+            y, final = fla_ops.causal_conv1d_varlen(x, states, weight, cu, cu_host)
+            fla_ops.scatter_states(pool, slots, final)
+            return y
+        outs, finals, lo = [], [], 0
+        for i, n in enumerate(lengths):
+            y, s = super().causal_conv1d(x[lo : lo + n], states[i], weight)
+            outs.append(y)
+            finals.append(s)
+            lo += n
+        fla_ops.scatter_states(pool, slots, torch.stack(finals))
+        return torch.cat(outs)
+
+
+def default_backend(device: torch.device | str) -> tuple[str, str]:
+    """The layer backend for an engine on ``device`` when none is named, and why."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "reference", f"{dev.type} device"
+    if not fla_ops.available():
+        return "cuda", (f"CUDA device; fla-core not importable ({fla_ops.import_error()}): the Gated DeltaNet ops "
+                        "run the torch reference (pip install deepwell[cuda])")
+    return "cuda", "CUDA device, fla-core importable"
+
+
+register_backend("cuda", CudaBackend)
