@@ -167,7 +167,8 @@ def calibrate_kv(source: Any, runner: Any, served_context: int | None = None, si
     return runner.calibrate_kv(ids, source=how, max_position=served_context, sink=sink)
 
 
-def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, metrics: Any, model_id: str) -> Any:
+def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, metrics: Any, model_id: str,
+                token: str = "") -> Any:
     """Connect to the KV-cache daemon (in the background: a daemon that is down is a miss until it
     is back) and give the prefix cache its host tier; returns the client."""
     from deepwell.kvclient.client import KVClient
@@ -181,7 +182,7 @@ def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, m
         page_size=runner.page_size, page_nbytes=runner.entry_nbytes(1, False),
         slot_nbytes=runner.entry_nbytes(0, True) if core.spec.hybrid else 0)
     # fast misses: a slow daemon must not hold up admissions (the circuit opens after 3 failures)
-    client = KVClient(cfg.kv_daemon, name=f"engine-{model_id}", rpc_timeout_s=1.0, retries=1)
+    client = KVClient(cfg.kv_daemon, name=f"engine-{model_id}", rpc_timeout_s=1.0, retries=1, token=token)
     if not client.start(wait_s=5.0):
         from deepwell.logs import get_logger
 
@@ -190,6 +191,23 @@ def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, m
     core.attach_host(HostTier(client, runner, fingerprint=fingerprint, page_size=runner.page_size,
                               hybrid=core.spec.hybrid, observer=metrics.on_host_copy))
     return client
+
+
+def internal_token(path: str, listen: str, log: Any) -> str:
+    """The internal token from ``path`` ('' without one: a warning unless only this host can connect)."""
+    from deepwell.auth import TokenError, read_token_file
+
+    if not path:
+        loopback = listen.startswith(("unix:", "127.", "localhost:", "[::1]:"))
+        (log.info if loopback else log.warning)(
+            "engine_unauthenticated", listen=listen,
+            detail="any process that reaches this port can call Generate with any tenant: pass --internal-token-file "
+                   "(deepwell up and the compose stack do)")
+        return ""
+    try:
+        return read_token_file(path)
+    except TokenError as exc:
+        raise configs.ConfigError(f"invalid internal_token_file={path!r}: {exc}") from None
 
 
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
@@ -221,6 +239,7 @@ async def serve(cfg: EngineConfig) -> int:
     from engine_service.service import SERVICE_NAME, EngineService, build_model_info, load_files
 
     log = get_logger("engine_service")
+    token = internal_token(cfg.internal_token_file, cfg.listen, log)
     model_path, default_name = cfg.model, ""
     if not model_path:
         from engine_service.default_model import MODEL_ID, ensure_default_model
@@ -234,6 +253,10 @@ async def serve(cfg: EngineConfig) -> int:
     dtype = resolve_dtype(cfg.dtype, device)
     loop = asyncio.get_running_loop()
     source = await loop.run_in_executor(None, lambda: open_model(model_path, weights=not cfg.random_weights))
+    if not cfg.model:  # the embedded default model: its model card's sampling defaults
+        from engine_service.default_model import GENERATION_DEFAULTS
+
+        source.generation_config = {**GENERATION_DEFAULTS, **(source.generation_config or {})}
     yarn = rope_scaling.for_model(cfg.rope_scaling, default_model=not cfg.model)
     if yarn is not None:
         source.config = rope_scaling.with_yarn(source.config, yarn)
@@ -258,7 +281,8 @@ async def serve(cfg: EngineConfig) -> int:
         kv_calibration_digest=runner.kv_calibration.digest() if runner.kv_calibration is not None else "")
     client = None
     if cfg.kv_daemon:  # the host tier: spill-before-evict and restores through the KV-cache daemon
-        client = await loop.run_in_executor(None, lambda: attach_host(cfg, source, runner, core, metrics, model_id))
+        client = await loop.run_in_executor(None, lambda: attach_host(cfg, source, runner, core, metrics, model_id,
+                                                                      token))
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before anything announces that we serve
         loop.add_signal_handler(sig, stop.set)
@@ -266,7 +290,7 @@ async def serve(cfg: EngineConfig) -> int:
     engine.start()
     service = EngineService(engine, info, files, str(device))
     handle = grpcx.build_server(cfg.listen, [lambda s: engine_pb2_grpc.add_EngineServicer_to_server(service, s)],
-                                [SERVICE_NAME])
+                                [SERVICE_NAME], token=token)
     metrics_port = metrics.serve(cfg.metrics_host, cfg.metrics_port) if cfg.metrics_port >= 0 else None
     await handle.server.start()
     await handle.set_serving()

