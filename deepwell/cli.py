@@ -26,6 +26,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("kvcache", "kvcache_daemon.cli"),
     ("engine", "engine_service.cli"),
     ("gateway", "gateway.cli"),
+    ("internal-token", "deepwell.auth"),
 ]
 
 

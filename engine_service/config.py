@@ -70,6 +70,9 @@ class EngineConfig:
     listen: str = field(default="127.0.0.1:50051", metadata={"help": "gRPC listen address (host:port, port 0 "
                                                                      "picks a free one; or unix:/path)"})
     port_file: str = field(default="", metadata={"help": "write the bound gRPC port to this file once serving"})
+    internal_token_file: str = field(default="", metadata={
+        "help": "file holding the internal token (mode 0600): every gRPC call but health checks must carry it, and "
+                "the engine presents it to the KV-cache daemon ('' = no authentication; deepwell up makes one)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "Prometheus /metrics bind address"})
     metrics_port: int = field(default=9101, metadata={"help": "Prometheus /metrics port (0 = any free port, "
                                                               "-1 = no metrics server)"})

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     logs.setup_logging("kvcache", cfg.log_level)
     try:
         return asyncio.run(serve(cfg))
-    except (ArenaError, OSError) as exc:
+    except (ArenaError, OSError, ValueError) as exc:  # ValueError: a bad internal token file
         print(f"deepwell kvcache: {exc}", file=sys.stderr)
         return 1
 
@@ -61,6 +61,7 @@ def _stats(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
     from deepwell import grpcx
+    from deepwell.auth import TokenError, read_token_file
     from deepwell.kvcache.v1 import kvcache_pb2 as pb
     from deepwell.kvcache.v1 import kvcache_pb2_grpc as pbg
 
@@ -68,9 +69,14 @@ def _stats(args: argparse.Namespace) -> int:
 
     address = (args.stats_address or getattr(args, "address", None)
                or os.environ.get("DEEPWELL_KVCACHE_ADDRESS") or DEFAULT_ADDRESS)
+    token_file = getattr(args, "internal_token_file", "") or os.environ.get("DEEPWELL_KVCACHE_INTERNAL_TOKEN_FILE", "")
     try:
-        with grpc.insecure_channel(address, options=grpcx.channel_options()) as ch:
+        token = read_token_file(token_file) if token_file else ""
+        with grpcx.sync_channel(address, token) as ch:
             reply = pbg.KVCacheStub(ch).Stats(pb.StatsRequest(), timeout=args.timeout)
+    except TokenError as exc:
+        print(f"deepwell kvcache stats: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         print(f"deepwell kvcache stats: cannot reach {address}: {exc.code().name} {exc.details()}", file=sys.stderr)
         return 1

@@ -36,6 +36,9 @@ class DaemonConfig:
                           metadata={"help": "journal committed entries so they survive a daemon restart"})
     journal_path: str = field(default="", metadata={"help": "index journal file; default <arena_path>.journal"})
     prefault: bool = field(default=True, metadata={"help": "touch every arena page at start"})
+    internal_token_file: str = field(default="", metadata={
+        "help": "file holding the internal token (mode 0600): every call but health checks must carry it "
+                "('' = only the socket's file mode protects the daemon)"})
     metrics_address: str = field(default="", metadata={"help": "host:port for Prometheus /metrics; empty = off"})
     log_level: str = field(default="info", metadata={"help": "debug|info|warning|error"})
     op_cache_per_client: int = field(default=4096, metadata={"help": "remembered op ids per client (idempotency)"})

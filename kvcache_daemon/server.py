@@ -16,6 +16,7 @@ import socket
 import time
 
 from deepwell import grpcx, logs
+from deepwell.auth import read_token_file
 from deepwell.kvcache.v1 import kvcache_pb2 as pb
 from deepwell.kvcache.v1 import kvcache_pb2_grpc as pbg
 
@@ -49,6 +50,7 @@ def _socket_alive(path: str) -> bool:
 
 async def serve(cfg: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     epoch = time.time_ns() & ((1 << 63) - 1)
+    token = read_token_file(cfg.internal_token_file) if cfg.internal_token_file else ""  # TokenError: a ValueError
     sock = _socket_path(cfg.address)
     if sock and os.path.exists(sock) and _socket_alive(sock):
         raise OSError(f"{cfg.address} is served by another running process")
@@ -73,10 +75,8 @@ async def serve(cfg: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     if sock and os.path.exists(sock):
         os.unlink(sock)  # left by a SIGKILLed daemon (a live one was refused above)
     handle = grpcx.build_server(cfg.address, register=[lambda s: pbg.add_KVCacheServicer_to_server(servicer, s)],
-                                service_names=[SERVICE_NAME])
+                                service_names=[SERVICE_NAME], token=token)  # a unix socket is created 0600
     await handle.server.start()
-    if sock:
-        os.chmod(sock, 0o600)
     metrics_server = None
     if cfg.metrics_address:
         from prometheus_client import start_http_server

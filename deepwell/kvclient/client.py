@@ -51,8 +51,10 @@ def _chunks(arr: np.ndarray) -> Iterator[pb.TokenBlock]:
 
 class KVClient:
     def __init__(self, address: str, name: str = "engine", *, rpc_timeout_s: float = 5.0, retries: int = 2,
-                 breaker_failures: int = 3, reconnect_min_s: float = 0.05, reconnect_max_s: float = 1.0) -> None:
+                 breaker_failures: int = 3, reconnect_min_s: float = 0.05, reconnect_max_s: float = 1.0,
+                 token: str = "") -> None:
         self.address = address
+        self.token = token  # the internal token (deepwell.auth), sent on every call when set
         self.name = name
         self.rpc_timeout_s = rpc_timeout_s
         self.retries = retries
@@ -104,7 +106,7 @@ class KVClient:
     def _session_loop(self) -> None:
         delay = self.reconnect_min_s
         while not self._closed.is_set():
-            channel = grpc.insecure_channel(self.address, options=grpcx.channel_options())
+            channel = grpcx.sync_channel(self.address, self.token)
             try:
                 call = pbg.KVCacheStub(channel).Attach(pb.AttachRequest(client_name=self.name, pid=os.getpid()))
                 with self._lock:

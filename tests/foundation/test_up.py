@@ -12,8 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+
+from deepwell import grpcx
+from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
 
 from tests.engine.fixtures_smollm2 import smollm2_gguf_path
 
@@ -53,12 +57,12 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _start_up(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
     port, grpc_port, engine_port, metrics_port = _free_ports(4)
     argv = [sys.executable, "-m", "deepwell.cli", "up", "--model", str(smollm2_gguf_path()),
             "--port", str(port), "--grpc-port", str(grpc_port), "--engine-port", str(engine_port),
             "--engine-metrics-port", str(metrics_port), "--kvcache-arena-bytes", str(64 << 20),
-            "--device", "cpu", "--startup-timeout-s", "240", "--log-level", "warning"]
+            "--device", "cpu", "--startup-timeout-s", "240", "--log-level", "warning", *extra]
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 (closed with the process)
     # a 0.25 GiB KV pool (5.8k tokens): zeroing the default 2 GiB took ~23 of the engine's ~30 s start
     env = {**os.environ, "DEEPWELL_ENGINE_CPU_KV_GIB": "0.25"}
@@ -93,6 +97,12 @@ def test_up_serves_and_shuts_down_on_sigint(tmp_path: Path) -> None:
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"]
+        # the engine's port is internal: a caller without up's token is refused
+        argv = Path(f"/proc/{engine[0]}/cmdline").read_text().split("\0")
+        assert "--internal-token-file" in argv
+        with pytest.raises(grpc.RpcError) as err, grpcx.sync_channel(argv[argv.index("--listen") + 1]) as ch:
+            engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.StatsRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # the daemon dies: up restarts it, the engine serves on (and reconnects)
         old = _daemon(kids)
         os.kill(old[0], signal.SIGKILL)
@@ -117,25 +127,79 @@ def test_up_serves_and_shuts_down_on_sigint(tmp_path: Path) -> None:
                 os.kill(k, signal.SIGKILL)
 
 
-def test_up_stops_everything_when_a_child_dies(tmp_path: Path) -> None:
-    proc, _ = _start_up(tmp_path)
+def test_up_restarts_dead_children_and_serves_on(tmp_path: Path) -> None:
+    """nvfp4 KV on the default model; SIGKILL the daemon, then the engine: the gateway answers
+    503 with a retry hint while the engine is down, both come back by themselves, and requests
+    succeed again."""
+    proc, port = _start_up(tmp_path, "--kv-dtype", "nvfp4")
     kids = _children(proc.pid)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body = {"model": "default", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
     try:
         engine = [k for k in kids if "engine_service" in Path(f"/proc/{k}/cmdline").read_text()]
-        assert len(engine) == 1
+        assert "nvfp4" in Path(f"/proc/{engine[0]}/cmdline").read_text().split("\0")
+        assert httpx.post(url, json=body, timeout=120).status_code == 200
+        os.kill(_daemon(kids)[0], signal.SIGKILL)
         os.kill(engine[0], signal.SIGKILL)
-        assert proc.wait(60) == 1
-        assert not any(_alive(k) for k in kids if k != engine[0])
+        statuses: list[int] = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            reply = httpx.post(url, json=body, timeout=120)
+            statuses.append(reply.status_code)
+            if reply.status_code == 200:
+                break
+            assert reply.status_code == 503 and reply.headers.get("retry-after"), (reply.status_code, reply.text)
+            time.sleep(0.5)
+        assert statuses[-1] == 200 and 503 in statuses, statuses
+        assert proc.poll() is None
+        now = _children(proc.pid)
+        assert len(now) == 3 and _daemon(now) and not set(now) & {engine[0], *_daemon(kids)}
+        log = (tmp_path / "up.log").read_text()
+        assert "engine exited with status -9; restarting it" in log and "restarting kvcache" in log
     finally:
         if proc.poll() is None:
-            proc.kill()
-        for k in kids:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for k in _children(proc.pid) + kids:
             if _alive(k):
                 os.kill(k, signal.SIGKILL)
 
 
+def test_up_passes_engine_and_gateway_options_through(tmp_path: Path) -> None:
+    from deepwell.up import UpConfig, plan
+
+    keys = tmp_path / "keys"
+    keys.write_text("k:secret\n")
+    cfg = UpConfig(kv_dtype="nvfp4", max_context=16384, cpu_kv_gib=0.5, api_keys_file=str(keys),
+                   request_log=str(tmp_path / "r.jsonl"), engine_args="--max-concurrency 2 --chunk-tokens 512",
+                   gateway_args="--default-max-tokens 256")
+    daemon, engine, gateway = plan(cfg, tmp_path)
+    e, g = engine.argv, gateway.argv
+    for flag, value in (("--kv-dtype", "nvfp4"), ("--max-context", "16384"), ("--cpu-kv-gib", "0.5"),
+                        ("--max-concurrency", "2"), ("--chunk-tokens", "512")):
+        assert e[e.index(flag) + 1] == value
+    for flag, value in (("--api-keys-file", str(keys)), ("--request-log", str(tmp_path / "r.jsonl")),
+                        ("--default-max-tokens", "256")):
+        assert g[g.index(flag) + 1] == value
+    token = str(tmp_path / "internal-token")
+    for child in (daemon, engine, gateway):
+        assert child.argv[child.argv.index("--internal-token-file") + 1] == token
+    # every flag the engine and gateway get is one they accept
+    from deepwell import cli
+
+    for argv, name in ((e, "engine"), (g, "gateway")):
+        parser = cli.build_parser()
+        args = parser.parse_args([name, *argv[3:]])
+        assert args.command == name
+
+
 @pytest.mark.parametrize(("flag", "value", "needle"), [("--port", "0", "invalid port=0"),
-                                                        ("--model", "/no/such/model", "no such file")])
+                                                        ("--model", "/no/such/model", "no such file"),
+                                                        ("--engine-args", "'unclosed", "not a valid flag string"),
+                                                        ("--memory-fraction", "1.5", "must be in (0, 1]")])
 def test_up_rejects_bad_flags(flag: str, value: str, needle: str) -> None:
     result = subprocess.run([sys.executable, "-m", "deepwell.cli", "up", flag, value],
                             capture_output=True, text=True, timeout=60)
