@@ -97,11 +97,11 @@ class ChatMessage:
             raise InvalidRequest("message content must be a string or a list of content parts")
 
     def text(self) -> str:
-        """The content as plain text (text parts joined by newlines, as prompts render
-        them); non-text parts contribute nothing."""
+        """The content as plain text (text parts concatenated as they are, as prompts
+        render them); non-text parts contribute nothing."""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(p.text for p in self.content if p.type == "text")
+        return "".join(p.text for p in self.content if p.type == "text")
 
     def has_non_text_parts(self) -> bool:
         return isinstance(self.content, list) and any(p.type != "text" for p in self.content)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from deepwell.configs import check
 
 TOOL_PARSERS = ("", "qwen_xml", "hermes_json")
+U32 = 2**32 - 1  # the engine's max_tokens is a uint32
 
 
 def split_addresses(raw: tuple[str, ...]) -> tuple[str, ...]:
@@ -48,6 +49,11 @@ class GatewayConfig:
     request_log: str = field(
         default="", metadata={"help": "append one JSON line per request to this file (no prompt text); empty = off"}
     )
+    internal_token_file: str = field(
+        default="",
+        metadata={"help": "file holding the internal token (mode 0600) the engines require on every call "
+                          "(deepwell up makes one); empty = none"},
+    )
     tolerant_tool_calls: bool = field(
         default=False,
         metadata={"help": "recover tool calls with a missing <tool_call> wrapper, stray closers or trailing text"},
@@ -58,6 +64,12 @@ class GatewayConfig:
     )
     default_max_tokens: int = field(
         default=0, metadata={"help": "output cap of requests that set none (Codex sends none); 0 = up to the context"}
+    )
+    max_output_tokens: int = field(
+        default=32768,
+        metadata={"help": "operator cap on every request's output tokens (max_tokens / max_completion_tokens / "
+                          "max_output_tokens, missing, null and huge values included); the response then ends "
+                          "with finish reason length / max_tokens / incomplete; 0 = no cap but the context"},
     )
     max_body_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "largest accepted request body in bytes"})
     max_messages: int = field(default=10_000, metadata={"help": "most messages accepted in one request"})
@@ -79,6 +91,11 @@ class GatewayConfig:
         check(self.max_messages >= 1, "max_messages", self.max_messages, "must be >= 1")
         check(self.default_max_tokens >= 0, "default_max_tokens", self.default_max_tokens,
               "must be >= 0 (0 = up to the context)")
+        check(0 <= self.max_output_tokens <= U32, "max_output_tokens", self.max_output_tokens,
+              f"must be in [0, {U32}] (0 = no cap but the context)")
+        check(not self.max_output_tokens or self.default_max_tokens <= self.max_output_tokens, "default_max_tokens",
+              self.default_max_tokens, f"must be <= max_output_tokens ({self.max_output_tokens}); raise "
+              f"--max-output-tokens or lower --default-max-tokens")
         check(0 < self.keepalive_s <= 5.0, "keepalive_s", self.keepalive_s, "must be in (0, 5]")
         check(self.health_interval_s > 0, "health_interval_s", self.health_interval_s, "must be > 0")
         check(self.retry_after_s >= 0, "retry_after_s", self.retry_after_s, "must be >= 0")

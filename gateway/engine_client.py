@@ -135,8 +135,10 @@ def _renders_tools(template: Any) -> bool:
 
 
 class EngineClient:
-    def __init__(self, address: str, health_interval_s: float = 2.0, tool_parser_override: str = "") -> None:
+    def __init__(self, address: str, health_interval_s: float = 2.0, tool_parser_override: str = "",
+                 token: str = "") -> None:
         self.address = address
+        self.token = token  # the internal token (deepwell.auth) sent on every call when set
         self.health_interval_s = health_interval_s
         self.tool_parser_override = tool_parser_override
         self.bundle: ModelBundle | None = None
@@ -153,7 +155,7 @@ class EngineClient:
         return self._serving and self.bundle is not None
 
     async def start(self) -> None:
-        self._channel = grpcx.aio_channel(self.address)
+        self._channel = grpcx.aio_channel(self.address, token=self.token)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._task = asyncio.create_task(self._health_loop(), name=f"engine-health-{self.address}")

@@ -40,6 +40,7 @@ from gateway.chat_types import (
 )
 from gateway.errors import GatewayError, invalid
 from gateway.pipeline import Finished, KeepAlive, Started
+from gateway.surrogates import find_lone_surrogate
 
 log = logs.get_logger("gateway.grpc_chat")
 
@@ -61,6 +62,9 @@ def _json_object(text: str, what: str) -> dict[str, Any]:
         raise invalid(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise invalid(f"{what} must be a JSON object")
+    found = find_lone_surrogate(value) if "\\u" in text else None
+    if found is not None:
+        raise invalid(found.message(what))
     return value
 
 

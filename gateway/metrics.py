@@ -1,6 +1,9 @@
 """Prometheus metrics of the gateway, on a registry of its own (served at ``/metrics``).
 
-- ``deepwell_gateway_requests_total{endpoint,status}``: finished HTTP/gRPC requests.
+- ``deepwell_gateway_requests_total{endpoint,status}``: finished HTTP/gRPC requests, each
+  counted exactly once with its final status (HTTP: by ``http.middleware``, for every
+  route and every status, 500 included; a stream that started with 200 is counted with
+  what it ended as: 499 when the client went away, 500 on an engine failure).
 - ``deepwell_gateway_ttft_seconds{endpoint}``: request arrival to first generated token.
 - ``deepwell_gateway_tokens_total{kind}``: prompt / completion / cached tokens.
 - ``deepwell_gateway_tool_parse_total{outcome}``: ok / failure / none per response.
@@ -10,6 +13,9 @@
 """
 
 from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -32,3 +38,32 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def finished(self, endpoint: str, status: int) -> None:
+        """A generation's final status: handed to the HTTP request being served (which
+        counts it once, see ``RequestSlot``), else (gRPC) counted here."""
+        slot = CURRENT_REQUEST.get()
+        if slot is None:
+            self.requests.labels(endpoint, str(status)).inc()
+        else:
+            slot.generation_status = status
+
+
+@dataclass
+class RequestSlot:
+    """The HTTP request in flight (a context variable set by the metrics middleware)."""
+
+    endpoint: str
+    generation_status: int | None = None  # set by a generation when it is closed
+
+    def final_status(self, http_status: int) -> int:
+        """A generation's status wins when the HTTP status was a success it could not
+        reflect (a stream that failed or was abandoned after its 200), and 499 (the
+        client went away) always does; otherwise the HTTP status stands."""
+        g = self.generation_status
+        if g is not None and (http_status < 300 or g == 499):
+            return g
+        return http_status
+
+
+CURRENT_REQUEST: ContextVar[RequestSlot | None] = ContextVar("deepwell_gateway_request", default=None)

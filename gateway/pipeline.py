@@ -28,7 +28,7 @@ from deepwell import logs
 from deepwell.engine.v1 import engine_pb2
 from gateway.accounting import CACHE_LEVELS, RequestLog, RequestRecord
 from gateway.chat_types import ChatRequest, Event, InvalidRequest, SamplingOptions, ToolCallEnd
-from gateway.config import GatewayConfig
+from gateway.config import U32, GatewayConfig
 from gateway.engine_client import EngineClient, EngineOverloaded, EngineRejected, EngineUnavailable, ModelBundle
 from gateway.errors import ContextLengthError, GatewayError, invalid
 from gateway.metrics import GatewayMetrics
@@ -108,8 +108,19 @@ def _cache_dict(hits: engine_pb2.CacheHits) -> dict[str, int]:
     return {level: int(getattr(hits, level)) for level in CACHE_LEVELS}
 
 
-def sampling_params(s: SamplingOptions, default_max_tokens: int = 0) -> engine_pb2.SamplingParams:
-    p = engine_pb2.SamplingParams(max_tokens=s.max_tokens or default_max_tokens)
+def effective_max_tokens(requested: int | None, default_max_tokens: int = 0, max_output_tokens: int = 0) -> int:
+    """The output limit sent to the engine (0 = up to the context): the request's own
+    limit, else ``--default-max-tokens``, never more than ``--max-output-tokens`` (0 = no
+    cap), and always within the engine's uint32."""
+    limit = requested or default_max_tokens or max_output_tokens
+    if max_output_tokens:
+        limit = min(limit, max_output_tokens)
+    return min(limit, U32)
+
+
+def sampling_params(s: SamplingOptions, default_max_tokens: int = 0,
+                    max_output_tokens: int = 0) -> engine_pb2.SamplingParams:
+    p = engine_pb2.SamplingParams(max_tokens=effective_max_tokens(s.max_tokens, default_max_tokens, max_output_tokens))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed"):
         value = getattr(s, name)
@@ -273,7 +284,8 @@ class Generation:
 
     # ------------------------------------------------------------------ engine side
     def _request(self) -> engine_pb2.GenerateRequest:
-        sampling = sampling_params(self.p.sampling, self.service.config.default_max_tokens)
+        cfg = self.service.config
+        sampling = sampling_params(self.p.sampling, cfg.default_max_tokens, cfg.max_output_tokens)
         req = engine_pb2.GenerateRequest(
             request_id=self.p.request_id, prompt_token_ids=self.p.prompt_ids, sampling=sampling,
             session_key=self.p.session_key or "", tenant=self.p.tenant,
@@ -471,7 +483,7 @@ class Generation:
         r.status = self.status
         r.session = self.p.session_key
         r.engine = self.p.engine.address
-        m.requests.labels(self.p.endpoint, str(self.status)).inc()
+        m.finished(self.p.endpoint, self.status)
         if self.first_token_at is not None:
             m.ttft.labels(self.p.endpoint).observe(self.first_token_at - self.arrival)
         f = self.finished

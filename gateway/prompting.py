@@ -117,7 +117,7 @@ def _content_text(m: ChatMessage, index: int) -> str:
     kinds = sorted({p.type for p in m.content if p.type != "text"})
     if kinds:
         raise InvalidRequest(f"message {index}: content parts of type {', '.join(kinds)} are not supported by this model")
-    return "\n".join(p.text for p in m.content)
+    return "".join(p.text for p in m.content)  # as given (HF templates, the OpenAI API)
 
 
 def _template_arguments(call: ToolCallSpec) -> dict[str, Any] | str:

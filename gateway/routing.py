@@ -14,6 +14,8 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from gateway.surrogates import safe_utf8
+
 
 class Routable(Protocol):
     address: str
@@ -29,7 +31,8 @@ class NoHealthyEngine(Exception):
 
 
 def score(key: str, address: str) -> int:
-    digest = hashlib.blake2b(f"{key}\x00{address}".encode(), digest_size=8).digest()
+    # surrogatepass: a key is any str (a lone surrogate must not make routing fail)
+    digest = hashlib.blake2b(safe_utf8(f"{key}\x00{address}"), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 

@@ -1,5 +1,7 @@
 """Plain-attention families: ``llama`` (SmolLM2 too), ``qwen2`` (q/k/v bias), ``qwen3``
-(per-head q/k RMSNorm). Sliding-window attention is refused (not implemented)."""
+(per-head q/k RMSNorm). Sliding-window attention is refused (not implemented) when some
+layer would use it by HF's rule (``sliding_window_layers``); a config that sets
+``use_sliding_window`` with every layer below ``max_window_layers`` is full attention."""
 
 from __future__ import annotations
 
@@ -15,14 +17,18 @@ def _dense_args(
     cfg: dict[str, Any], arch: str, *, qkv_bias: bool, o_bias: bool, qk_norm: bool
 ) -> ModelArgs:
     check_silu(cfg)
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        raise ValueError("sliding-window attention is not supported")
     hidden = int(cfg_get(cfg, "hidden_size"))
     heads = int(cfg_get(cfg, "num_attention_heads"))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     eps = float(cfg.get("rms_norm_eps", 1e-6))
     layers = int(cfg_get(cfg, "num_hidden_layers"))
+    windowed = sliding_window_layers(cfg, layers)
+    if windowed:
+        raise ValueError(f"sliding-window attention is not supported: {len(windowed)} of {layers} layers (from "
+                         f"layer {windowed[0]}) would attend within a window of {cfg.get('sliding_window', 4096)} "
+                         f"tokens by this config (layer_types, or use_sliding_window from max_window_layers="
+                         f"{cfg.get('max_window_layers', 28)} on); serve a config whose layers all use full attention")
     return ModelArgs(
         architecture=arch,
         vocab_size=int(cfg_get(cfg, "vocab_size")),
@@ -43,6 +49,21 @@ def _dense_args(
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_context=int(cfg.get("max_position_embeddings", 2048)),
     )
+
+
+def sliding_window_layers(cfg: dict[str, Any], layers: int) -> list[int]:
+    """The layers HF would run with sliding-window attention (its qwen2/qwen3 rule): those
+    an explicit ``layer_types`` marks ``sliding_attention``; else, when ``use_sliding_window``
+    and a ``sliding_window`` (HF default 4096) are set, the layers from ``max_window_layers``
+    (HF default 28) on. ``max_window_layers >= num_hidden_layers`` leaves every layer full."""
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return [i for i, t in enumerate(types[:layers]) if t == "sliding_attention"]
+    if not cfg.get("use_sliding_window") or not cfg.get("sliding_window", 4096):
+        return []
+    first = cfg.get("max_window_layers")
+    first = 28 if first is None else int(first)
+    return list(range(max(first, 0), layers))
 
 
 def llama_args(cfg: dict[str, Any]) -> ModelArgs:

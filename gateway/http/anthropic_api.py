@@ -81,7 +81,7 @@ def _text_of(content: Any, where: str) -> str:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise invalid(f"{where}[{i}]: only text blocks are supported here (got {kind!r})")
         out.append(block["text"])
-    return "\n".join(out)
+    return "".join(out)  # text blocks are concatenated as they are (no separator), as the API does
 
 
 def _user_messages(content: str | list[dict[str, Any]], where: str) -> list[ChatMessage]:
@@ -215,7 +215,6 @@ async def count_tokens(app_state: Any, request: Request, ctx: RequestContext, da
     _check_limits(app_state, len(body.messages))
     req, _ = to_chat_request(body, ctx)
     n = app_state.service.count_tokens(req)
-    app_state.service.metrics.requests.labels("messages.count_tokens", "200").inc()
     return JSONResponse({"input_tokens": n}, headers={"x-request-id": ctx.request_id})
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepwell import __version__, grpcx, logs
@@ -30,8 +31,9 @@ from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import GatewayError
-from gateway.http import anthropic_api, openai_api, responses_api
+from gateway.http import anthropic_api, openai_api, openapi, responses_api, schemas_anthropic, schemas_openai
 from gateway.http.common import api_for_path, context, error_response, read_json
+from gateway.http.middleware import RequestMetricsMiddleware
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import ChatService
 from gateway.routing import Router
@@ -53,9 +55,21 @@ class AppState:
     started_at: float
 
 
+def internal_token(path: str) -> str:
+    """The internal token the engines require ('' without a file); ``ConfigError`` if unreadable."""
+    from deepwell.auth import TokenError, read_token_file
+    from deepwell.configs import ConfigError
+
+    try:
+        return read_token_file(path) if path else ""
+    except TokenError as exc:
+        raise ConfigError(f"invalid internal_token_file={path!r}: {exc}") from None
+
+
 def build_state(config: GatewayConfig) -> AppState:
     keys = ApiKeys.load(config.api_keys, config.api_keys_file)
-    engines = [EngineClient(a, config.health_interval_s, config.tool_parser) for a in config.engines]
+    token = internal_token(config.internal_token_file)
+    engines = [EngineClient(a, config.health_interval_s, config.tool_parser, token) for a in config.engines]
     router = Router(engines, config.retry_after_s)
     metrics = GatewayMetrics()
     request_log = RequestLog(config.request_log)
@@ -78,14 +92,11 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
 
     app = FastAPI(title="deepwell gateway", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gw = st
+    app.add_middleware(RequestMetricsMiddleware, metrics=st.metrics)  # every status, every route
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:
-        api = api_for_path(request.url.path)
-        resp = error_response(exc, api, request.headers.get("x-request-id"))
-        if not getattr(exc, "accounted", False):
-            st.metrics.requests.labels(_endpoint(request.url.path), str(resp.status_code)).inc()
-        return resp
+        return error_response(exc, api_for_path(request.url.path), request.headers.get("x-request-id"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -105,11 +116,13 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
         log.error("unhandled_error", path=request.url.path, error=repr(exc), exc_info=exc)
         return error_response(GatewayError("internal", "internal gateway error"), api_for_path(request.url.path))
 
-    @app.api_route("/", methods=["GET", "HEAD"])
-    @app.api_route("/api/hello", methods=["GET", "HEAD"])
     async def root() -> Response:
         # clients probe the server before their first request (Claude Code: HEAD /api/hello)
         return JSONResponse({"name": "deepwell gateway", "version": __version__, "endpoints": list(ENDPOINTS)})
+
+    for path, op in (("/", "root"), ("/api/hello", "hello")):  # one operation id each; HEAD stays out of the schema
+        app.add_api_route(path, root, methods=["GET"], operation_id=op)
+        app.add_api_route(path, root, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/health")
     async def health() -> Response:
@@ -146,7 +159,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
                 return JSONResponse(model_card(b))
         raise GatewayError("not_found", f"model {model_id!r} is not served here")
 
-    def post(path: str, handler: Handler, endpoint: str) -> None:
+    def post(path: str, handler: Handler, endpoint: str, body: type[BaseModel], doc: str) -> None:
         async def route(request: Request) -> Response:
             ctx = context(request, st.keys)
             grpcx.set_request_id(ctx.request_id)  # logged, and forwarded to engines as x-request-id
@@ -154,19 +167,21 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
             return await handler(st, request, ctx, data)
 
         route.__name__ = endpoint.replace(".", "_")
-        app.add_api_route(path, route, methods=["POST"], name=endpoint)
+        app.add_api_route(path, route, methods=["POST"], name=endpoint, summary=doc,
+                          openapi_extra=openapi.request_body(body, doc))
 
-    post("/v1/chat/completions", openai_api.chat_completions, "chat.completions")
-    post("/v1/completions", openai_api.completions, "completions")
-    post("/v1/messages", anthropic_api.messages, "messages")
-    post("/v1/messages/count_tokens", anthropic_api.count_tokens, "messages.count_tokens")
-    post("/v1/responses", responses_api.responses, "responses")
+    post("/v1/chat/completions", openai_api.chat_completions, "chat.completions", schemas_openai.ChatCompletionRequest,
+         "OpenAI chat completion")
+    post("/v1/completions", openai_api.completions, "completions", schemas_openai.CompletionRequest,
+         "OpenAI text completion (raw prompt)")
+    post("/v1/messages", anthropic_api.messages, "messages", schemas_anthropic.MessagesRequest, "Anthropic message")
+    post("/v1/messages/count_tokens", anthropic_api.count_tokens, "messages.count_tokens",
+         schemas_anthropic.CountTokensRequest, "Anthropic token count of a prompt")
+    post("/v1/responses", responses_api.responses, "responses", responses_api.ResponsesRequest, "OpenAI response")
+    openapi.install(app)
     return app
 
 
 ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions", "/v1/messages": "messages",
              "/v1/messages/count_tokens": "messages.count_tokens", "/v1/responses": "responses"}
 
-
-def _endpoint(path: str) -> str:
-    return ENDPOINTS.get(path, "other")

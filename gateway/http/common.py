@@ -2,7 +2,9 @@
 
 Invariants: a client error is always a 4xx with a reason in the API's own error shape
 (OpenAI ``{"error": {...}}`` or the Anthropic envelope); a body over ``max_body_bytes`` is
-413 before it is fully read; malformed JSON and schema violations are 400 (never 422/5xx).
+413 before it is fully read; malformed JSON and schema violations are 400 (never 422/5xx),
+and so is a lone UTF-16 surrogate anywhere in the body (``gateway.surrogates``: the
+message names the field).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.auth import ApiKeys, AuthError
 from gateway.errors import ContextLengthError, GatewayError
+from gateway.surrogates import find_lone_surrogate, may_contain_surrogate
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
@@ -101,12 +104,22 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     body = b"".join(chunks)
     if not body.strip():
         raise GatewayError("invalid_request", "the request body is empty; expected a JSON object")
+    encoding = json.detect_encoding(body)  # UTF-8 (RFC 8259), or UTF-16/32 as Python's json reads them
     try:
-        data = json.loads(body)
+        text = body.decode(encoding)  # strict: json.loads(bytes) would let encoded surrogates through
+    except UnicodeDecodeError as exc:
+        raise GatewayError("invalid_request", f"the request body is not valid {encoding.upper()} (byte {exc.start}: "
+                                              f"{exc.reason}); send UTF-8 encoded JSON") from None
+    try:
+        data = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise GatewayError("invalid_request", f"the request body is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise GatewayError("invalid_request", "the request body must be a JSON object")
+    if may_contain_surrogate(text):
+        found = find_lone_surrogate(data)
+        if found is not None:  # valid JSON, but no tokenizer, hash or protobuf can take it
+            raise GatewayError("invalid_request", found.message(), param=found.path or None)
     return data
 
 

@@ -52,7 +52,7 @@ from gateway.http.common import (
     sse,
     validate,
 )
-from gateway.http.schemas_openai import U32, Lenient
+from gateway.http.schemas_openai import Lenient
 from gateway.pipeline import Finished, Generation, KeepAlive, Started
 
 log = logs.get_logger("gateway.http.responses")
@@ -65,7 +65,7 @@ class ResponsesRequest(Lenient):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    max_output_tokens: int | None = Field(default=None, ge=1, le=U32)
+    max_output_tokens: int | None = Field(default=None, ge=1)  # capped by --max-output-tokens
     temperature: float | None = Field(default=None, ge=0, le=100)
     top_p: float | None = Field(default=None, gt=0, le=1)
     stream: bool = False

@@ -6,7 +6,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-U32 = 2**32 - 1
 
 
 class Lenient(BaseModel):
@@ -56,7 +55,7 @@ class CountTokensRequest(Lenient):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1, le=U32)
+    max_tokens: int = Field(ge=1)  # capped by --max-output-tokens
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = Field(default=None, ge=0, le=100)

@@ -11,7 +11,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-U32 = 2**32 - 1
 U64 = 2**64 - 1
 
 
@@ -90,8 +89,8 @@ class SamplingFields(Lenient):
 class ChatCompletionRequest(SamplingFields):
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=U32)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=U32)
+    max_tokens: int | None = Field(default=None, ge=1)  # capped by --max-output-tokens
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # capped by --max-output-tokens
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -104,7 +103,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     model: str = ""
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1, le=U32)
+    max_tokens: int | None = Field(default=16, ge=1)  # capped by --max-output-tokens
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=128)

@@ -9,6 +9,8 @@ Rules (the XML form carries every value as text):
 - An empty (whitespace-only) value of a parameter that does not admit a string is
   omitted; a value that fits none of the types is passed through as the string.
 - Unknown parameters (and parameters of undeclared tools) are strings.
+- JSON form (Hermes): the same typing applies to string values only (``coerce_json_value``);
+  an empty string stays (nothing is omitted from arguments the model wrote as JSON).
 """
 
 from __future__ import annotations
@@ -151,17 +153,17 @@ def _parse_as(t: str, s: str) -> Any:
     return _NO
 
 
+def coerce_json_value(value: Any, schema: Any) -> Any:
+    """A JSON-form argument typed by its parameter's schema: a string value of a parameter
+    that does not admit a string is parsed like an XML value (``"5"`` -> 5, ``"true"`` ->
+    True, ``'{"a": 1}'`` -> an object); conservatively: a string that fits none of the
+    types, or an empty one, stays as written, and non-string values are never touched."""
+    if isinstance(value, str) and schema is not None and not admits_string(schema):
+        typed = coerce_text(value, schema)
+        return value if typed is OMIT else typed
+    return value
+
+
 def coerce_json_arguments(arguments: dict[str, Any], parameters: dict[str, Any] | None) -> dict[str, Any]:
-    """For the JSON form: string values of parameters that do not admit a string are
-    parsed by their schema (``"5"`` -> 5); everything else is kept as the model wrote it."""
-    out: dict[str, Any] = {}
-    for key, value in arguments.items():
-        schema = param_schema(parameters, key)
-        if isinstance(value, str) and schema is not None and not admits_string(schema):
-            coerced = coerce_text(value, schema)
-            if coerced is OMIT:
-                continue
-            out[key] = coerced
-        else:
-            out[key] = value
-    return out
+    """For the JSON form (streamed or not): every value through :func:`coerce_json_value`."""
+    return {key: coerce_json_value(value, param_schema(parameters, key)) for key, value in arguments.items()}

@@ -46,6 +46,9 @@ def match_tag(buf: str, regex: re.Pattern[str], opener: str, final: bool) -> re.
     return None
 
 
+NEWLINES = ("\r\n", "\n", "\r")  # value framing: one "\n" or "\r\n" (a lone "\r" may still become one)
+
+
 def json_escape(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
@@ -64,6 +67,11 @@ class JsonScan:
     args_start: int = -1  # the streamed "arguments" object: [args_start, args_end)
     args_end: int = -1
     args_emitted: int = -1
+    # inside the arguments object (depth 2): its keys, and a string value held back for typing
+    amode: str = "key"  # key | colon | value
+    akey: str | None = None
+    astr_start: int = -1
+    hold_start: int = -1  # a string value of a non-string parameter: [hold_start, closing quote]
 
 
 @dataclass
@@ -77,6 +85,7 @@ class CallState:
     id: str = ""
     name: str = ""
     declared: bool = True
+    recovered: bool = False  # tolerant recovery shaped this call (then required arguments are checked)
     args: dict[str, Any] = field(default_factory=dict)
     keys_emitted: int = 0
     args_done: bool = False  # JSON form: the whole arguments object was emitted
@@ -86,7 +95,7 @@ class CallState:
     pstream: bool = True
     pparts: list[str] = field(default_factory=list)
     lead_done: bool = False
-    nl_pending: bool = False
+    held_newline: str = ""  # a trailing "\n", "\r\n" or "\r" of the value so far (maybe its framing)
     line_start: bool = True
     depth: int = 0
     # JSON body scan (resumable)

@@ -27,7 +27,10 @@ outcome could still change it waits, so any chunking gives the same result):
 - Recovery: a call that cannot be completed is returned as text (``ToolParseFailure``
   + ``ContentDelta``), cut at its first ``</tool_call>`` so later calls still parse.
   A call cut by ``finish_reason == "length"`` is always text. Tolerant mode accepts a
-  missing ``</function>``/``</tool_call>``, stray closers and junk between parameters.
+  missing ``</function>``/``</tool_call>``, stray closers and junk between parameters;
+  a call shaped by such a recovery (or with no wrapper, or a body form only tolerant mode
+  reads) that lacks an argument its schema requires is returned as text
+  (``missing_required_argument``) instead of a call.
 
 Layout: this module drives the scan (content, call lifecycle, failures); the XML body is
 ``xml_body.py``, the JSON body ``json_body.py``, shared tags/states ``grammar.py``.
@@ -69,6 +72,8 @@ from gateway.toolparse.xml_body import XmlBodyMixin
 log = get_logger(__name__)
 
 _WINDOW = 256  # chars of pending text a step sees at first
+# recoveries that do not make the call itself a guess
+_NOT_A_CALL_RECOVERY = frozenset({"recovered:stray_closer", "recovered:omitted_empty_value"})
 
 
 class TaggedToolParser(XmlBodyMixin, JsonBodyMixin, ToolStreamParser):
@@ -236,8 +241,16 @@ class TaggedToolParser(XmlBodyMixin, JsonBodyMixin, ToolStreamParser):
         self._state = CONTENT
         self._fail(reason, c.pre_ws + raw, out)
 
+    def _count(self, outcome: str) -> None:
+        super()._count(outcome)
+        if self._call is not None and outcome.startswith("recovered:") and outcome not in _NOT_A_CALL_RECOVERY:
+            self._call.recovered = True
+
     def _start_call(self, wrapped: bool, n: int, body_state: int) -> None:
-        self._call = CallState(wrapped=wrapped, pre_ws=self._ws_hold)
+        body = "json" if body_state == JSON_BODY else "xml"
+        # recovered: no <tool_call> wrapper, or a body form only tolerant mode reads
+        self._call = CallState(wrapped=wrapped, pre_ws=self._ws_hold,
+                               recovered=not wrapped or body not in self.formats_strict)
         self._ws_hold = ""
         if n:
             self._consume(n)
@@ -261,9 +274,20 @@ class TaggedToolParser(XmlBodyMixin, JsonBodyMixin, ToolStreamParser):
         c.keys_emitted += 1
         return lead + json.dumps(name, ensure_ascii=False) + ": "
 
+    def _missing_required(self, c: CallState) -> list[str]:
+        tool = self.tools.get(c.name)
+        required = tool.parameters.get("required") if tool is not None else None
+        if not isinstance(required, list):
+            return []
+        return [r for r in required if isinstance(r, str) and r not in c.args]
+
     def _end_call(self, out: list[Event]) -> None:
         c = self._call
         assert c is not None
+        if c.recovered and self._missing_required(c):
+            # a guess (tolerant recovery) that is not a valid call of the tool: its text, as written
+            self._fail_call("missing_required_argument", out)
+            return
         if not c.args_done:
             out.append(ToolCallArgsDelta(c.index, "}" if c.keys_emitted else "{}"))
         out.append(ToolCallEnd(c.index, ToolCallSpec(c.id, c.name, dict(c.args)), c.declared))

@@ -19,6 +19,7 @@ from gateway.toolparse.grammar import (
     FUNC_INV_CLOSE,
     FUNC_OPEN,
     FUNC_RE,
+    NEWLINES,
     PARAM_CLOSE,
     PARAM_OPEN,
     PARAM_RE,
@@ -97,7 +98,8 @@ class XmlBodyMixin:
         c.pschema = param_schema(tool.parameters, name) if tool else None
         c.pstream = is_streamable(c.pschema)
         c.pparts = []
-        c.lead_done = c.nl_pending = False
+        c.lead_done = False
+        c.held_newline = ""
         c.line_start = True
         c.depth = 0
         if c.pstream:
@@ -110,12 +112,11 @@ class XmlBodyMixin:
         if not text:
             return
         c.line_start = text.endswith("\n")
-        if c.nl_pending:
-            text = "\n" + text
-            c.nl_pending = False
-        if text.endswith("\n"):
-            text = text[:-1]
-            c.nl_pending = True
+        text, c.held_newline = c.held_newline + text, ""
+        for nl in NEWLINES:  # held back: the value's closing framing, if a closer follows
+            if text.endswith(nl):
+                text, c.held_newline = text[: -len(nl)], nl
+                break
         if text:
             c.pparts.append(text)
             if c.pstream:
@@ -124,6 +125,11 @@ class XmlBodyMixin:
     def _close_param(self, out: list[Event]) -> None:
         c = self._call
         assert c is not None
+        if c.held_newline == "\r":  # a lone CR before the closer is value text, not framing
+            c.pparts.append("\r")
+            if c.pstream:
+                out.append(ToolCallArgsDelta(c.index, json_escape("\r")))
+        c.held_newline = ""
         value = "".join(c.pparts)
         if c.pstream:
             out.append(ToolCallArgsDelta(c.index, '"'))
@@ -174,9 +180,11 @@ class XmlBodyMixin:
         c = self._call
         assert c is not None
         buf = self._view
-        if not c.lead_done:
-            if buf[0] == "\n":
-                self._consume(1)
+        if not c.lead_done:  # one leading "\n" or "\r\n" is framing
+            if buf == "\r" and not final:
+                return False
+            if buf.startswith("\r\n") or buf[0] == "\n":
+                self._consume(2 if buf[0] == "\r" else 1)
             c.lead_done = True
             return True
         j = buf.find("<")

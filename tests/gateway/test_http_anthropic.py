@@ -198,7 +198,8 @@ def test_system_role_message_mid_conversation(env):
                    headers={"anthropic-beta": "claude-code-20250219,context-management-2025-06-27"})
     assert r.status_code == 200, r.text
     prompt = engine.tokenizer.decode(list(engine.requests[-1].prompt_token_ids), skip_special_tokens=False)
-    assert "first question<|im_end|>\n<|im_start|>system\n# Environment\ncwd /x<|im_end|>\n<|im_start|>user\nsay hello" in prompt
+    # text blocks are concatenated as they are (no separator added)
+    assert "first question<|im_end|>\n<|im_start|>system\n# Environmentcwd /x<|im_end|>\n<|im_start|>user\nsay hello" in prompt
     empty = [{"role": "user", "content": "say hello"}, {"role": "system", "content": [], "output_config": {"effort": "low"}}]
     r = httpx.post(gw.url + "/v1/messages", json={"model": "m", "max_tokens": 8, "messages": empty})
     assert r.status_code == 200 and "system" not in engine.tokenizer.decode(
