@@ -1,0 +1,1152 @@
+"""GPU forward at the memory roofline: the real engine on a random-weight Qwen3.5-27B-shaped model.
+
+    python3 benchmarks/gpu_e2e.py --json $OUT/e2e.json                       # everything but 414k / HF / profile
+    python3 benchmarks/gpu_e2e.py --skip-prefill --kv-dtypes nvfp4 --contexts 131072 409600 --json X
+    python3 benchmarks/gpu_e2e.py --skip-decode --skip-prefill --prefill-414k --kv-dtypes nvfp4 --json X
+    python3 benchmarks/gpu_e2e.py --skip-decode --skip-prefill --hf --json X  # HF transformers on a slice
+    python3 benchmarks/gpu_e2e.py --skip-prefill --profile --batches 1 --contexts 4096 --json X
+    python3 benchmarks/gpu_e2e.py --tiny --device cpu --contexts 256 --batches 1 2 --kv-dtypes bf16 --json X
+
+Not a test: one line per figure as it is measured (stdout, flushed), every figure also in
+``--json PATH`` (rewritten after each figure, so a run stopped at its time limit keeps what it
+measured). Run subsets with the flags so each command fits a 10-minute device call.
+
+What runs. ``config.json`` of the Qwen3.5-27B text model (``benchmarks/agent_replay.py``
+``QWEN35_27B``, written with its small tokenizer by ``write_qwen35_27b``; ``--tiny``: the same
+hybrid structure at hidden 128 / 4 layers, for testing the plumbing on a CPU) is built by
+``engine_service.runner.build_runner(..., random=True)`` (the engine's ``--random-weights``: the
+weights are generated on the device, nothing large travels), and every figure runs through the
+real ``EngineCore`` in this process (scheduler + runner + sampler, no gRPC, as
+``benchmarks/engine_bench.py``), built by ``engine_service.cli.build_core`` from an
+``EngineConfig`` (pool sized from ``--memory-fraction`` of the memory free after the weights,
+the quantized KV's start-up calibration and kernel check included). The prefix cache is off
+(random prompts never hit; its state images would only take memory). One model is built per
+weight dtype; each KV dtype gets a fresh runner over the same weights and a fresh pool.
+Contexts beyond the model's 262,144 positions are served with YaRN factor 4 (Qwen3.5's
+documented extension, ``--rope-scaling``), as ``deepwell engine --rope-scaling yarn:4`` does.
+
+Denominators (measured first, in the same run): HBM bandwidth = bytes read + written by a
+``--bw-gib`` device-to-device copy / its time; bf16 GEMM peak = 2 x 8192^3 / the time of one
+8192^3 matmul on random data (each: 10 calls after 3 warm-ups, the best of 3 rounds).
+
+Decode (``--batches`` x ``--contexts`` per weight dtype x ``--kv-dtypes``): ``B`` requests of
+``ctx`` prompt tokens, greedy, ``ignore_eos``; after every request has its first token and
+``--warmup-steps`` steps, ``--decode-steps`` engine steps are timed; figure = tokens generated /
+time (aggregate over the batch). Roofline: per step the GPU must stream the weights once
+(every parameter but the embedding table, which is only gathered), read every sequence's KV
+(its context x KV bytes per token, scales included) and read and write back its recurrent state
+(the Gated DeltaNet and conv state, in place); roofline tok/s = B x bandwidth / those bytes.
+Contexts above ``--fill-above`` (default 8192) are not prefilled (a 400k prefill alone takes
+minutes): the requests are submitted and admitted by the scheduler as usual (it allocates their
+pages), then their first ``ctx - 1`` positions are written directly: random K/V appended through
+each attention layer's own pool write (so quantized pages are validly encoded, scales and all),
+random recurrent/conv state imported into the request's slot at position ``ctx - 1`` through the
+runner's ``import_kv`` (the host-tier restore path), and the request's ``num_computed`` set to
+``ctx - 1``; the first engine step then computes the last prompt token as a decode. The line
+says ``[fill: direct]``. Combinations whose KV does not fit the pool are skipped with the numbers.
+
+Prefill (``--prefill-tokens``, default 8k and 64k, one request, chunks of ``--token-budget``):
+tok/s = prompt tokens / time to the first token; FLOPs = 2 x P_layers x T + 2 x P_head +
+4 x L_attn x H x D x T^2 / 2 (P_layers: the decoder layers' parameters; P_head: the LM head, one
+logits row; L_attn, H, D: full-attention layers, query heads, head dim; causal attention
+QK^T + PV; the GDN recurrence's FLOPs are not counted); MFU = FLOP/s / the measured GEMM peak.
+``--prefill-414k``: the cold (nothing cached) time to first token of one ``--cold-tokens``-token
+prompt. The maximum resident context per KV dtype: the pages ``--memory-fraction`` of the
+memory free after the weights holds (less one state slot) x the page size.
+
+``--hf``: a ``--layers``-layer slice of the same shape (default 16, 3 GDN : 1 attention kept)
+with random weights, first through deepwell (bf16 KV), then through HF transformers'
+``Qwen3_5ForCausalLM`` (its GDN kernels from fla-core when it imports, sdpa attention, its own
+cache); batch-1 decode at ``--hf-context`` (prefilled) and prefill at ``--hf-prefill``; ratios
+deepwell / HF. ``--profile``: one decode step (batch ``--profile-batch``, the first context)
+under torch.profiler: kernel launches, GPU busy = union of kernel time / the step's wall time
+(unprofiled wall: the mean timed step; profiled wall also given), the top 10 kernels.
+
+Each target of the issue is printed under its figure with PASS/MISS (on ``--tiny`` they are
+printed but mean nothing). ``main(argv)`` returns the JSON dict (the CPU test calls it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.agent_replay import QWEN35_27B, write_qwen35_27b  # noqa: E402
+from engine_service import rope_scaling  # noqa: E402
+from engine_service.block_manager import pages_for  # noqa: E402
+from engine_service.cli import build_core  # noqa: E402
+from engine_service.config import EngineConfig  # noqa: E402
+from engine_service.engine import EngineCore, FinishedEvent, TokensEvent  # noqa: E402
+from engine_service.kv.pool import Region  # noqa: E402
+from engine_service.kv.quant_pool import KVSettingsError  # noqa: E402
+from engine_service.kv.settings import KVSettings  # noqa: E402
+from engine_service.layers.context import SeqInfo, StepContext  # noqa: E402
+from engine_service.loading import open_model  # noqa: E402
+from engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
+from engine_service.sampling import SamplingParams  # noqa: E402
+from engine_service.scheduler import Finish, Status  # noqa: E402
+
+GiB = 1 << 30
+PAGE_SIZE = 64
+FILL_CHUNK = 16384  # K/V rows appended per call when filling pages directly
+YARN_FACTOR = 4.0  # Qwen3.5: 262,144 native positions, ~1M with YaRN factor 4
+QUEUE = 256
+
+TINY = {  # the Qwen3.5 hybrid structure (3 GDN : 1 full attention, gated attention, partial RoPE) at toy size
+    **QWEN35_27B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32, "linear_value_head_dim": 32, "vocab_size": 2048, "max_position_embeddings": 65536,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(4)],
+}
+
+# the issue's targets
+T_DECODE_B1_4K = 0.80  # batch 1 at 4k: fraction of the weights-read roofline
+T_DECODE_128K = 0.70  # 128k, nvfp4 KV, FP8 weights: fraction of the weights + KV roofline
+T_BATCH_SCALING = 15.0  # batch 32 aggregate / batch 1
+T_PREFILL_MFU = 0.50  # at 8k
+T_COLD_S = 110.0  # 414k-token cold prefill
+T_HF_DECODE = 5.0
+T_HF_PREFILL = 1.2
+T_GPU_BUSY = 0.90
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+# ----------------------------------------------------------------------------- report
+def _clean(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+class Report:
+    """Printed lines and the JSON of every figure (rewritten after each one)."""
+
+    def __init__(self, path: str | None, tiny: bool) -> None:
+        self.path = Path(path) if path else None
+        self.tiny = tiny
+        self.data: dict[str, Any] = {"config": {}, "denominators": {}, "model": {}, "resident": [], "decode": [],
+                                     "prefill": [], "cold_prefill": [], "hf": {}, "profile": [], "targets": [],
+                                     "notes": [], "errors": []}
+
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+
+    def note(self, text: str) -> None:
+        self.data["notes"].append(text)
+        self.line(f"note: {text}")
+
+    def add(self, section: str, item: dict[str, Any]) -> None:
+        self.data[section].append(item)
+        self.save()
+
+    def error(self, what: str, exc: BaseException) -> None:
+        tb = traceback.format_exc()
+        self.data["errors"].append({"what": what, "error": f"{type(exc).__name__}: {exc}", "traceback": tb})
+        self.line(f"ERROR {what}: {type(exc).__name__}: {exc}")
+        print(tb, file=sys.stderr, flush=True)
+        self.save()
+
+    def target(self, name: str, value: float | None, threshold: float, unit: str = "",
+               higher: bool = True, note: str = "") -> None:
+        ok = value is not None and math.isfinite(value) and (value >= threshold if higher else value <= threshold)
+        if self.tiny:
+            note = (note + "; " if note else "") + "tiny shape: not meaningful"
+        cmp = ">=" if higher else "<="
+        shown = "n/a" if value is None else (f"{value:.1%}" if unit == "%" else f"{value:.3g}{unit}")
+        want = f"{threshold:.0%}" if unit == "%" else f"{threshold:g}{unit}"
+        self.line(f"    target {name}: {shown} (want {cmp} {want}) {'PASS' if ok else 'MISS'}"
+                  + (f" ({note})" if note else ""))
+        self.add("targets", {"name": name, "value": value, "threshold": threshold, "higher_is_better": higher,
+                             "pass": ok, "note": note})
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(_clean(self.data), indent=1))
+        os.replace(tmp, self.path)
+
+
+# ----------------------------------------------------------------------------- helpers
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def free_memory(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+
+
+def free_bytes(dev: torch.device) -> int:
+    return int(torch.cuda.mem_get_info(dev)[0]) if dev.type == "cuda" else 0
+
+
+def fmt_tokens(n: float) -> str:
+    return f"{n / 1024:.0f}k" if n >= 1024 and n % 1024 == 0 else f"{n:.0f}"
+
+
+def tb_s(b: float) -> str:
+    return f"{b / 1e12:.2f} TB/s" if b >= 1e11 else f"{b / 1e9:.2f} GB/s"
+
+
+def gb(b: float) -> str:
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.3g} MB"
+
+
+def flops_s(f: float) -> str:
+    return f"{f / 1e12:.1f} TFLOP/s" if f >= 1e11 else f"{f / 1e9:.3g} GFLOP/s"
+
+
+def short_dtype(dt: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dt, str(dt))
+
+
+# ----------------------------------------------------------------------------- denominators
+def _best_round(dev: torch.device, op: Any, iters: int, rounds: int) -> float:
+    """The shortest of ``rounds`` timings of ``iters`` calls of ``op`` (after 3 warm-up calls)."""
+    for _ in range(3):
+        op()
+    best = math.inf
+    for _ in range(rounds):
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            op()
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_bandwidth(dev: torch.device, nbytes: int, iters: int = 10, rounds: int = 3) -> dict[str, Any]:
+    """Bytes read + written per second by a device-to-device copy of ``nbytes`` (best round)."""
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1) for _ in range(2)]
+    dt = _best_round(dev, lambda: bufs[1].copy_(bufs[0]), iters, rounds)
+    bufs.clear()
+    free_memory(dev)
+    return {"bytes_per_s": 2 * nbytes * iters / dt, "copy_bytes": nbytes, "iters": iters, "rounds": rounds,
+            "seconds": dt}
+
+
+def measure_gemm(dev: torch.device, n: int, dtype: torch.dtype, iters: int = 10, rounds: int = 3) -> dict[str, Any]:
+    """FLOP/s of an ``n``^3 matmul in ``dtype`` on random data (best round)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    m = [torch.randn(n, n, device=dev, dtype=dtype, generator=g) for _ in range(2)]
+    m.append(torch.empty(n, n, device=dev, dtype=dtype))
+    dt = _best_round(dev, lambda: torch.matmul(m[0], m[1], out=m[2]), iters, rounds)
+    m.clear()
+    free_memory(dev)
+    return {"flops_per_s": 2 * n ** 3 * iters / dt, "n": n, "dtype": short_dtype(dtype), "iters": iters,
+            "rounds": rounds}
+
+
+# ----------------------------------------------------------------------------- model
+def slice_config(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    if not layers or layers >= cfg["num_hidden_layers"]:
+        return dict(cfg)
+    return {**cfg, "num_hidden_layers": layers, "layer_types": list(cfg["layer_types"][:layers])}
+
+
+def write_model(directory: Path, cfg: dict[str, Any]) -> Path:
+    """``write_qwen35_27b``'s files (config + small tokenizer + template) with ``cfg`` as the config."""
+    write_qwen35_27b(directory)
+    written = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**cfg, "eos_token_id": written["eos_token_id"],
+                                                       "pad_token_id": written["pad_token_id"]}))
+    return directory
+
+
+def fp8_weight_option() -> str | None:
+    """The engine option for FP8 weights, if the engine has one (an EngineConfig field that
+    ``build_runner`` also takes)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    params = inspect.signature(build_runner).parameters
+    for name in ("weight_dtype", "weights_dtype", "weight_format"):
+        if name in fields and name in params:
+            return name
+    return None
+
+
+def model_stats(model: Any) -> dict[str, Any]:
+    """Bytes streamed per decode step and the parameter counts the FLOP formula uses."""
+    m, a = model, model.args
+
+    def size(mod: Any) -> tuple[int, int]:
+        ps = list(mod.parameters()) + [b for b in mod.buffers()]
+        return sum(p.numel() for p in mod.parameters()), sum(p.numel() * p.element_size() for p in ps)
+
+    layer_params, layer_bytes = size(m.model.layers)
+    norm_params, norm_bytes = size(m.model.norm)
+    head_params, head_bytes = size(m.lm_head) if not a.tie_embeddings else size(m.model.embed_tokens)
+    embed_params, embed_bytes = size(m.model.embed_tokens)
+    return {
+        "weight_bytes_streamed": layer_bytes + norm_bytes + head_bytes,  # the embedding table is only gathered
+        "layer_params": layer_params + norm_params, "head_params": head_params, "embed_params": embed_params,
+        "total_params": layer_params + norm_params + embed_params + (0 if a.tie_embeddings else head_params),
+        "attention_layers": len(a.attention_layers), "recurrent_layers": len(a.recurrent_layers),
+        "heads": a.attention.num_heads, "kv_heads": a.attention.num_kv_heads, "head_dim": a.attention.head_dim,
+        "hidden": a.hidden, "vocab": a.vocab_size, "layers": a.num_layers,
+    }
+
+
+def prefill_flops(stats: dict[str, Any], tokens: int) -> float:
+    attn = 4 * stats["attention_layers"] * stats["heads"] * stats["head_dim"] * tokens * tokens / 2
+    return 2 * stats["layer_params"] * tokens + 2 * stats["head_params"] + attn
+
+
+FLOPS_FORMULA = ("FLOPs = 2 x P_layers x T + 2 x P_head + 4 x L_attn x H x D x T^2/2 "
+                 "(P_layers {P:.3g} decoder-layer params, P_head {Ph:.3g} LM head, one logits row; "
+                 "L_attn {L}, H {H}, D {D}; causal QK^T + PV; GDN recurrence FLOPs not counted); "
+                 "MFU = FLOP/s / measured GEMM peak")
+
+
+# ----------------------------------------------------------------------------- engine
+@dataclasses.dataclass(eq=False)
+class Job:
+    kind: str  # decode | profile | prefill | cold
+    seqs: int  # sequences (and state slots) at once
+    length: int  # positions each sequence reaches
+    size: int  # the figure's context (decode) or prompt tokens (prefill)
+
+
+def decode_tokens(args: argparse.Namespace, batch: int, ctx: int, profile: bool) -> int:
+    """``max_tokens`` of a decode figure's requests: warm-up + timed steps, the steps the later
+    requests of a prefilled batch lag behind the first, and the profiled step."""
+    stagger = 0 if ctx > args.fill_above else -(-batch * ctx // args.token_budget) + batch + 2
+    return args.warmup_steps + args.decode_steps + stagger + (2 if profile else 0)
+
+
+class Engine:
+    """One weight dtype's model; a fresh runner + pool (``EngineCore``) per KV dtype."""
+
+    def __init__(self, args: argparse.Namespace, source: Any, dev: torch.device, dtype: torch.dtype,
+                 weight_kw: dict[str, Any]) -> None:
+        self.args, self.source, self.dev, self.dtype = args, source, dev, dtype
+        base = build_runner(source, device=dev, dtype=dtype, kv_dtype="auto", page_size=PAGE_SIZE, random=True,
+                            **weight_kw)
+        self.model, self.ops = base.model, base.ops
+        del base
+        self.stats = model_stats(self.model)
+        self.core: EngineCore | None = None
+
+    def runner(self, kv: str) -> TorchModelRunner:
+        return TorchModelRunner(self.model, self.dev, self.dtype, KVSettings(kv), PAGE_SIZE, self.ops)
+
+    def pool_budget(self, runner: TorchModelRunner, slots: int) -> tuple[int, str]:
+        """Bytes the pool gets (``engine_service.cli.size_pools``' rule) and how they were found."""
+        spec = runner.memory_spec()
+        a = self.args
+        if self.dev.type == "cuda":
+            free = free_bytes(self.dev)
+            budget = int(free * a.memory_fraction) - slots * spec.bytes_per_state_slot
+            return budget, (f"{a.memory_fraction} x {free / GiB:.1f} GiB free after the weights, less {slots} "
+                            f"state slots of {spec.bytes_per_state_slot / 2**20:.0f} MiB")
+        return int(a.cpu_kv_gib * GiB), f"--cpu-kv-gib {a.cpu_kv_gib}"
+
+    def open(self, kv: str, max_context: int, max_conc: int) -> EngineCore:
+        self.close()
+        a = self.args
+        cfg = EngineConfig(kv_dtype=kv, page_size=PAGE_SIZE, memory_fraction=a.memory_fraction,
+                           cpu_kv_gib=a.cpu_kv_gib, max_concurrency=max_conc, token_budget=a.token_budget,
+                           queue_size=QUEUE, max_context=max_context, prefix_cache="off")
+        self.core = build_core(cfg, self.source, self.runner(kv))
+        return self.core
+
+    def close(self) -> None:
+        if self.core is not None:
+            self.core = None
+        free_memory(self.dev)
+
+    def drop(self) -> None:
+        self.close()
+        self.model = None
+        free_memory(self.dev)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.finished: FinishedEvent | None = None
+
+    def __call__(self, ev: Any) -> None:
+        if isinstance(ev, TokensEvent):
+            self.tokens += len(ev.token_ids)
+        elif isinstance(ev, FinishedEvent):
+            self.finished = ev
+
+
+def _check(sinks: list[Sink]) -> None:
+    for s in sinks:
+        if s.finished is not None and s.finished.reason is Finish.ERROR:
+            raise RuntimeError(f"request failed in the engine: {s.finished.error}")
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab, (n,), generator=g).tolist()
+
+
+def fill_direct(core: EngineCore, reqs: list[Any], n: int, seed: int) -> None:
+    """Admit the waiting ``reqs`` (the scheduler allocates their pages and state slots; the
+    plans of these scheduling passes are not run) and make each hold ``n - 1`` computed
+    positions: random K/V appended through every attention layer's pool write, random state
+    imported into its slot at position ``n - 1``, ``num_computed = n - 1``."""
+    if core.cache is not None:
+        raise RuntimeError("direct fill needs the prefix cache off")
+    sched, runner = core.scheduler, core.runner
+    with core.lock:
+        for _ in range(len(reqs) + 2):
+            if all(r.status is Status.RUNNING for r in reqs):
+                break
+            sched.schedule()  # admits waiting requests as budget and slots allow; the plan is dropped
+            for r in reqs:
+                if r.status is Status.RUNNING and r.num_computed == 0:
+                    r.num_computed = n - 1  # the next schedule() gives it a 1-token slice, not a prefill
+        if not all(r.status is Status.RUNNING for r in reqs):
+            raise RuntimeError("the scheduler did not admit every request (pool or slots too small)")
+        tables = [list(core.blocks.block_table(r.request_id)) for r in reqs]
+        slots = [core.blocks.state_slot(r.request_id) for r in reqs]
+    dev, ps, m = runner.device, runner.page_size, n - 1
+    g = torch.Generator(device=dev).manual_seed(seed)
+    kv = runner.kv
+    if kv is not None and m > 0:
+        lay = runner.kv_spec.float_layout
+        chunk = min(FILL_CHUNK, m)
+        k = torch.randn(chunk, lay.num_kv_heads, lay.head_dim, device=dev, generator=g).to(runner.dtype)
+        v = torch.randn(chunk, lay.num_kv_heads, lay.head_dim, device=dev, generator=g).to(runner.dtype)
+        for table, slot in zip(tables, slots, strict=True):
+            t = torch.tensor(table, dtype=torch.long)
+            for start in range(0, m, chunk):
+                c = min(chunk, m - start)
+                pos = torch.arange(start, start + c)
+                rows = (t[pos // ps] * ps + pos % ps).to(dev)
+                ctx = StepContext(positions=pos.to(dev), kv_slots=rows, seqs=(SeqInfo(0, c, start, slot, None),))
+                for i in range(lay.num_layers):
+                    kv.layer(i).write(k[:c], v[:c], ctx)
+        del k, v
+    if runner.state is not None:
+        s0 = slots[0]
+        for t in runner.state.slot_tensors():
+            t[s0].normal_(0.0, 0.02, generator=g)
+        buf = torch.empty(runner.entry_nbytes(0, True), dtype=torch.uint8, pin_memory=dev.type == "cuda")
+        runner.export_kv([], s0, Region([buf]))
+        for s in slots:
+            runner.import_kv([], s, m, Region([buf]), 0)  # sets the slot's position to n - 1
+    sync(dev)
+
+
+def run_decode(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace, profile: bool = False,
+               seed: int = 0) -> dict[str, Any]:
+    """Decode tok/s (aggregate) of ``batch`` requests at context ``ctx``; see the module doc."""
+    dev = core.runner.device
+    direct = ctx > args.fill_above
+    max_tokens = decode_tokens(args, batch, ctx, profile)
+    need = batch * pages_for(ctx + max_tokens, PAGE_SIZE)
+    if ctx + max_tokens > core.max_context:
+        return {"skipped": f"context {ctx} + {max_tokens} tokens exceeds the served context {core.max_context}"}
+    if need > core.blocks.num_pages:
+        return {"skipped": f"needs {batch} x {pages_for(ctx + max_tokens, PAGE_SIZE)} = {need} KV pages, the pool "
+                           f"holds {core.blocks.num_pages}"}
+    prompt = random_prompt(ctx, core.runner.vocab_size, seed)
+    sinks = [Sink() for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    reqs = [core.make_request(prompt, params, sink=s) for s in sinks]
+    for r in reqs:
+        core.submit(r)
+    t_fill = time.perf_counter()
+    try:
+        if direct:
+            fill_direct(core, reqs, ctx, seed)
+        while min(s.tokens for s in sinks) == 0:
+            _check(sinks)
+            if core.step() == 0 and not core.has_work():
+                break
+        _check(sinks)
+        fill_s = time.perf_counter() - t_fill
+        for _ in range(args.warmup_steps - 1):
+            core.step()
+        sync(dev)
+        ctx0 = sum(r.num_computed for r in reqs) / batch
+        start = sum(s.tokens for s in sinks)
+        t0 = time.perf_counter()
+        for _ in range(args.decode_steps):
+            core.step()
+        sync(dev)
+        dt = time.perf_counter() - t0
+        _check(sinks)
+        tokens = sum(s.tokens for s in sinks) - start
+        ctx1 = sum(r.num_computed for r in reqs) / batch
+        out: dict[str, Any] = {"tok_s": tokens / dt, "tokens": tokens, "seconds": dt, "steps": args.decode_steps,
+                               "step_s": dt / args.decode_steps, "mean_context": (ctx0 + ctx1) / 2 + 1,
+                               "fill": "direct" if direct else "prefill", "fill_s": fill_s}
+        if tokens != batch * args.decode_steps:
+            out["warning"] = f"{tokens} tokens in {args.decode_steps} steps of {batch} requests"
+        if profile:
+            out["profile"] = profile_step(core, dt / args.decode_steps)
+        return out
+    finally:
+        for r in reqs:
+            core.cancel(r.request_id)
+
+
+def run_prefill(core: EngineCore, tokens: int, args: argparse.Namespace, warm: bool = True,
+                seed: int = 1) -> dict[str, Any]:
+    """Time to the first token of one ``tokens``-token prompt (chunks of the token budget)."""
+    if tokens + 1 > core.max_context:
+        return {"skipped": f"{tokens} tokens + 1 exceeds the served context {core.max_context}"}
+    if pages_for(tokens + 1, PAGE_SIZE) > core.blocks.num_pages:
+        return {"skipped": f"needs {pages_for(tokens + 1, PAGE_SIZE)} KV pages, the pool holds "
+                           f"{core.blocks.num_pages}"}
+    dev, vocab = core.runner.device, core.runner.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    if warm:  # kernels compiled / tuned for the chunk shape first
+        s = Sink()
+        core.submit(core.make_request(random_prompt(min(tokens, args.token_budget), vocab, seed + 7), params, sink=s))
+        while core.has_work():
+            core.step()
+        _check([s])
+    s = Sink()
+    req = core.make_request(random_prompt(tokens, vocab, seed), params, sink=s)
+    sync(dev)
+    t0 = time.perf_counter()
+    core.submit(req)
+    while core.has_work():
+        core.step()
+    sync(dev)
+    dt = time.perf_counter() - t0
+    _check([s])
+    if s.tokens != 1:
+        raise RuntimeError(f"prefill of {tokens} tokens produced {s.tokens} tokens")
+    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt}
+
+
+# ----------------------------------------------------------------------------- profiler
+def _kineto(prof: Any) -> list[tuple[str, str, float, float]]:
+    """(device type, name, start_us, duration_us) of every profiler event."""
+    try:
+        return [(str(e.device_type()).split(".")[-1], e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3)
+                for e in prof.profiler.kineto_results.events()]
+    except AttributeError:  # a torch without these accessors: the FunctionEvents
+        return [(str(e.device_type).split(".")[-1], e.name, float(e.time_range.start),
+                 float(e.time_range.elapsed_us())) for e in prof.events()]
+
+
+def profile_step(core: EngineCore, unprofiled_step_s: float) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = core.runner.device
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(dev)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        core.step()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    events = _kineto(prof)
+    if cuda:
+        kernels = [e for e in events if e[0] == "CUDA" and not e[1].startswith(("Memcpy", "Memset"))]
+        launches = sum(1 for e in events if e[0] == "CPU" and e[1] in LAUNCH_APIS)
+    else:  # no kernels on a CPU: the ops stand in
+        kernels = [e for e in events if e[0] == "CPU" and e[1].startswith("aten::")]
+        launches = None
+    spans = sorted((s, s + d) for _, _, s, d in kernels)
+    busy, end = 0.0, -math.inf
+    for s, e in spans:  # union of the kernels' intervals
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    by_name: dict[str, list[float]] = {}
+    for _, name, _, d in kernels:
+        agg = by_name.setdefault(name, [0.0, 0])
+        agg[0] += d
+        agg[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
+    busy_s = busy / 1e6
+    return {
+        "kernels": len(kernels) if cuda else None, "launch_calls": launches, "kernel_time_s": busy_s if cuda else None,
+        "wall_profiled_s": wall, "wall_unprofiled_s": unprofiled_step_s,
+        "gpu_busy": min(1.0, busy_s / unprofiled_step_s) if cuda and unprofiled_step_s > 0 else None,
+        "gpu_busy_profiled_wall": busy_s / wall if cuda and wall > 0 else None,
+        "top": [{"name": n, "total_us": t, "count": c} for n, (t, c) in top],
+    }
+
+
+# ----------------------------------------------------------------------------- HF comparison
+def hf_model(cfg: dict[str, Any], dev: torch.device, dtype: torch.dtype) -> Any:
+    from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}
+    hcfg = Qwen3_5TextConfig(**fields)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = Qwen3_5ForCausalLM(hcfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(dev, dtype).eval()
+
+
+def _hf_forward(model: Any, ids: torch.Tensor, cache: Any = None) -> Any:
+    import warnings
+
+    kw = {"input_ids": ids, "use_cache": True}
+    if cache is not None:
+        kw["past_key_values"] = cache  # 5.17 and 5.24 both take it (5.24 warns: renamed `cache`)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return model(**kw, logits_to_keep=1)
+        except TypeError:  # a transformers without logits_to_keep
+            return model(**kw)
+
+
+def hf_prefill(model: Any, tokens: int, dev: torch.device, vocab: int) -> dict[str, Any]:
+    ids = torch.tensor([random_prompt(tokens, vocab, 1)], device=dev)
+    with torch.inference_mode():
+        _hf_forward(model, ids[:, : min(tokens, 512)])
+        sync(dev)
+        t0 = time.perf_counter()
+        out = _hf_forward(model, ids)
+        out.logits[:, -1].argmax(-1).tolist()
+        dt = time.perf_counter() - t0
+    del out
+    free_memory(dev)
+    return {"tokens": tokens, "seconds": dt, "tok_s": tokens / dt}
+
+
+def hf_decode(model: Any, ctx: int, steps: int, warm: int, dev: torch.device, vocab: int) -> dict[str, Any]:
+    ids = torch.tensor([random_prompt(ctx, vocab, 0)], device=dev)
+    with torch.inference_mode():
+        out = _hf_forward(model, ids)
+        cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        for i in range(warm + steps):
+            if i == warm:
+                sync(dev)
+                t0 = time.perf_counter()
+            out = _hf_forward(model, nxt, cache)
+            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            nxt.tolist()  # a host sync per token, as the engine's sampler has
+        dt = time.perf_counter() - t0
+    del out, cache
+    free_memory(dev)
+    return {"tok_s": steps / dt, "steps": steps, "seconds": dt, "context": ctx}
+
+
+# ----------------------------------------------------------------------------- the benchmark
+class Bench:
+    def __init__(self, args: argparse.Namespace, rep: Report) -> None:
+        self.args, self.rep = args, rep
+        self.dev = torch.device(args.device)
+        self.dtype = {"auto": torch.bfloat16 if self.dev.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
+                      "float32": torch.float32, "float16": torch.float16}[args.dtype]
+        self.bw = self.peak = 0.0
+        self.tmp = Path(tempfile.mkdtemp(prefix="gpu_e2e-"))
+        self.decode_figs: dict[tuple[str, str, int, int], float] = {}
+        # where the issue's targets are read: its shapes, or on --tiny their stand-ins
+        t = args.tiny
+        self.at_4k = args.contexts[0] if t else 4096
+        self.at_128k = args.contexts[-1] if t else 131072
+        self.big_batch = max(args.batches) if t else 32
+        self.at_8k = args.prefill_tokens[0] if t else 8192
+        self.cold_min = 0 if t else 414_000
+
+    # -- denominators ------------------------------------------------------------------
+    def denominators(self) -> None:
+        a, rep = self.args, self.rep
+        bw = measure_bandwidth(self.dev, int(a.bw_gib * GiB))
+        gemm_dtype = torch.bfloat16 if self.dev.type == "cuda" else self.dtype
+        gm = measure_gemm(self.dev, a.gemm_n, gemm_dtype)
+        self.bw, self.peak = bw["bytes_per_s"], gm["flops_per_s"]
+        rep.data["denominators"] = {"hbm": bw, "gemm": gm}
+        rep.line(f"HBM bandwidth: {tb_s(self.bw)} (device-to-device copy of {a.bw_gib:g} GiB, bytes read + written)")
+        rep.line(f"GEMM peak: {flops_s(self.peak)} ({gm['dtype']} {a.gemm_n}^3 matmul)")
+        rep.save()
+
+    # -- the model -----------------------------------------------------------------------
+    def source(self, cfg: dict[str, Any], name: str, context_needed: int) -> Any:
+        src = open_model(write_model(self.tmp / name, cfg), weights=False)
+        trained = int(src.text_config().get("max_position_embeddings") or 0)
+        rs = self.args.rope_scaling
+        yarn = None
+        if rs.startswith("yarn"):
+            yarn = rope_scaling.parse(rs)
+        elif rs == "auto" and context_needed > trained:
+            yarn = rope_scaling.Yarn(YARN_FACTOR)
+        if yarn is not None:
+            src.config = rope_scaling.with_yarn(src.config, yarn)
+            self.rep.note(f"rope: YaRN factor {yarn.factor:g} over {trained} trained positions -> "
+                          f"{src.text_config()['max_position_embeddings']} served (contexts up to {context_needed})")
+        return src
+
+    def main_contexts(self) -> int:
+        return max([j.length for j in self.jobs()] or [1])
+
+    def run_main(self) -> None:
+        a, rep = self.args, self.rep
+        cfg = slice_config(TINY if a.tiny else QWEN35_27B, a.model_layers)
+        src = self.source(cfg, "main", self.main_contexts())
+        opt = fp8_weight_option()
+        weights = list(a.weight_dtypes)
+        if "fp8" in weights and opt is None:
+            rep.note("fp8 weights: not implemented (no weight-dtype option in engine_service/config.py "
+                     "EngineConfig / build_runner); skipped")
+            weights.remove("fp8")
+        for w in weights:
+            kw: dict[str, Any] = {opt: "fp8"} if w == "fp8" and opt is not None else {}
+            t0 = time.perf_counter()
+            try:
+                eng = Engine(a, src, self.dev, self.dtype, kw)
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                rep.error(f"building the {w} model", exc)
+                continue
+            wl = w if w == "fp8" else short_dtype(self.dtype)
+            st = eng.stats
+            rep.data["model"][wl] = st
+            rep.line(f"model {wl}-w: {st['layers']} layers ({st['attention_layers']} attention, "
+                     f"{st['recurrent_layers']} GDN), {st['total_params'] / 1e9:.2f}B params, "
+                     f"{gb(st['weight_bytes_streamed'])} streamed per decode step, random weights on "
+                     f"{self.dev} in {time.perf_counter() - t0:.1f} s")
+            if wl == "fp32":
+                rep.note("weights and activations in float32 (CPU run: float32 is the fast path there); the "
+                         "'bf16' KV pool is still bf16")
+            try:
+                self.resident(eng, wl)
+                for kv in a.kv_dtypes:
+                    self.per_kv(eng, wl, kv)
+            finally:
+                eng.drop()
+                del eng
+                free_memory(self.dev)
+
+    def resident(self, eng: Engine, wl: str) -> None:
+        rep = self.rep
+        eng.close()
+        runner = eng.runner("auto")
+        spec = runner.memory_spec()
+        budget, where = eng.pool_budget(runner, 1)
+        served = runner.max_context
+        for name, page_bytes in spec.page_bytes_by_kv_dtype:
+            pages = max(0, budget) // page_bytes
+            tokens = pages * spec.page_size
+            rep.add("resident", {"weights": wl, "kv": name, "tokens": tokens, "pages": pages, "page_bytes": page_bytes,
+                                 "budget_bytes": budget, "served_limit": served, "where": where})
+            rep.line(f"max resident context {wl}-w {name}-kv: {tokens:,} tokens ({pages:,} pages x {spec.page_size}, "
+                     f"{page_bytes / 1024:.0f} KiB/page, {budget / GiB:.2f} GiB = {where}); model serves up to "
+                     f"{served:,}")
+
+    def jobs(self) -> list[Job]:
+        """Every figure of one (weights, kv) pair, with the sequences and length it needs."""
+        a = self.args
+        out: list[Job] = []
+        if not a.skip_decode:
+            out += [Job("decode", b, ctx + decode_tokens(a, b, ctx, False), ctx)
+                    for ctx in a.contexts for b in a.batches]
+        if a.profile:
+            ctx = a.contexts[0]
+            out.append(Job("profile", a.profile_batch, ctx + decode_tokens(a, a.profile_batch, ctx, True), ctx))
+        if not a.skip_prefill:
+            out += [Job("prefill", 1, t + 1, t) for t in a.prefill_tokens]
+        if a.prefill_414k:
+            out.append(Job("cold", 1, a.cold_tokens + 1, a.cold_tokens))
+        return out
+
+    def per_kv(self, eng: Engine, wl: str, kv: str) -> None:
+        """Run ``jobs()`` for ``kv``. A pool is sized for the largest batch still to run (its state
+        slots come out of the same memory); what does not fit waits for a pool with fewer slots
+        (one per distinct batch at most), and is skipped, with the numbers, once even that cannot
+        hold it."""
+        rep = self.rep
+        eng.close()
+        try:
+            runner = eng.runner(kv)
+        except KVSettingsError as exc:
+            rep.note(f"kv {kv}: not usable with this model ({exc}); skipped")
+            return
+        spec = runner.memory_spec()
+        model_ctx = runner.max_context
+        pending = self.jobs()
+        while pending:
+            slots = max(j.seqs for j in pending)
+            budget, where = eng.pool_budget(runner, slots if spec.hybrid else 0)
+            pool_pages = max(0, budget) // spec.bytes_per_page
+
+            def fits(j: Job) -> bool:
+                return j.length <= model_ctx and j.seqs * pages_for(j.length, PAGE_SIZE) <= pool_pages
+
+            runnable = [j for j in pending if fits(j)]
+            for j in pending:
+                if j.seqs == slots and not fits(j):  # fewer slots cannot help it: skipped
+                    why = (f"context {j.length} exceeds the model's {model_ctx} positions" if j.length > model_ctx
+                           else f"needs {j.seqs} x {pages_for(j.length, PAGE_SIZE):,} KV pages of "
+                                f"{spec.bytes_per_page / 1024:.0f} KiB; the pool holds {pool_pages:,} "
+                                f"({budget / GiB:.2f} GiB = {where})")
+                    self.skip(wl, kv, j, why)
+            pending = [j for j in pending if j not in runnable and j.seqs != slots]
+            if runnable:
+                self.run_jobs(eng, wl, kv, spec, runnable, slots, max(j.length for j in runnable))
+        del runner
+        self.scaling_targets(wl, kv)
+
+    def skip(self, wl: str, kv: str, j: Job, why: str) -> None:
+        rep = self.rep
+        if j.kind in ("decode", "profile"):
+            rep.line(f"decode {wl}-w {kv}-kv batch={j.seqs} ctx={j.size}: skipped ({why})")
+            rep.add("decode", {"weights": wl, "kv": kv, "batch": j.seqs, "context": j.size, "skipped": why})
+        else:
+            section = "prefill" if j.kind == "prefill" else "cold_prefill"
+            rep.line(f"{'cold ' if j.kind == 'cold' else ''}prefill {wl}-w {kv}-kv tokens={j.size}: skipped ({why})")
+            rep.add(section, {"weights": wl, "kv": kv, "tokens": j.size, "skipped": why})
+
+    def run_jobs(self, eng: Engine, wl: str, kv: str, spec: Any, jobs: list[Job], slots: int,
+                 max_context: int) -> None:
+        a, rep = self.args, self.rep
+        t0 = time.perf_counter()
+        try:
+            core = eng.open(kv, max_context, slots)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(f"building the engine for {wl}-w {kv}-kv", exc)
+            return
+        kv_bpt = spec.bytes_per_page / spec.page_size
+        rep.line(f"engine {wl}-w {kv}-kv: {core.blocks.num_pages:,} pages x {PAGE_SIZE} ({kv_bpt / 1024:.2f} KiB/token "
+                 f"over {spec.num_attention_layers} attention layers), {core.blocks.num_state_slots} state slots of "
+                 f"{spec.bytes_per_state_slot / 2**20:.1f} MiB, served context {core.max_context:,}, token budget "
+                 f"{a.token_budget}; built (calibration and kernel check included) in {time.perf_counter() - t0:.1f} s")
+        try:
+            for j in jobs:
+                if j.kind == "decode":
+                    self.decode_one(core, eng, wl, kv, j.seqs, j.size, spec)
+                elif j.kind == "profile":
+                    self.profile_one(core, eng, wl, kv, spec, j.seqs, j.size)
+                elif j.kind == "prefill":
+                    self.prefill_one(core, eng, wl, kv, j.size)
+                else:
+                    self.cold_one(core, wl, kv)
+        finally:
+            del core  # the pool goes before the next one is sized
+            eng.close()
+
+    def scaling_targets(self, wl: str, kv: str) -> None:
+        b = self.big_batch
+        for ctx in self.args.contexts:
+            one, many = self.decode_figs.get((wl, kv, 1, ctx)), self.decode_figs.get((wl, kv, b, ctx))
+            if b > 1 and one and many:
+                self.rep.target(f"{wl}-w {kv}-kv batch {b} / batch 1 aggregate at ctx {ctx}", many / one,
+                                T_BATCH_SCALING, "x")
+
+    def roofline(self, st: dict[str, Any], spec: Any, batch: int, ctx: float) -> dict[str, float]:
+        w = st["weight_bytes_streamed"]
+        kvb = batch * ctx * spec.bytes_per_page / spec.page_size
+        state = batch * 2 * spec.bytes_per_state_slot  # read and written back in place
+        total = w + kvb + state
+        return {"bytes_per_step": total, "weight_bytes": w, "kv_bytes": kvb, "state_bytes": state,
+                "roofline_tok_s": batch * self.bw / total, "weights_only_tok_s": batch * self.bw / w,
+                "weights_kv_tok_s": batch * self.bw / (w + kvb)}
+
+    def decode_one(self, core: EngineCore, eng: Engine, wl: str, kv: str, b: int, ctx: int, spec: Any,
+                   profile: bool = False) -> dict[str, Any] | None:
+        """One decode figure, printed and recorded with its targets (``profile``: the profiled
+        run, printed only: its figure is the unprofiled one's twin)."""
+        rep, a = self.rep, self.args
+        label = f"decode {wl}-w {kv}-kv batch={b} ctx={ctx}"
+        base = {"weights": wl, "kv": kv, "batch": b, "context": ctx}
+        try:
+            r = run_decode(core, b, ctx, a, profile=profile)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(label, exc)
+            return None
+        if "skipped" in r:
+            rep.line(f"{label}: skipped ({r['skipped']})")
+            rep.add("decode", {**base, **r})
+            return None
+        if profile:
+            rep.line(f"{label} (profiled run): {r['tok_s']:.1f} tok/s, {r['step_s'] * 1e3:.1f} ms/step "
+                     f"[fill: {r['fill']}]")
+            return r
+        rf = self.roofline(eng.stats, spec, b, r["mean_context"])
+        frac = r["tok_s"] / rf["roofline_tok_s"]
+        fig = {**base, **r, **rf, "fraction": frac, "fraction_weights_only": r["tok_s"] / rf["weights_only_tok_s"],
+               "fraction_weights_kv": r["tok_s"] / rf["weights_kv_tok_s"], "bandwidth": self.bw}
+        fig.pop("profile", None)
+        rep.add("decode", fig)
+        rep.line(f"{label}: {r['tok_s']:.1f} tok/s = {frac:.0%} of roofline ({rf['roofline_tok_s']:.1f} tok/s at "
+                 f"{tb_s(self.bw)}; {gb(rf['bytes_per_step'])}/step = {gb(rf['weight_bytes'])} weights "
+                 f"+ {gb(rf['kv_bytes'])} KV + {gb(rf['state_bytes'])} state r+w) [fill: {r['fill']}, "
+                 f"{r['fill_s']:.1f} s; {r['step_s'] * 1e3:.1f} ms/step]"
+                 + (f" WARNING {r['warning']}" if "warning" in r else ""))
+        self.decode_figs[(wl, kv, b, ctx)] = r["tok_s"]
+        if b == 1 and ctx == self.at_4k:
+            rep.target(f"{wl}-w {kv}-kv decode batch 1 at 4k, fraction of the weights-read roofline",
+                       fig["fraction_weights_only"], T_DECODE_B1_4K, "%")
+        if ctx == self.at_128k and kv == "nvfp4":
+            rep.target(f"{wl}-w {kv}-kv decode batch {b} at 128k, fraction of the weights + KV roofline",
+                       fig["fraction_weights_kv"], T_DECODE_128K, "%",
+                       note="" if wl == "fp8" else f"the target is for FP8 weights; measured with {wl} weights")
+        return r
+
+    def profile_one(self, core: EngineCore, eng: Engine, wl: str, kv: str, spec: Any, b: int, ctx: int) -> None:
+        rep = self.rep
+        rep.line(f"profile: one decode step, {wl}-w {kv}-kv batch={b} ctx={ctx} (cuda graphs: the engine has none; "
+                 "eager step)")
+        r = self.decode_one(core, eng, wl, kv, b, ctx, spec, profile=True)
+        if r is None or "profile" not in r:
+            return
+        p = r["profile"]
+        rep.add("profile", {"weights": wl, "kv": kv, "batch": b, "context": ctx, **p})
+        if p["gpu_busy"] is not None:
+            rep.line(f"profile {wl}-w {kv}-kv batch={b} ctx={ctx}: {p['kernels']} kernels, {p['launch_calls']} launch "
+                     f"calls; kernel time {p['kernel_time_s'] * 1e3:.2f} ms; GPU busy {p['gpu_busy']:.0%} of the "
+                     f"unprofiled step ({p['wall_unprofiled_s'] * 1e3:.2f} ms), {p['gpu_busy_profiled_wall']:.0%} of "
+                     f"the profiled one ({p['wall_profiled_s'] * 1e3:.2f} ms)")
+        else:
+            rep.line(f"profile {wl}-w {kv}-kv batch={b} ctx={ctx}: no GPU (kernel launches and busy n/a); "
+                     f"step {p['wall_profiled_s'] * 1e3:.2f} ms profiled; top ops by CPU time:")
+        for i, k in enumerate(p["top"], 1):
+            rep.line(f"    {i:2d}. {k['total_us'] / 1e3:8.3f} ms  x{k['count']:<4d} {k['name'][:110]}")
+        rep.line(f"    kernel launches in the step: {p['launch_calls']}")
+        rep.target(f"{wl}-w {kv}-kv GPU busy in a decode step (torch profiler)", p["gpu_busy"], T_GPU_BUSY, "%",
+                   note="the target is with CUDA graphs on; the engine has none")
+
+    def prefill_one(self, core: EngineCore, eng: Engine, wl: str, kv: str, t: int) -> None:
+        rep, st = self.rep, eng.stats
+        label = f"prefill {wl}-w {kv}-kv tokens={t}"
+        try:
+            r = run_prefill(core, t, self.args)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(label, exc)
+            return
+        base = {"weights": wl, "kv": kv, "tokens": t}
+        if "skipped" in r:
+            rep.line(f"{label}: skipped ({r['skipped']})")
+            rep.add("prefill", {**base, **r})
+            return
+        flops = prefill_flops(st, t)
+        fps = flops / r["seconds"]
+        mfu = fps / self.peak
+        rep.add("prefill", {**base, **r, "flops": flops, "flops_per_s": fps, "mfu": mfu})
+        if not any("FLOPs =" in n for n in rep.data["notes"]):
+            rep.note(FLOPS_FORMULA.format(P=st["layer_params"], Ph=st["head_params"], L=st["attention_layers"],
+                                          H=st["heads"], D=st["head_dim"]))
+        rep.line(f"{label}: {r['tok_s']:.0f} tok/s = {flops_s(fps)} = {mfu:.0%} MFU "
+                 f"({r['seconds']:.2f} s, GEMM peak {flops_s(self.peak)})")
+        if t == self.at_8k:
+            rep.target(f"{wl}-w {kv}-kv prefill MFU at 8k", mfu, T_PREFILL_MFU, "%")
+
+    def cold_one(self, core: EngineCore, wl: str, kv: str) -> None:
+        rep, n = self.rep, self.args.cold_tokens
+        label = f"cold prefill {wl}-w {kv}-kv tokens={n}"
+        try:
+            r = run_prefill(core, n, self.args, warm=True)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(label, exc)
+            return
+        base = {"weights": wl, "kv": kv, "tokens": n}
+        rep.add("cold_prefill", {**base, **r})
+        if "skipped" in r:
+            rep.line(f"{label}: skipped ({r['skipped']})")
+            return
+        rep.line(f"{label}: {r['seconds']:.1f} s to the first token ({r['tok_s']:.0f} tok/s; nothing cached, "
+                 f"chunks of {self.args.token_budget})")
+        if n >= self.cold_min:
+            rep.target(f"{wl}-w {kv}-kv cold 414k-token prefill", r["seconds"], T_COLD_S, " s", higher=False)
+
+    # -- HF ------------------------------------------------------------------------------
+    def hf_deepwell(self, eng: Engine, layers: int, need: int, dw: dict[str, Any]) -> None:
+        a, rep = self.args, self.rep
+        core = eng.open("bf16", need + PAGE_SIZE, 1)
+        try:
+            for t in a.hf_prefill:
+                dw[f"prefill_{t}"] = r = run_prefill(core, t, a)
+                rep.line(f"deepwell {layers}-layer prefill {t}: "
+                         + (f"{r['tok_s']:.0f} tok/s" if "tok_s" in r else f"skipped ({r['skipped']})"))
+            dw["decode"] = r = run_decode(core, 1, a.hf_context, a)
+            rep.line(f"deepwell {layers}-layer decode batch=1 ctx={a.hf_context}: "
+                     + (f"{r['tok_s']:.1f} tok/s [fill: {r['fill']}]" if "tok_s" in r else f"skipped ({r['skipped']})"))
+        finally:
+            del core
+            eng.close()
+
+    def run_hf(self) -> None:
+        import importlib.util
+
+        a, rep = self.args, self.rep
+        cfg = slice_config(TINY if a.tiny else QWEN35_27B, a.layers)
+        L = cfg["num_hidden_layers"]
+        fla = importlib.util.find_spec("fla") is not None
+        conv = importlib.util.find_spec("causal_conv1d") is not None
+        import transformers
+
+        info = {"layers": L, "transformers": transformers.__version__, "fla": fla, "causal_conv1d": conv,
+                "context": a.hf_context, "prefill_tokens": a.hf_prefill}
+        rep.data["hf"] = info
+        full = (TINY if a.tiny else QWEN35_27B)["num_hidden_layers"]
+        rep.line(f"HF comparison: a {L}-layer slice of the shape (of {full}), random weights, "
+                 f"{short_dtype(self.dtype)}, bf16 KV; transformers {transformers.__version__}, "
+                 f"fla-core {'imports' if fla else 'absent (torch fallback)'}, causal-conv1d "
+                 f"{'imports' if conv else 'absent (torch conv)'}")
+        need = max([*a.hf_prefill, a.hf_context + a.warmup_steps + a.decode_steps + 2]) + 1
+        src = self.source(cfg, f"slice{L}", need)
+        dw: dict[str, Any] = {}
+        try:
+            eng = Engine(a, src, self.dev, self.dtype, {})
+            try:
+                self.hf_deepwell(eng, L, need, dw)
+            finally:
+                eng.drop()
+                del eng
+                free_memory(self.dev)
+        except Exception as exc:  # noqa: BLE001
+            rep.error("deepwell on the HF slice", exc)
+            return
+        info["deepwell"] = dw
+        rep.save()
+        hf: dict[str, Any] = {}
+        try:
+            model = hf_model(cfg, self.dev, self.dtype)
+            info["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+            try:
+                for t in a.hf_prefill:
+                    hf[f"prefill_{t}"] = hf_prefill(model, t, self.dev, cfg["vocab_size"])
+                    rep.line(f"HF {L}-layer prefill {t}: {hf[f'prefill_{t}']['tok_s']:.0f} tok/s")
+                hf["decode"] = hf_decode(model, a.hf_context, a.decode_steps, a.warmup_steps, self.dev,
+                                         cfg["vocab_size"])
+                rep.line(f"HF {L}-layer decode batch=1 ctx={a.hf_context}: {hf['decode']['tok_s']:.1f} tok/s")
+            finally:
+                del model
+                free_memory(self.dev)
+        except Exception as exc:  # noqa: BLE001
+            rep.error("HF transformers on the slice", exc)
+        info["hf"] = hf
+        ratios = {}
+        for key in dw:
+            if key in hf and "tok_s" in dw[key] and "tok_s" in hf[key]:
+                ratios[key] = dw[key]["tok_s"] / hf[key]["tok_s"]
+        info["ratios"] = ratios
+        rep.save()
+        for key, r in ratios.items():
+            rep.line(f"deepwell / HF {key.replace('_', ' ')} ({L}-layer slice): {r:.2f}x")
+            if key == "decode":
+                rep.target("decode vs HF (batch 1 at 4k)", r, T_HF_DECODE, "x")
+            else:
+                rep.target(f"{key.replace('_', ' ')} vs HF", r, T_HF_PREFILL, "x")
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3.5-style hybrid (4 layers, hidden 128): plumbing")
+    ap.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (auto: cuda if available)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                    help="weights / activations (auto: bf16 on CUDA, float32 on CPU)")
+    ap.add_argument("--weight-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                    help="weight formats (fp8 only where the engine has the option)")
+    ap.add_argument("--kv-dtypes", nargs="+", default=["bf16", "nvfp4"], help="KV formats (as --kv-dtype)")
+    ap.add_argument("--contexts", nargs="+", type=int, default=None,
+                    help="decode contexts (default 4096 131072 409600)")
+    ap.add_argument("--batches", nargs="+", type=int, default=None, help="decode batches (default 1 8 32)")
+    ap.add_argument("--decode-steps", type=int, default=None, help="timed decode steps (default 32; tiny 4)")
+    ap.add_argument("--warmup-steps", type=int, default=3, help="decode steps before timing (first token included)")
+    ap.add_argument("--fill-above", type=int, default=None,
+                    help="contexts above this are filled directly, not prefilled (default 8192; tiny 128)")
+    ap.add_argument("--prefill-tokens", nargs="+", type=int, default=None, help="default 8192 65536 (tiny 256 512)")
+    ap.add_argument("--token-budget", type=int, default=None, help="tokens per engine step (default 8192; tiny 256)")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--prefill-414k", action="store_true", help="cold prefill of --cold-tokens (long)")
+    ap.add_argument("--cold-tokens", type=int, default=None, help="default 414000 (tiny 1024)")
+    ap.add_argument("--hf", action="store_true", help="HF transformers comparison on a --layers slice")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the HF comparison's slice (default 16; tiny 4)")
+    ap.add_argument("--hf-context", type=int, default=None,
+                    help="HF comparison decode context (default 4096; tiny 128)")
+    ap.add_argument("--hf-prefill", nargs="+", type=int, default=None, help="default 4096 8192 (tiny 128 256)")
+    ap.add_argument("--profile", action="store_true", help="one decode step under torch.profiler")
+    ap.add_argument("--profile-batch", type=int, default=1)
+    ap.add_argument("--model-layers", type=int, default=0, help="run the main figures on a slice (0 = every layer)")
+    ap.add_argument("--memory-fraction", type=float, default=0.9, help="CUDA: KV pool share of the free memory")
+    ap.add_argument("--cpu-kv-gib", type=float, default=0.25, help="CPU: KV pool GiB")
+    ap.add_argument("--rope-scaling", default="auto",
+                    help="auto (YaRN x4 when a context exceeds the model's), model, or yarn:<factor>")
+    ap.add_argument("--bw-gib", type=float, default=None, help="copy size for the bandwidth (default 4; tiny 1/16)")
+    ap.add_argument("--gemm-n", type=int, default=None, help="GEMM size for the peak (default 8192; tiny 256)")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--json", default=None, help="write every figure here")
+    args = ap.parse_args(argv)
+    t = args.tiny
+    defaults = {"contexts": [256] if t else [4096, 131072, 409600], "batches": [1, 2] if t else [1, 8, 32],
+                "decode_steps": 4 if t else 32, "fill_above": 128 if t else 8192,
+                "prefill_tokens": [256, 512] if t else [8192, 65536], "token_budget": 256 if t else 8192,
+                "cold_tokens": 1024 if t else 414_000, "layers": 4 if t else 16, "hf_context": 128 if t else 4096,
+                "hf_prefill": [128, 256] if t else [4096, 8192], "bw_gib": 1 / 16 if t else 4.0,
+                "gemm_n": 256 if t else 8192}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.warmup_steps < 1 or args.decode_steps < 1:
+        ap.error("--warmup-steps and --decode-steps must be >= 1")
+    if args.rope_scaling not in ("auto", "model"):
+        rope_scaling.parse(args.rope_scaling)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rep = Report(args.json, args.tiny)
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    rep.data["config"] = {**{k: v for k, v in vars(args).items()}, "device_name": name,
+                          "torch": torch.__version__, "shape": "tiny" if args.tiny else "Qwen3.5-27B"}
+    rep.line(f"gpu_e2e: {'tiny Qwen3.5-style' if args.tiny else 'Qwen3.5-27B-shaped'} random-weight model on {name} "
+             f"(torch {torch.__version__}); page {PAGE_SIZE}, token budget {args.token_budget}, prefix cache off")
+    bench = Bench(args, rep)
+    t0 = time.perf_counter()
+    try:
+        bench.denominators()
+        if bench.jobs():
+            bench.run_main()
+        if args.hf:
+            bench.run_hf()
+    finally:
+        rep.data["elapsed_s"] = time.perf_counter() - t0
+        rep.save()
+    passed = sum(1 for t in rep.data["targets"] if t["pass"])
+    rep.line(f"done in {rep.data['elapsed_s']:.0f} s: {passed}/{len(rep.data['targets'])} targets PASS, "
+             f"{len(rep.data['errors'])} errors" + (f"; JSON {args.json}" if args.json else ""))
+    return rep.data
+
+
+if __name__ == "__main__":
+    from deepwell.logs import setup_logging
+
+    setup_logging("gpu_e2e", os.environ.get("GPU_E2E_LOG_LEVEL", "warning"))
+    data = main()
+    sys.exit(1 if data["errors"] else 0)

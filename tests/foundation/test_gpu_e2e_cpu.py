@@ -1,0 +1,140 @@
+"""``benchmarks/gpu_e2e.py`` at its tiny shape on the CPU: the plumbing of the GPU benchmark (the
+figures mean nothing here). The benchmark itself runs on a GPU machine."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import gpu_e2e
+from engine_service.loading import open_model
+from engine_service.sampling import SamplingParams
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_tiny_cpu_run_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "e2e.json"
+    t0 = time.perf_counter()
+    returned = gpu_e2e.main(["--tiny", "--device", "cpu", "--contexts", "256", "--batches", "1", "2",
+                             "--kv-dtypes", "bf16", "--json", str(out)])
+    assert time.perf_counter() - t0 < 60
+    data = json.loads(out.read_text())
+    assert data["errors"] == [] and returned["errors"] == []
+
+    den = data["denominators"]
+    assert _positive(den["hbm"]["bytes_per_s"]) and _positive(den["gemm"]["flops_per_s"])
+
+    decode = {(d["batch"], d["context"]): d for d in data["decode"]}
+    assert set(decode) == {(1, 256), (2, 256)}
+    for d in decode.values():
+        assert "skipped" not in d
+        assert d["fill"] == "direct"  # 256 > the tiny --fill-above (128): pages written, not prefilled
+        for key in ("tok_s", "roofline_tok_s", "fraction", "fraction_weights_only", "fraction_weights_kv",
+                    "bytes_per_step", "weight_bytes", "kv_bytes", "state_bytes", "bandwidth"):
+            assert _positive(d[key]), (key, d[key])
+        assert d["tokens"] == d["batch"] * d["steps"]
+        assert d["bytes_per_step"] == pytest.approx(d["weight_bytes"] + d["kv_bytes"] + d["state_bytes"])
+        assert d["roofline_tok_s"] == pytest.approx(d["batch"] * d["bandwidth"] / d["bytes_per_step"])
+        assert d["mean_context"] > 256  # the context the KV bytes are counted at: the filled one
+    assert decode[(2, 256)]["kv_bytes"] == pytest.approx(2 * decode[(1, 256)]["kv_bytes"], rel=0.05)
+
+    prefill = {p["tokens"]: p for p in data["prefill"]}
+    assert set(prefill) == {256, 512}
+    for p in prefill.values():
+        assert _positive(p["tok_s"]) and _positive(p["flops_per_s"]) and _positive(p["mfu"])
+
+    resident = {r["kv"]: r for r in data["resident"]}
+    assert {"bf16", "nvfp4"} <= set(resident)
+    assert resident["nvfp4"]["tokens"] > resident["bf16"]["tokens"] > 0
+
+    names = [t["name"] for t in data["targets"]]
+    assert any("decode batch 1 at 4k" in n for n in names)
+    assert any("batch 2 / batch 1" in n for n in names)
+    assert any("prefill MFU" in n for n in names)
+    assert all(isinstance(t["pass"], bool) and "not meaningful" in t["note"] for t in data["targets"])
+
+    text = capsys.readouterr().out
+    assert "decode fp32-w bf16-kv batch=1 ctx=256: " in text and "of roofline" in text
+    assert "[fill: direct" in text
+    assert "float32" in text  # the tiny CPU run says it runs in fp32
+    assert "PASS" in text or "MISS" in text
+    if gpu_e2e.fp8_weight_option() is None:
+        assert any(n.startswith("fp8 weights: not implemented") for n in data["notes"])
+
+
+@pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
+def test_direct_fill_leaves_each_request_at_its_context(tmp_path: Path, kv: str) -> None:
+    args = gpu_e2e.parse_args(["--tiny", "--device", "cpu"])
+    src = open_model(gpu_e2e.write_model(tmp_path / "m", gpu_e2e.TINY), weights=False)
+    eng = gpu_e2e.Engine(args, src, torch.device("cpu"), torch.float32, {})
+    core = eng.open(kv, 1024, 2)
+    n = 300
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    sinks = [gpu_e2e.Sink() for _ in range(2)]
+    reqs = [core.make_request(gpu_e2e.random_prompt(n, core.runner.vocab_size, i), params, sink=s)
+            for i, s in enumerate(sinks)]
+    for r in reqs:
+        core.submit(r)
+    gpu_e2e.fill_direct(core, reqs, n, seed=0)
+    runner, ps = core.runner, core.blocks.page_size
+    for r in reqs:
+        assert r.num_computed == n - 1
+        assert runner.slot_position(core.blocks.state_slot(r.request_id)) == n - 1
+        table = core.blocks.block_table(r.request_id)
+        pages = runner.kv.page_tensors()[0]  # layer 0 (K for a float pool, the page bytes quantized)
+        assert all(bool(pages[p].abs().sum() > 0) for p in table[: (n - 1) // ps])  # the full pages are written
+        if kv == "bf16":  # position n - 1 is the prompt's last token: not written, the first step computes it
+            last = table[(n - 1) // ps]
+            assert bool((pages[last][(n - 1) % ps] == 0).all())
+    assert core.step() == 2  # one token each: the last prompt token, computed as a decode
+    assert [s.tokens for s in sinks] == [1, 1]
+    assert all(r.num_computed == n for r in reqs)
+    for r in reqs:
+        core.cancel(r.request_id)
+    assert core.blocks.used_pages == 0
+
+
+def test_pools_are_sized_per_batch_and_what_cannot_fit_is_skipped(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on CUDA, every state slot comes out of the pool's memory: a long context that fits only
+    with one slot gets a pool of its own; a batch that cannot fit even with its own is skipped."""
+
+    def budget(self: gpu_e2e.Engine, runner: Any, slots: int) -> tuple[int, str]:
+        spec = runner.memory_spec()
+        return 12 * spec.bytes_per_page + (2 - slots) * spec.bytes_per_state_slot, f"12 pages + {2 - slots} slots"
+
+    monkeypatch.setattr(gpu_e2e.Engine, "pool_budget", budget)
+    out = tmp_path / "e2e.json"
+    gpu_e2e.main(["--tiny", "--device", "cpu", "--contexts", "64", "780", "--batches", "1", "2",
+                  "--kv-dtypes", "bf16", "--skip-prefill", "--json", str(out)])
+    data = json.loads(out.read_text())
+    decode = {(d["batch"], d["context"]): d for d in data["decode"]}
+    assert "pool holds 12" in decode[(2, 780)]["skipped"]  # 2 x 13 pages: never fits
+    for key in ((1, 64), (2, 64), (1, 780)):  # (1, 780): 13 pages, only with one slot's memory back
+        assert _positive(decode[key]["fraction"]), key
+    assert data["errors"] == []
+
+
+def test_profile_cold_prefill_and_hf_paths_run(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    gpu_e2e.main(["--tiny", "--device", "cpu", "--contexts", "64", "--batches", "1", "--kv-dtypes", "nvfp4",
+                  "--skip-prefill", "--decode-steps", "2", "--profile", "--prefill-414k", "--cold-tokens", "512",
+                  "--hf", "--hf-context", "64", "--hf-prefill", "128", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["errors"] == []
+    assert data["decode"][0]["fill"] == "prefill"  # 64 <= --fill-above: prefilled through the engine
+    prof = data["profile"][0]
+    assert len(prof["top"]) > 0 and prof["gpu_busy"] is None  # no kernels on a CPU
+    assert _positive(data["cold_prefill"][0]["seconds"])
+    hf = data["hf"]
+    assert set(hf["ratios"]) == {"prefill_128", "decode"}
+    assert all(_positive(r) for r in hf["ratios"].values())
