@@ -45,25 +45,16 @@ class ReferenceBackend:
 
     name = "reference"
 
-    # -- norms ------------------------------------------------------------------------
+    # -- norms (the definitions live beside their fused kernels: kernels.fused.references) ---
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool
     ) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        if zero_centered:
-            return (xf * (1.0 + weight.float())).to(x.dtype)
-        return weight * xf.to(x.dtype)
+        return fused_ref.rms_norm(x, weight, eps, zero_centered)
 
     def gated_rms_norm(
         self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        out = weight * xf.to(dtype)
-        out = out * F.silu(gate.float())
-        return out.to(dtype)
+        return fused_ref.gated_rms_norm(x, gate, weight, eps)
 
     # -- attention ----------------------------------------------------------------------
     def write_kv(

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from kernels.fused import references as fused_ref
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
@@ -158,10 +160,6 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, rotary_dim]. Rotates the first rotary_dim dims (NeoX)."""
-    rd = cos.shape[-1]
-    rot, rest = x[..., :rd], x[..., rd:]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = rd // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * c + rotated * s, rest], dim=-1)
+    """x: [T, H, D]; cos/sin: [T, rotary_dim]. Rotates the first rotary_dim dims (NeoX).
+    (The definition beside its fused kernel: ``kernels.fused.references.apply_rope``.)"""
+    return fused_ref.apply_rope(x, cos, sin)

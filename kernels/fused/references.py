@@ -1,7 +1,9 @@
-"""Plain-torch definitions of the fused ops: the engine's own expressions, copied verbatim.
+"""Plain-torch definitions of the fused ops: the meaning the Triton kernels beside them keep.
 
-``kernels`` imports no ``engine_service`` module, so each op repeats the layer code it stands
-for; ``tests/kernels/test_fused_ops.py`` checks every one bit for bit against that code.
+``engine_service.layers.backend.ReferenceBackend`` (the engine's CPU path and the parity
+tests' subject against HF transformers) computes each of these chains by calling the function
+here, so the definition exists once; ``tests/kernels/test_fused_ops.py`` checks the kernels
+against them and them against the layer code that calls them:
 
 - ``rms_norm`` / ``gated_rms_norm``: ``engine_service.layers.backend.ReferenceBackend``;
 - ``add_rms_norm``: ``decoder.py``'s ``h = h + x`` then the next norm of ``h`` (the residual
