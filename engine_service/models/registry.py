@@ -43,9 +43,18 @@ def register(family: Family) -> Family:
     return family
 
 
+_LOADED = False
+
+
 def _ensure_loaded() -> None:
-    if not _FAMILIES:
+    """Import every family module (each registers itself) once. Until all of them imported, a
+    later call tries again, so a failed import raises its own error every time instead of
+    leaving the families that did load looking like the whole list."""
+    global _LOADED
+    if not _LOADED:
         from engine_service.models import llama, qwen3_5, qwen3_next  # noqa: F401
+
+        _LOADED = True
 
 
 def families() -> list[Family]:
