@@ -27,6 +27,8 @@ COMMANDS: list[tuple[str, str]] = [
     ("engine", "engine_service.cli"),
     ("gateway", "gateway.cli"),
     ("internal-token", "deepwell.auth"),
+    ("sessions", "deepwell.sessions_cli"),
+    ("stats", "deepwell.stats_cli"),
 ]
 
 

@@ -47,6 +47,7 @@ from engine_service.cache.types import CacheCounters
 from engine_service.runner_api import ForwardBatch, ModelRunner, SeqSlice
 from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
 from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan
+from engine_service.sessions import SessionLedger, Turn
 from kernels.calibration import ScaleCounts
 
 log = get_logger(__name__)
@@ -181,6 +182,7 @@ class EngineCore:
         self.defaults = defaults or SamplingParams()
         self.observer = observer or StepObserver()
         self.counters = Counters()
+        self.sessions = SessionLedger()  # the last turn of each recent session (the Sessions RPC)
         self.started = time.monotonic()
         self.lock = threading.RLock()
         self._kv_scales_at = float("-inf")
@@ -238,6 +240,7 @@ class EngineCore:
                 self.scheduler.add(req)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
+            self.sessions.started(req.owner.tenant, req.owner.session)
             self.observer.on_step(self.snapshot(), 0, 0)
 
     def cancel(self, request_id: str, reason: Finish = Finish.CANCELLED) -> bool:
@@ -432,13 +435,17 @@ class EngineCore:
         admitted = t.admitted if t.admitted is not None else now
         first = t.first_token
         ms = 1000.0
-        self._emit(req, FinishedEvent(
+        ev = FinishedEvent(
             reason=req.finish or Finish.ERROR, prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_output,
             queue_ms=(admitted - t.arrival) * ms,
             prefill_ms=((first if first is not None else now) - admitted) * ms if t.admitted is not None else 0.0,
             decode_ms=(now - first) * ms if first is not None else 0.0,
             ttft_ms=(first - t.arrival) * ms if first is not None else 0.0,
-            stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits)))
+            stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits))
+        if req.owner.session:
+            self.sessions.finished(req.owner.tenant, req.owner.session, Turn(
+                ev.prompt_tokens, ev.cached, ev.ttft_ms, ev.completion_tokens, ev.reason.value))
+        self._emit(req, ev)
 
 
 def _is_decode(s: Slice) -> bool:

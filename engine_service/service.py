@@ -9,6 +9,8 @@ Contract (see ``protos/deepwell/engine/v1/engine.proto``):
   files; ``ReadModelFile`` streams one in chunks of at most ``FILE_CHUNK_BYTES``.
 - ``Stats`` reports the engine's counters and pools, the prefix cache's resident entries and
   the prompt tokens served from each reuse level so far (``cached_total``).
+- ``Sessions`` lists the sessions the engine knows (``engine_service.sessions``): their cached
+  prefix on each tier, bytes held, last turn, age and idle time.
 - ``Admitted.cached`` and ``Usage.cached`` carry the request's prompt tokens served from each
   reuse level (its first admission; the request's ``tenant`` and ``prompt_metadata_digest`` scope
   its cache identity, ``session_key`` names its conversation, ``prefix_boundary`` its shared block).
@@ -41,11 +43,15 @@ from engine_service.engine import (
 )
 from engine_service.sampling import SamplingParams
 from engine_service.scheduler import Finish
+from engine_service.sessions import SessionRow, collect
 
 log = get_logger(__name__)
 
 FILE_CHUNK_BYTES = 1 << 20
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+_PLACEMENTS = {"none": engine_pb2.CACHE_PLACEMENT_NONE, "resident": engine_pb2.CACHE_PLACEMENT_RESIDENT,
+               "host": engine_pb2.CACHE_PLACEMENT_HOST, "both": engine_pb2.CACHE_PLACEMENT_BOTH}
 
 _REASONS = {
     Finish.STOP: engine_pb2.FINISH_REASON_STOP,
@@ -264,6 +270,33 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             cached_total=cache_hits(s.cache.hit_tokens) if s.cache is not None else engine_pb2.CacheHits(),
             uptime_s=s.uptime_s, device=self.device, cache_entries=s.cache_entries, cache_pages=s.cache_pages,
             cache_state_slots=s.cache_slots)
+
+    async def Sessions(self, request: engine_pb2.SessionsRequest,
+                       context: grpc.aio.ServicerContext) -> engine_pb2.SessionsReply:
+        # off the event loop: it walks the cache's entries under the engine lock
+        rows = await asyncio.get_running_loop().run_in_executor(None, collect, self.core, request.tenant)
+        shown = rows[:request.limit] if request.limit else rows
+        return engine_pb2.SessionsReply(sessions=[session_to_proto(r) for r in shown], engine_id=self.info.engine_id,
+                                        ledger_capacity=self.core.sessions.capacity, total=len(rows))
+
+
+def session_to_proto(r: SessionRow) -> engine_pb2.SessionInfo:
+    info = engine_pb2.SessionInfo(
+        tenant=r.tenant, session_key=r.session_key, cached_tokens=r.cached_tokens, resident_tokens=r.resident_tokens,
+        host_tokens=r.host_tokens, placement=_PLACEMENTS[r.placement], resident_entries=r.resident_entries,
+        host_entries=r.host_entries, resident_bytes=r.resident_bytes, host_bytes=r.host_bytes,
+        requests_running=r.running, requests=r.requests)
+    t = r.last_turn
+    if t is not None:
+        info.last_turn.CopyFrom(engine_pb2.SessionTurn(
+            prompt_tokens=t.prompt_tokens, cached=cache_hits(t.cached), cached_tokens=t.cached_tokens,
+            cached_fraction=t.cached_fraction, ttft_ms=t.ttft_ms, completion_tokens=t.completion_tokens,
+            reason=_REASONS[Finish(t.reason)] if t.reason else engine_pb2.FINISH_REASON_UNSPECIFIED))
+    if r.age_s is not None:
+        info.age_s = r.age_s
+    if r.idle_s is not None:
+        info.idle_s = r.idle_s
+    return info
 
 
 def build_model_info(*, model_id: str, architecture: str, model_type: str, core: Any, kv_dtype: str,

@@ -46,6 +46,12 @@ class GatewayConfig:
         default=(),
         metadata={"help": "API keys as 'key_id:secret', comma separated (added to --api-keys-file)"},
     )
+    admin_keys: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "API key ids (not secrets), comma separated, allowed on the operator endpoints "
+                          "(GET /v1/deepwell/sessions) when API keys are on; with keys on and none listed those "
+                          "endpoints answer 403; without API keys they are open", "metavar": "KEY_ID,..."},
+    )
     request_log: str = field(
         default="", metadata={"help": "append one JSON line per request to this file (no prompt text); empty = off"}
     )
@@ -84,6 +90,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "engines", split_addresses(tuple(self.engines)))
         object.__setattr__(self, "api_keys", split_addresses(tuple(self.api_keys)))
+        object.__setattr__(self, "admin_keys", split_addresses(tuple(self.admin_keys)))
         check(0 <= self.port <= 65535, "port", self.port, "must be in [0, 65535]")
         check(len(self.engines) >= 1, "engines", self.engines, "needs at least one engine address")
         check(self.tool_parser in TOOL_PARSERS, "tool_parser", self.tool_parser, f"must be one of {TOOL_PARSERS}")
@@ -103,3 +110,6 @@ class GatewayConfig:
               "must be debug|info|warning|error")
         for key in self.api_keys:
             check(":" in key and all(key.split(":", 1)), "api_keys", key, "each key must be 'key_id:secret'")
+        for key_id in self.admin_keys:
+            check(":" not in key_id and "/" not in key_id, "admin_keys", "<hidden>" if ":" in key_id else key_id,
+                  "takes API key ids (the part before ':' in --api-keys), never secrets")

@@ -269,6 +269,13 @@ class EngineClient:
                 log.debug("engine_call_cancelled", engine=self.address, request_id=request.request_id,
                           cancelled=cancelled)
 
+    async def sessions(self, tenant: str = "") -> engine_pb2.SessionsReply:
+        """The engine's ``Sessions`` list; ``EngineError`` when it cannot answer."""
+        try:
+            return await self.stub.Sessions(engine_pb2.SessionsRequest(tenant=tenant), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc) from None
+
     async def cancel(self, request_id: str) -> bool:
         try:
             reply = await self.stub.Cancel(engine_pb2.CancelRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)

@@ -266,6 +266,11 @@ class PrefixCache:
         self.counters.evictions["pressure"] += 1
         self._spilling.append(_Spilling(e, future, own_pages, own_slots))
 
+    def spilled_entries(self) -> list[Entry]:
+        """The entries this engine spilled to the host tier that the daemon may still hold (the
+        shadow index's view: the daemon can have evicted some since)."""
+        return list(self._shadow.values())
+
     @property
     def pending_pages(self) -> int:
         """Pages spills in flight will free."""

@@ -3,7 +3,8 @@
 Routes: ``GET /health`` (200 when at least one engine is healthy, else 503 +
 Retry-After), ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /v1/chat/completions``,
 ``/v1/completions``, ``/v1/messages``, ``/v1/messages/count_tokens`` (also
-``?beta=true``), ``/v1/responses``, ``GET /metrics``.
+``?beta=true``), ``/v1/responses``, ``GET /metrics``, and the operator endpoint
+``GET /v1/deepwell/sessions`` (``http.sessions_api``: admin keys when API keys are on).
 
 Errors: ``GatewayError`` -> the API's error shape (Anthropic envelope under
 ``/v1/messages``, OpenAI error object elsewhere); unknown routes/methods likewise (404/405);
@@ -31,7 +32,15 @@ from gateway.auth import ApiKeys
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.errors import GatewayError
-from gateway.http import anthropic_api, openai_api, openapi, responses_api, schemas_anthropic, schemas_openai
+from gateway.http import (
+    anthropic_api,
+    openai_api,
+    openapi,
+    responses_api,
+    schemas_anthropic,
+    schemas_openai,
+    sessions_api,
+)
 from gateway.http.common import api_for_path, context, error_response, read_json
 from gateway.http.middleware import RequestMetricsMiddleware
 from gateway.metrics import GatewayMetrics
@@ -138,6 +147,10 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
     async def metrics() -> Response:
         st.metrics.engines_healthy.set(sum(e.healthy for e in st.engines))
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/deepwell/sessions")
+    async def deepwell_sessions(request: Request) -> Response:
+        return await sessions_api.sessions(st, request)
 
     def model_card(bundle: Any) -> dict[str, Any]:
         return {"id": bundle.model_id, "object": "model", "created": int(st.started_at), "owned_by": "deepwell",

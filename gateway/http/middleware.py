@@ -11,7 +11,8 @@ from gateway.metrics import CURRENT_REQUEST, GatewayMetrics, RequestSlot
 
 ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions", "/v1/messages": "messages",
              "/v1/messages/count_tokens": "messages.count_tokens", "/v1/responses": "responses",
-             "/health": "health", "/metrics": "metrics", "/": "hello", "/api/hello": "hello"}
+             "/health": "health", "/metrics": "metrics", "/": "hello", "/api/hello": "hello",
+             "/v1/deepwell/sessions": "deepwell.sessions"}
 
 
 def endpoint_for(path: str) -> str:

@@ -15,12 +15,23 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_DEADLINE: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class CachePlacement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_PLACEMENT_NONE: _ClassVar[CachePlacement]
+    CACHE_PLACEMENT_RESIDENT: _ClassVar[CachePlacement]
+    CACHE_PLACEMENT_HOST: _ClassVar[CachePlacement]
+    CACHE_PLACEMENT_BOTH: _ClassVar[CachePlacement]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_DEADLINE: FinishReason
 FINISH_REASON_ERROR: FinishReason
+CACHE_PLACEMENT_NONE: CachePlacement
+CACHE_PLACEMENT_RESIDENT: CachePlacement
+CACHE_PLACEMENT_HOST: CachePlacement
+CACHE_PLACEMENT_BOTH: CachePlacement
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs")
@@ -301,3 +312,75 @@ class EngineStats(_message.Message):
     cache_pages: int
     cache_state_slots: int
     def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tokens_prefilled: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., cached_total: _Optional[_Union[CacheHits, _Mapping]] = ..., uptime_s: _Optional[float] = ..., device: _Optional[str] = ..., cache_entries: _Optional[int] = ..., cache_pages: _Optional[int] = ..., cache_state_slots: _Optional[int] = ...) -> None: ...
+
+class SessionsRequest(_message.Message):
+    __slots__ = ("tenant", "limit")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    limit: int
+    def __init__(self, tenant: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class SessionTurn(_message.Message):
+    __slots__ = ("prompt_tokens", "cached", "cached_tokens", "cached_fraction", "ttft_ms", "completion_tokens", "reason")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached: CacheHits
+    cached_tokens: int
+    cached_fraction: float
+    ttft_ms: float
+    completion_tokens: int
+    reason: FinishReason
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached: _Optional[_Union[CacheHits, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., cached_fraction: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., completion_tokens: _Optional[int] = ..., reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("tenant", "session_key", "cached_tokens", "resident_tokens", "host_tokens", "placement", "resident_entries", "host_entries", "resident_bytes", "host_bytes", "last_turn", "age_s", "idle_s", "requests_running", "requests")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_TURN_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    session_key: str
+    cached_tokens: int
+    resident_tokens: int
+    host_tokens: int
+    placement: CachePlacement
+    resident_entries: int
+    host_entries: int
+    resident_bytes: int
+    host_bytes: int
+    last_turn: SessionTurn
+    age_s: float
+    idle_s: float
+    requests_running: int
+    requests: int
+    def __init__(self, tenant: _Optional[str] = ..., session_key: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., host_tokens: _Optional[int] = ..., placement: _Optional[_Union[CachePlacement, str]] = ..., resident_entries: _Optional[int] = ..., host_entries: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., host_bytes: _Optional[int] = ..., last_turn: _Optional[_Union[SessionTurn, _Mapping]] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., requests_running: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+
+class SessionsReply(_message.Message):
+    __slots__ = ("sessions", "engine_id", "ledger_capacity", "total")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    engine_id: str
+    ledger_capacity: int
+    total: int
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., engine_id: _Optional[str] = ..., ledger_capacity: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...

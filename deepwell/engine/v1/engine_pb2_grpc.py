@@ -59,6 +59,11 @@ class EngineStub(object):
                 request_serializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.StatsRequest.SerializeToString,
                 response_deserializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.Sessions = channel.unary_unary(
+                '/deepwell.engine.v1.Engine/Sessions',
+                request_serializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.SessionsRequest.SerializeToString,
+                response_deserializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.SessionsReply.FromString,
+                _registered_method=True)
 
 
 class EngineServicer(object):
@@ -104,6 +109,15 @@ class EngineServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sessions(self, request, context):
+        """The sessions this engine knows (requests with a session key): what of each is cached and
+        where, and its last turn. Operators' view (the gateway's GET /v1/deepwell/sessions); it
+        names every tenant, so like every RPC here it is for deepwell's own processes only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +145,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.StatsRequest.FromString,
                     response_serializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.EngineStats.SerializeToString,
+            ),
+            'Sessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sessions,
+                    request_deserializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.SessionsRequest.FromString,
+                    response_serializer=deepwell_dot_engine_dot_v1_dot_engine__pb2.SessionsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class Engine(object):
             '/deepwell.engine.v1.Engine/Stats',
             deepwell_dot_engine_dot_v1_dot_engine__pb2.StatsRequest.SerializeToString,
             deepwell_dot_engine_dot_v1_dot_engine__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepwell.engine.v1.Engine/Sessions',
+            deepwell_dot_engine_dot_v1_dot_engine__pb2.SessionsRequest.SerializeToString,
+            deepwell_dot_engine_dot_v1_dot_engine__pb2.SessionsReply.FromString,
             options,
             channel_credentials,
             insecure,
