@@ -12,7 +12,11 @@ configuration), a dummy API key, telemetry and auto-update off:
   second turn (``codex exec resume --last``) whose prompt must come from the prefix cache, seen
   in the gateway's request log (``DEEPWELL_GATEWAY_REQUEST_LOG``, which ``deepwell up`` passes to
   the gateway) and in the engine's ``deepwell_engine_cache_hit_tokens_total``;
-- Qwen Code (OpenAI chat completions): ``qwen --auth-type openai "say hi"``.
+- Qwen Code (OpenAI chat completions): ``qwen --auth-type openai "say hi"``;
+- OpenCode (OpenAI chat completions through a custom ``@ai-sdk/openai-compatible`` provider in
+  ``~/.config/opencode/opencode.json``): ``opencode run "say hi"``, then ``opencode run
+  --continue``, whose prompt must come from the prefix cache under the session id OpenCode sends
+  (``X-Session-Id``), seen in the gateway's request log.
 
 Each asserts exit status 0 and some text on stdout. The model is a 135M one at the clients'
 own sampling settings: the assertions are about the plumbing, not the prose, and a run the
@@ -44,7 +48,7 @@ pytestmark = [
     pytest.mark.timeout(3600),
 ]
 
-CLI_TIMEOUT_S = 900  # one CLI run: ~6-15k prompt tokens of prefill on 2 CPU cores, then decoding
+CLI_TIMEOUT_S = 1800  # one CLI run: ~6-15k prompt tokens of prefill on 2 CPU cores (minutes), then decoding
 
 
 def _free_ports(n: int) -> list[int]:
@@ -229,3 +233,35 @@ def test_qwen_code_say_hi(up: Up, cli_bin: Path, ws: Workspace) -> None:
     p = run_cli([str(cli_bin / "qwen"), "--auth-type", "openai", "say hi"], ws,
                 {"OPENAI_BASE_URL": up.url + "/v1", "OPENAI_API_KEY": "dummy", "OPENAI_MODEL": "smollm2"})
     assert_turn(p)
+
+
+def _opencode_env(up: Up, ws: Workspace) -> dict[str, str]:
+    config_dir = ws.home / ".config" / "opencode"
+    config_dir.mkdir(parents=True, exist_ok=True)
+    (config_dir / "opencode.json").write_text(json.dumps(rc.opencode_config(up.url)))
+    return {k: v.replace("{home}", str(ws.home)) for k, v in rc.OPENCODE_ENV.items()}
+
+
+def test_opencode_run_say_hi(up: Up, cli_bin: Path, ws: Workspace) -> None:
+    """Two turns of ``opencode run``: each request carries the session id (``X-Session-Id``,
+    the gateway's session key), and the second turn's prompt comes from the prefix cache. The
+    first turn also sends a title-generation request (no tools, a short prompt) in parallel."""
+    env = _opencode_env(up, ws)
+    opencode = str(cli_bin / "opencode")
+
+    def chat() -> list[dict]:
+        return [r for r in up.requests() if r["endpoint"] == "chat.completions"]
+
+    before = len(chat())
+    assert_turn(run_cli([opencode, "run", "say hi"], ws, env))
+    first = chat()[before:]
+    assert first and all(r["status"] == 200 for r in first), first
+    sessions = {r["session"] for r in first}
+    assert len(sessions) == 1 and next(iter(sessions)).startswith("default/ses_"), sessions
+    main = max(first, key=lambda r: r["prompt_tokens"])  # the agent's request, not the title's
+    assert_turn(run_cli([opencode, "run", "--continue", "and now say bye"], ws, env))
+    second = [r for r in chat()[before + len(first):] if r["session"] in sessions]
+    assert second and second[-1]["status"] == 200, chat()[before:]
+    turn = max(second, key=lambda r: r["prompt_tokens"])
+    # the second turn resends the first turn's prompt: at least that much is served from the cache
+    assert turn["cached_tokens"]["total"] >= main["prompt_tokens"] - 64, (main, turn)

@@ -23,8 +23,8 @@ Usage::
     python tests/gateway/record_clients.py record ... --only claude-code-say-hi,codex-exec-responses
 
 The ``record`` scenarios (``SCENARIOS`` below) run each CLI non-interactively in a scratch
-working directory with a scratch ``$HOME`` / ``CODEX_HOME`` (no personal configuration is
-read), a dummy API key, telemetry and auto-update off, and small output caps.
+working directory with a scratch ``$HOME`` / ``CODEX_HOME`` / ``XDG_*`` folders (no personal
+configuration is read), a dummy API key, telemetry and auto-update off, and small output caps.
 """
 
 from __future__ import annotations
@@ -349,10 +349,13 @@ class Proxy:
 CLAUDE_VERSION = "2.1.332"
 CODEX_VERSION = "0.171.0"
 QWEN_VERSION = "0.24.4"
+OPENCODE_VERSION = "1.18.33"  # opencode-ai: a launcher; the binary comes from opencode-linux-x64 (optional dep)
 NPM_PACKAGES = {"claude-code": f"@anthropic-ai/claude-code@{CLAUDE_VERSION}",
                 "codex": f"@openai/codex@{CODEX_VERSION}",
-                "qwen-code": f"@qwen-code/qwen-code@{QWEN_VERSION}"}
-VERSIONS = {"claude-code": CLAUDE_VERSION, "codex": CODEX_VERSION, "qwen-code": QWEN_VERSION}
+                "qwen-code": f"@qwen-code/qwen-code@{QWEN_VERSION}",
+                "opencode": f"opencode-ai@{OPENCODE_VERSION}"}
+VERSIONS = {"claude-code": CLAUDE_VERSION, "codex": CODEX_VERSION, "qwen-code": QWEN_VERSION,
+            "opencode": OPENCODE_VERSION}
 
 # Documented switches that turn off telemetry, error reporting and auto-update.
 CLAUDE_ENV = {
@@ -372,6 +375,43 @@ QWEN_SETTINGS = {
     "security": {"auth": {"selectedType": "openai"}},
     "model": {"name": "smollm2", "generationConfig": {"samplingParams": {"max_tokens": 64}}},
 }
+
+# OpenCode: no auto-update, no models.dev catalogue (the custom provider below needs none), no
+# LSP downloads, no share links; its config / data / cache / state under the scratch $HOME.
+# (It still runs `npm install @opencode-ai/plugin` in its config folder at startup: the npm
+# registry must be reachable, nothing else is.)
+OPENCODE_ENV = {
+    "OPENCODE_DISABLE_AUTOUPDATE": "1",
+    "OPENCODE_DISABLE_MODELS_FETCH": "1",
+    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+    "OPENCODE_DISABLE_SHARE": "1",
+    "XDG_CONFIG_HOME": "{home}/.config",
+    "XDG_DATA_HOME": "{home}/.local/share",
+    "XDG_CACHE_HOME": "{home}/.cache",
+    "XDG_STATE_HOME": "{home}/.local/state",
+}
+
+
+def opencode_config(base_url: str, max_output: int = 64) -> dict[str, Any]:
+    """``~/.config/opencode/opencode.json``: the gateway as a custom OpenAI-compatible provider
+    (``@ai-sdk/openai-compatible``, bundled in the binary: chat completions). ``limit.output``
+    is the ``max_tokens`` OpenCode sends; the timeouts (default 300 s to the response headers
+    and between chunks) leave room for minutes of CPU prefill."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "autoupdate": False,
+        "share": "disabled",
+        "model": "deepwell/smollm2",
+        "provider": {
+            "deepwell": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "deepwell",
+                "options": {"baseURL": f"{base_url}/v1", "apiKey": "dummy",
+                            "timeout": 1_800_000, "headerTimeout": 1_800_000, "chunkTimeout": 1_800_000},
+                "models": {"smollm2": {"name": "SmolLM2", "limit": {"context": 32768, "output": max_output}}},
+            },
+        },
+    }
 
 
 def codex_config(base_url: str) -> str:
@@ -409,7 +449,7 @@ class Scenario:
     client: str
     argv: list[str]  # {bin} = the client's node_modules/.bin directory
     env: dict[str, str] = field(default_factory=dict)  # {proxy} = the proxy's URL, {home}, {cwd}
-    setup: str = ""  # "codex" | "qwen" | ""
+    setup: str = ""  # "codex" | "qwen" | "opencode" | ""
     timeout_s: float = 900.0
     note: str = ""
     then: list[list[str]] = field(default_factory=list)  # later turns, same home / project / proxy
@@ -444,6 +484,10 @@ SCENARIOS = [
              {"OPENAI_BASE_URL": "{proxy}/v1", "OPENAI_API_KEY": "dummy", "OPENAI_MODEL": "smollm2"},
              setup="qwen", then=[["{bin}/qwen", "--auth-type", "openai", "--continue", "and now say bye"]],
              note="OpenAI chat completions, then a second turn (--continue)"),
+    Scenario("opencode-run-say-hi", "opencode", ["{bin}/opencode", "run", "say hi"], dict(OPENCODE_ENV),
+             setup="opencode", then=[["{bin}/opencode", "run", "--continue", "and now say bye"]],
+             note="OpenAI chat completions through a custom @ai-sdk/openai-compatible provider, then a second "
+                  "turn (--continue)"),
 ]
 
 
@@ -454,6 +498,9 @@ def setup_scenario(sc: Scenario, home: Path, proxy_url: str) -> None:
     elif sc.setup == "qwen":
         (home / ".qwen").mkdir(parents=True, exist_ok=True)
         (home / ".qwen" / "settings.json").write_text(json.dumps(QWEN_SETTINGS, indent=1))
+    elif sc.setup == "opencode":
+        (home / ".config" / "opencode").mkdir(parents=True, exist_ok=True)
+        (home / ".config" / "opencode" / "opencode.json").write_text(json.dumps(opencode_config(proxy_url), indent=1))
 
 
 def run_scenario(sc: Scenario, upstream: str, bin_dir: Path, out_dir: Path, keep: bool = False) -> dict[str, Any]:

@@ -355,7 +355,7 @@ def check_response(fx: dict[str, Any], resp: httpx.Response, tool: str | None = 
 # ------------------------------------------------------------------------ the replays
 def test_fixtures_present() -> None:
     clients = {fx["recorded"]["client"] for _, fx in FIXTURES}
-    assert {"claude-code", "codex", "qwen-code"} <= clients, clients
+    assert {"claude-code", "codex", "qwen-code", "opencode"} <= clients, clients
     for name, fx in FIXTURES:
         assert set(fx) >= {"method", "path", "headers", "body", "recorded"}, name
         lowered = {k.lower() for k in fx["headers"]}
@@ -403,6 +403,9 @@ class SessionSource:
 
 SESSION_SOURCES = [
     SessionSource("x-claude-code-session-id", lambda fx: fx["headers"].get("x-claude-code-session-id"), ()),
+    # OpenCode (a custom provider): `x-session-id` and `x-session-affinity`, both its session id;
+    # the gateway reads the first
+    SessionSource("x-session-id", lambda fx: fx["headers"].get("x-session-id"), ()),
     # the four below were gaps at b75a3f2 (no key from Codex; the whole user_id JSON string as the key)
     SessionSource("metadata.user_id", _claude_user_id_session, ("x-claude-code-session-id",)),
     SessionSource("session-id", lambda fx: fx["headers"].get("session-id"), ("thread-id",),
@@ -484,6 +487,12 @@ def _first(select: Callable[[dict[str, Any]], bool]) -> list[Any]:
     return []
 
 
+def _first_per_client(select: Callable[[dict[str, Any]], bool]) -> list[Any]:
+    """``_first`` for each recorded client (Qwen Code and OpenCode share the chat API)."""
+    clients = dict.fromkeys(fx["recorded"]["client"] for _, fx in FIXTURES)
+    return [p for c in clients for p in _first(lambda fx, c=c: fx["recorded"]["client"] == c and select(fx))]
+
+
 @pytest.mark.parametrize("fx", _first(lambda fx: fx["recorded"]["client"] == "claude-code" and _api(fx) == ANTHROPIC
                                       and len(offered_tools(fx)) > 3))
 def test_anthropic_context_overflow_is_prompt_too_long(fx: dict[str, Any], small_gw, client) -> None:
@@ -499,9 +508,7 @@ def test_anthropic_context_overflow_is_prompt_too_long(fx: dict[str, Any], small
     assert m and int(m.group(1)) > int(m.group(2)) and int(m.group(2)) in (2047, 2048), err
 
 
-@pytest.mark.parametrize("fx", [*_first(lambda fx: _api(fx) == ANTHROPIC and bool(offered_tools(fx))),
-                                *_first(lambda fx: _api(fx) == OPENAI_CHAT and bool(offered_tools(fx))),
-                                *_first(lambda fx: _api(fx) == RESPONSES and bool(offered_tools(fx)))])
+@pytest.mark.parametrize("fx", _first_per_client(lambda fx: _api(fx) is not None and bool(offered_tools(fx))))
 def test_tools_reach_a_template_without_tools(fx: dict[str, Any], plain_engine_gw, client) -> None:
     """The generic tool format: a template that ignores ``tools`` (SmolLM2's) still gets them in
     the prompt, and a Hermes-form call comes back as a tool call (dropped at b75a3f2)."""
