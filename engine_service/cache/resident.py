@@ -196,7 +196,7 @@ class PrefixCache:
         each spilled to the host tier first when there is one. False when they are not free *now*:
         spills in flight will free them (evicting nothing more meanwhile), or even evicting every
         entry could not (evicting nothing)."""
-        self.poll()
+        self.poll(keep=protect)  # a request is about to adopt ``protect``: keep it until it has
         b = self.blocks
         while b.free_pages < pages or b.free_slots < slots:
             if b.free_pages + b.cached_only_pages < pages or b.free_slots + b.cached_only_slots < slots:
@@ -280,9 +280,10 @@ class PrefixCache:
     def pending_slots(self) -> int:
         return sum(s.slots for s in self._spilling)
 
-    def poll(self) -> None:
-        """Free the memory of every spill that is done (committed or not)."""
-        done = [s for s in self._spilling if s.future.done()]
+    def poll(self, keep: Entry | None = None) -> None:
+        """Free the memory of every spill that is done (committed or not), but ``keep``'s: an
+        entry a request matched while its spill was in flight stays until it has adopted it."""
+        done = [s for s in self._spilling if s.entry is not keep and s.future.done()]
         for s in done:
             self._spilling.remove(s)
             if s.entry.id in self.entries:
