@@ -41,10 +41,12 @@ log = logs.get_logger("gateway.pipeline")
 ENGINE_FINISH = {
     engine_pb2.FINISH_REASON_STOP: "stop",
     engine_pb2.FINISH_REASON_LENGTH: "length",
-    engine_pb2.FINISH_REASON_CANCELLED: "cancelled",
-    engine_pb2.FINISH_REASON_DEADLINE: "cancelled",
     engine_pb2.FINISH_REASON_ERROR: "error",
 }
+# The engine ended the request itself (shutting down, a deadline, another caller's Cancel): the
+# client did not ask for it, so its answer is cut short. It is an error the client can retry
+# (503 before a response began, an error event in a stream), never a normal finish.
+ENGINE_STOPPED = {engine_pb2.FINISH_REASON_CANCELLED: "cancelled", engine_pb2.FINISH_REASON_DEADLINE: "deadline"}
 
 @dataclass
 class Started:
@@ -67,6 +69,14 @@ class Finished:
     cached: dict[str, int]
     stop_sequence: str | None = None
     error: str = ""
+    error_kind: str = "internal"  # with reason "error": the GatewayError kind a response without a stream gets
+    retry_after_s: int | None = None
+
+    def failure(self) -> GatewayError:
+        """The error a response without a stream answers for a generation that ended in error."""
+        if self.error_kind == "unavailable":
+            return GatewayError("unavailable", self.error, retry_after_s=self.retry_after_s)
+        return GatewayError("internal", f"generation failed in the engine: {self.error or 'unknown error'}")
     tool_calls: list[ToolCallEnd] = field(default_factory=list)
 
     @property
@@ -356,11 +366,17 @@ class Generation:
                 self._engine_timings = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "decode_ms": t.decode_ms,
                                         "engine_ttft_ms": t.ttft_ms}
                 self._engine_done = True
+                if f.reason in ENGINE_STOPPED:
+                    await self._finish("error", f, kind="unavailable", error=(
+                        f"the engine stopped this request before it finished ({ENGINE_STOPPED[f.reason]}"
+                        f"{': ' + f.error if f.error else ''}); the answer is incomplete: retry it"))
+                    return
                 await self._finish(ENGINE_FINISH.get(f.reason, "stop"), f)
                 return
         raise EngineUnavailable("the engine closed the stream without a Finished message")
 
-    async def _finish(self, reason: str, f: engine_pb2.Finished | None) -> None:
+    async def _finish(self, reason: str, f: engine_pb2.Finished | None, kind: str = "internal",
+                      error: str = "") -> None:
         if self.started is None:  # a stream must start before it can finish
             raise EngineUnavailable("the engine finished a request it never admitted")
         for ev in self.processor.finish(reason):
@@ -374,8 +390,8 @@ class Generation:
         cached = _cache_dict(usage.cached) if usage is not None and usage.HasField("cached") else self.started.cached
         self.finished = Finished(
             reason=reason, prompt_tokens=self.started.prompt_tokens, completion_tokens=completion, cached=cached,
-            stop_sequence=self.processor.stop_sequence, error=f.error if f is not None else "",
-            tool_calls=list(self.processor.calls),
+            stop_sequence=self.processor.stop_sequence, error=error or (f.error if f is not None else ""),
+            error_kind=kind, retry_after_s=self.service.config.retry_after_s, tool_calls=list(self.processor.calls),
         )
         await self._queue.put(self.finished)
 

@@ -260,7 +260,7 @@ def _message_body(events: list[Any], mid: str, model: str) -> dict[str, Any]:
             finished = ev
     assert finished is not None
     if finished.reason == "error":
-        raise GatewayError("internal", f"generation failed in the engine: {finished.error or 'unknown error'}")
+        raise finished.failure()
     for b in blocks:
         if b["type"] == "thinking":
             b["signature"] = signature(b["thinking"])
@@ -335,8 +335,8 @@ async def _message_stream(gen: Generation, mid: str, model: str) -> AsyncIterato
                 for b in stop():
                     yield b
                 if ev.reason == "error":
-                    status = 500
-                    err = GatewayError("internal", f"generation failed in the engine: {ev.error or 'unknown error'}")
+                    err = ev.failure()
+                    status = err.status
                     yield sse(anthropic_error_body(err), "error")
                     return
                 yield sse({"type": "message_delta",

@@ -187,7 +187,7 @@ def _chat_body(events: list[Any], cid: str, created: int, model: str) -> dict[st
             finished = ev
     assert finished is not None
     if finished.reason == "error":
-        raise GatewayError("internal", f"generation failed in the engine: {finished.error or 'unknown error'}")
+        raise finished.failure()
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content) if content or not finished.tool_calls
                                else None}
     if reasoning:
@@ -234,9 +234,9 @@ async def _chat_stream(gen: Generation, cid: str, created: int, model: str,
                     yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.json_fragment}}]})
             elif isinstance(ev, Finished):
                 if ev.reason == "error":
-                    err = GatewayError("internal", f"generation failed in the engine: {ev.error or 'unknown error'}")
+                    err = ev.failure()
                     yield sse(openai_error_body(err))
-                    status = 500
+                    status = err.status
                     break
                 yield chunk({}, FINISH[ev.reason])
                 if include_usage:
@@ -281,7 +281,7 @@ async def completions(app_state: Any, request: Request, ctx: RequestContext, dat
         text = "".join(ev.text for ev in events if isinstance(ev, ContentDelta))
         fin = next(ev for ev in events if isinstance(ev, Finished))
         if fin.reason == "error":
-            raise GatewayError("internal", f"generation failed in the engine: {fin.error or 'unknown error'}")
+            raise fin.failure()
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": created, "model": prepared.model_name,
             "system_fingerprint": None,
@@ -313,8 +313,9 @@ async def _completion_stream(gen: Generation, cid: str, created: int, model: str
                 yield chunk(ev.text)
             elif isinstance(ev, Finished):
                 if ev.reason == "error":
-                    status = 500
-                    yield sse(openai_error_body(GatewayError("internal", f"generation failed: {ev.error}")))
+                    err = ev.failure()
+                    status = err.status
+                    yield sse(openai_error_body(err))
                     break
                 yield chunk("", FINISH[ev.reason])
                 if include_usage:

@@ -295,7 +295,7 @@ async def responses(app_state: Any, request: Request, ctx: RequestContext, data:
         builder.close_open()
         assert finished is not None
         if finished.reason == "error":
-            raise GatewayError("internal", f"generation failed in the engine: {finished.error or 'unknown error'}")
+            raise finished.failure()
         status = "incomplete" if finished.reason == "length" else "completed"
         return JSONResponse(builder.response(status, finished), headers={"x-request-id": ctx.request_id})
     await gen.open_stream(app_state.config.keepalive_s)
@@ -315,8 +315,10 @@ async def _stream(gen: Generation, b: _Builder) -> AsyncIterator[bytes]:
                 for chunk in b.close_open():
                     yield chunk
                 if ev.reason == "error":
-                    status = 500
-                    yield b.ev("error", code="server_error", message=f"generation failed: {ev.error}", param=None)
+                    err = ev.failure()
+                    status = err.status
+                    code = "service_unavailable" if err.kind == "unavailable" else "server_error"
+                    yield b.ev("error", code=code, message=err.message, param=None)
                     return
                 final = "incomplete" if ev.reason == "length" else "completed"
                 yield b.ev(f"response.{final}", response=b.response(final, ev))

@@ -247,12 +247,14 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
                 time.sleep(0.05)
                 yield engine_pb2.GenerateResponse(tokens=engine_pb2.TokenChunk())
         reason = {"stop": engine_pb2.FINISH_REASON_STOP, "length": engine_pb2.FINISH_REASON_LENGTH,
-                  "error": engine_pb2.FINISH_REASON_ERROR}[finish]
+                  "error": engine_pb2.FINISH_REASON_ERROR, "cancelled": engine_pb2.FINISH_REASON_CANCELLED,
+                  "deadline": engine_pb2.FINISH_REASON_DEADLINE}[finish]
         usage = engine_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=len(ids),
                                  cached=cached)
         fin = engine_pb2.Finished(reason=reason, usage=usage,
                                   timings=engine_pb2.Timings(queue_ms=1.0, prefill_ms=2.0, decode_ms=3.0, ttft_ms=3.0),
-                                  error="scripted engine error" if finish == "error" else "")
+                                  error={"error": "scripted engine error",
+                                         "cancelled": "engine shutting down"}.get(finish, ""))
         if finish == "stop":
             fin.stop_token_id = fake.eos_id
         yield engine_pb2.GenerateResponse(finished=fin)

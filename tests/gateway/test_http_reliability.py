@@ -16,6 +16,8 @@ CAP = 160
 LONG = " ".join(f"word{i}" for i in range(300))  # many more tokens than CAP
 EMOJI = "x " * 20 + "😀👍🏽 日本語 — ünï " * 3  # pushed 40 ids at a time: pushes end inside characters
 SCRIPTS = [Script(trigger="talk a lot", text=LONG), Script(trigger="engine fails", text="partial", finish="error"),
+           Script(trigger="engine stops", text="The musical", finish="cancelled"),
+           Script(trigger="engine deadline", text="The", finish="deadline"),
            Script(trigger="emoji burst", text=EMOJI, chunk=40),
            Script(trigger="typed call", chunk=3, text='<tool_call>\n{"name": "get_weather", "arguments": '
                                                       '{"city": "Paris", "days": "3"}}\n</tool_call>')]
@@ -299,3 +301,25 @@ def test_json_form_arguments_typed_streamed_and_not(env):
     partial = "".join(e["delta"]["partial_json"] for _, e in events
                       if isinstance(e, dict) and e.get("type") == "content_block_delta")
     assert json.loads(partial) == {"city": "Paris", "days": 3}
+
+
+@pytest.mark.parametrize("trigger", ["engine stops", "engine deadline"])
+def test_a_request_the_engine_ends_itself_is_an_error_never_a_normal_finish(env, trigger: str) -> None:
+    """Found by benchmarks/soak.py: an engine shutting down (or a deadline) ends its requests as
+    cancelled, which used to reach the client as finish_reason "stop" / "end_turn" on a cut-short
+    answer. Now: 503 with Retry-After without a stream, an error event in one; the log says error."""
+    _, gw, client = env
+    msgs = [{"role": "user", "content": trigger}]
+    r = send(client, "/v1/chat/completions", {"model": "m", "messages": msgs})
+    assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+    assert "stopped this request before it finished" in r.json()["error"]["message"]
+    r = send(client, "/v1/messages", {"model": "m", "max_tokens": 50, "messages": msgs})
+    assert r.status_code == 503 and r.json()["type"] == "error", r.text
+    for path, body in (("/v1/chat/completions", {"model": "m", "messages": msgs, "stream": True}),
+                       ("/v1/messages", {"model": "m", "max_tokens": 50, "messages": msgs, "stream": True}),
+                       ("/v1/responses", {"model": "m", "input": trigger, "stream": True})):
+        with client.stream("POST", path, content=json.dumps(body), headers={"content-type": "application/json"}) as r:
+            text = r.read().decode()
+        assert "stopped this request before it finished" in text, (path, text[-500:])
+        assert '"finish_reason": "stop"' not in text and '"finish_reason":"stop"' not in text
+        assert "end_turn" not in text and "response.completed" not in text
