@@ -74,8 +74,8 @@ class Finished:
 
     def failure(self) -> GatewayError:
         """The error a response without a stream answers for a generation that ended in error."""
-        if self.error_kind == "unavailable":
-            return GatewayError("unavailable", self.error, retry_after_s=self.retry_after_s)
+        if self.error_kind != "internal":
+            return GatewayError(self.error_kind, self.error, retry_after_s=self.retry_after_s)
         return GatewayError("internal", f"generation failed in the engine: {self.error or 'unknown error'}")
     tool_calls: list[ToolCallEnd] = field(default_factory=list)
 
@@ -417,7 +417,7 @@ class Generation:
                 self.status = 500 if err.kind == "internal" else 200
                 self.finished = Finished(reason="error", prompt_tokens=self.started.prompt_tokens,
                                          completion_tokens=self._completion_tokens, cached=self.started.cached,
-                                         error=err.message)
+                                         error=err.message, error_kind=err.kind, retry_after_s=err.retry_after_s)
                 yield self.finished
                 return
             yield item
