@@ -130,7 +130,7 @@ def test_up_serves_and_shuts_down_on_sigint(tmp_path: Path) -> None:
 def test_up_restarts_dead_children_and_serves_on(tmp_path: Path) -> None:
     """nvfp4 KV on the default model; SIGKILL the daemon, then the engine: the gateway answers
     503 with a retry hint while the engine is down, both come back by themselves, and requests
-    succeed again."""
+    succeed again; then SIGKILL the gateway: it comes back and serves."""
     proc, port = _start_up(tmp_path, "--kv-dtype", "nvfp4")
     kids = _children(proc.pid)
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
@@ -154,8 +154,21 @@ def test_up_restarts_dead_children_and_serves_on(tmp_path: Path) -> None:
         assert proc.poll() is None
         now = _children(proc.pid)
         assert len(now) == 3 and _daemon(now) and not set(now) & {engine[0], *_daemon(kids)}
+        # the gateway dies: up restarts it, and it finds the engine again by itself
+        gateway = [k for k in now if "gateway" in Path(f"/proc/{k}/cmdline").read_text()]
+        os.kill(gateway[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        ok = False
+        while time.monotonic() < deadline and not ok:
+            try:
+                ok = httpx.post(url, json=body, timeout=60).status_code == 200
+            except httpx.TransportError:  # nothing listens until it is back
+                pass
+            time.sleep(0.5)
+        assert ok and proc.poll() is None
         log = (tmp_path / "up.log").read_text()
         assert "engine exited with status -9; restarting it" in log and "restarting kvcache" in log
+        assert "gateway exited with status -9; restarting it" in log
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
