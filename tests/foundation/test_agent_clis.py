@@ -232,9 +232,12 @@ def test_qwen_code_say_hi(up: Up, cli_bin: Path, ws: Workspace) -> None:
     (qwen_dir / "settings.json").write_text(json.dumps(rc.QWEN_SETTINGS))
     p = run_cli([str(cli_bin / "qwen"), "--auth-type", "openai", "say hi"], ws,
                 {"OPENAI_BASE_URL": up.url + "/v1", "OPENAI_API_KEY": "dummy", "OPENAI_MODEL": "smollm2",
-                 # its request timeout (default a few minutes) is shorter than a CPU prefill of its
-                 # ~14k-token prompt on 2 busy cores: the client cancels and retries
-                 "QWEN_CODE_API_TIMEOUT_MS": str(CLI_TIMEOUT_S * 1000)})
+                 # its request timeout (2 min), stream idle guard (4 min; the SSE comments the gateway
+                 # sends while it prefills do not reset it) and stream lifetime cap (15 min) are all
+                 # shorter than a CPU prefill of its ~14k-token prompt on 2 busy cores: the client
+                 # cancels and retries from scratch
+                 "QWEN_CODE_API_TIMEOUT_MS": "0", "QWEN_STREAM_IDLE_TIMEOUT_MS": "0",
+                 "QWEN_STREAM_MAX_LIFETIME_MS": "0"})
     assert_turn(p)
 
 
