@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from benchmarks.soak import free_ports
 
 from tests.gateway import record_clients as rc
 
@@ -49,17 +50,6 @@ pytestmark = [
 ]
 
 CLI_TIMEOUT_S = 1800  # one CLI run: ~6-15k prompt tokens of prefill on 2 CPU cores (minutes), then decoding
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +96,7 @@ def up(tmp_path_factory) -> Up:
     except Exception as exc:  # no network and no cached copy
         pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
     tmp = tmp_path_factory.mktemp("up")
-    port, grpc_port, engine_port, metrics_port = _free_ports(4)
+    port, grpc_port, engine_port, metrics_port = free_ports(4)
     argv = [sys.executable, "-m", "deepwell.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
             "--engine-port", str(engine_port), "--engine-metrics-port", str(metrics_port),
             "--kvcache-arena-bytes", str(256 << 20), "--device", "cpu", "--startup-timeout-s", "300",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,21 +15,11 @@ import grpc
 import httpx
 import pytest
 
+from benchmarks.soak import free_ports
 from deepwell import grpcx
 from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
 
 from tests.engine.fixtures_smollm2 import smollm2_gguf_path
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _children(pid: int) -> list[int]:
@@ -58,7 +47,7 @@ def _alive(pid: int) -> bool:
 
 
 def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
-    port, grpc_port, engine_port, metrics_port = _free_ports(4)
+    port, grpc_port, engine_port, metrics_port = free_ports(4)
     argv = [sys.executable, "-m", "deepwell.cli", "up", "--model", str(smollm2_gguf_path()),
             "--port", str(port), "--grpc-port", str(grpc_port), "--engine-port", str(engine_port),
             "--engine-metrics-port", str(metrics_port), "--kvcache-arena-bytes", str(64 << 20),
