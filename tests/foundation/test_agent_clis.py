@@ -31,15 +31,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import free_ports
+from tests.foundation.test_up import start_up
 
 from tests.gateway import record_clients as rc
 
@@ -96,33 +94,12 @@ def up(tmp_path_factory) -> Up:
     except Exception as exc:  # no network and no cached copy
         pytest.skip(f"SmolLM2 GGUF unavailable: {exc}")
     tmp = tmp_path_factory.mktemp("up")
-    port, grpc_port, engine_port, metrics_port = free_ports(4)
-    argv = [sys.executable, "-m", "deepwell.cli", "up", "--port", str(port), "--grpc-port", str(grpc_port),
-            "--engine-port", str(engine_port), "--engine-metrics-port", str(metrics_port),
-            "--kvcache-arena-bytes", str(256 << 20), "--device", "cpu", "--startup-timeout-s", "300",
-            "--log-level", "warning"]
     # the engine's defaults (2 GiB of KV pool: SmolLM2's whole 32k context, extended by YaRN);
     # an output cap for requests without one (Codex sends none: a run the model never ends
     # stops there instead of filling the context)
-    env = {**os.environ, "DEEPWELL_GATEWAY_REQUEST_LOG": str(tmp / "requests.jsonl"),
-           "DEEPWELL_GATEWAY_DEFAULT_MAX_TOKENS": "1024"}
-    log = open(tmp / "up.log", "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    deadline = time.monotonic() + 600
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if "Press Ctrl-C to stop." in line:
-            break
-    else:
-        line = ""
-    if "Press Ctrl-C" not in line:
-        proc.kill()
-        proc.wait()
-        raise AssertionError("deepwell up did not come up:\n" + "".join(seen) + (tmp / "up.log").read_text()[-4000:])
+    proc, (port, _grpc, _engine, metrics_port) = start_up(
+        tmp, "--kvcache-arena-bytes", str(256 << 20), "--startup-timeout-s", "300", timeout_s=600,
+        env={"DEEPWELL_GATEWAY_REQUEST_LOG": str(tmp / "requests.jsonl"), "DEEPWELL_GATEWAY_DEFAULT_MAX_TOKENS": "1024"})
     yield Up(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", tmp / "requests.jsonl")
     proc.send_signal(signal.SIGINT)
     try:
@@ -130,7 +107,6 @@ def up(tmp_path_factory) -> Up:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    log.close()
 
 
 @dataclass

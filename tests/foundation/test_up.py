@@ -46,28 +46,36 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
-    port, grpc_port, engine_port, metrics_port = free_ports(4)
-    argv = [sys.executable, "-m", "deepwell.cli", "up", "--model", str(smollm2_gguf_path()),
-            "--port", str(port), "--grpc-port", str(grpc_port), "--engine-port", str(engine_port),
-            "--engine-metrics-port", str(metrics_port), "--kvcache-arena-bytes", str(64 << 20),
-            "--device", "cpu", "--startup-timeout-s", "240", "--log-level", "warning", *extra]
+def start_up(tmp_path: Path, *extra: str, env: dict[str, str] | None = None,
+             timeout_s: float = 300) -> tuple[subprocess.Popen[str], list[int]]:
+    """``deepwell up --device cpu`` on free ports (gateway, gRPC Chat, engine, engine metrics,
+    returned in that order) with ``extra`` flags and its stderr in ``tmp_path/up.log``; returns
+    once it printed its banner (or fails with what it printed)."""
+    ports = free_ports(4)
+    argv = [sys.executable, "-m", "deepwell.cli", "up", "--port", str(ports[0]), "--grpc-port", str(ports[1]),
+            "--engine-port", str(ports[2]), "--engine-metrics-port", str(ports[3]), "--device", "cpu",
+            "--log-level", "warning", *extra]
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 (closed with the process)
-    # a 0.25 GiB KV pool (5.8k tokens): zeroing the default 2 GiB took ~23 of the engine's ~30 s start
-    env = {**os.environ, "DEEPWELL_ENGINE_CPU_KV_GIB": "0.25"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    deadline = time.monotonic() + 300
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout_s
     seen = []
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
             break
         seen.append(line)
         if "Press Ctrl-C to stop." in line:
-            return proc, port
+            return proc, ports
     proc.kill()
     proc.wait()
     raise AssertionError("deepwell up did not come up:\n" + "".join(seen) + (tmp_path / "up.log").read_text()[-4000:])
+
+
+def _start_up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    # a 0.25 GiB KV pool (5.8k tokens): zeroing the default 2 GiB took ~23 of the engine's ~30 s start
+    proc, ports = start_up(tmp_path, "--model", str(smollm2_gguf_path()), "--kvcache-arena-bytes", str(64 << 20),
+                           "--startup-timeout-s", "240", *extra, env={"DEEPWELL_ENGINE_CPU_KV_GIB": "0.25"})
+    return proc, ports[0]
 
 
 def _daemon(kids: list[int]) -> list[int]:
