@@ -19,12 +19,11 @@ from fastapi.responses import JSONResponse, Response
 
 from deepwell.engine.v1 import engine_pb2
 from gateway.http.common import context
+from gateway.pipeline import ENGINE_FINISH, ENGINE_STOPPED
 
 PLACEMENTS = {engine_pb2.CACHE_PLACEMENT_NONE: "none", engine_pb2.CACHE_PLACEMENT_RESIDENT: "resident",
               engine_pb2.CACHE_PLACEMENT_HOST: "host", engine_pb2.CACHE_PLACEMENT_BOTH: "both"}
-REASONS = {engine_pb2.FINISH_REASON_STOP: "stop", engine_pb2.FINISH_REASON_LENGTH: "length",
-           engine_pb2.FINISH_REASON_CANCELLED: "cancelled", engine_pb2.FINISH_REASON_DEADLINE: "deadline",
-           engine_pb2.FINISH_REASON_ERROR: "error"}
+REASONS = {**ENGINE_FINISH, **ENGINE_STOPPED}  # the engine's finish reasons by name
 LEVELS = ("resident_frontier", "resident_checkpoint", "host_entry", "session_lookup", "shared_prefix")
 
 
