@@ -4,7 +4,9 @@ Routes: ``GET /health`` (200 when at least one engine is healthy, else 503 +
 Retry-After), ``GET /v1/models`` and ``/v1/models/{id}``, ``POST /v1/chat/completions``,
 ``/v1/completions``, ``/v1/messages``, ``/v1/messages/count_tokens`` (also
 ``?beta=true``), ``/v1/responses``, ``GET /metrics``, and the operator endpoint
-``GET /v1/deepwell/sessions`` (``http.sessions_api``: admin keys when API keys are on).
+``GET /v1/deepwell/sessions`` (``http.sessions_api``: admin keys when API keys are on), its companion
+``GET /v1/deepwell/stats`` (``http.stats_api``: engine and gateway counters, same rule) and the status
+page ``GET /deepwell/status`` (``http.status_page``: HTML + JS reading those two).
 
 Errors: ``GatewayError`` -> the API's error shape (Anthropic envelope under
 ``/v1/messages``, OpenAI error object elsewhere); unknown routes/methods likewise (404/405);
@@ -40,6 +42,8 @@ from gateway.http import (
     schemas_anthropic,
     schemas_openai,
     sessions_api,
+    stats_api,
+    status_page,
 )
 from gateway.http.common import api_for_path, context, error_response, read_json
 from gateway.http.middleware import RequestMetricsMiddleware
@@ -151,6 +155,18 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> FastAPI:
     @app.get("/v1/deepwell/sessions")
     async def deepwell_sessions(request: Request) -> Response:
         return await sessions_api.sessions(st, request)
+
+    @app.get("/v1/deepwell/stats")
+    async def deepwell_stats(request: Request) -> Response:
+        return await stats_api.stats(st, request)
+
+    def status_asset(path: str) -> Callable[[], Awaitable[Response]]:
+        async def asset() -> Response:
+            return status_page.serve(path)
+        return asset
+
+    for path in status_page.ASSETS:  # the page and its script and style sheet (no data, no auth: see status_page)
+        app.add_api_route(path, status_asset(path), methods=["GET"], include_in_schema=False)
 
     def model_card(bundle: Any) -> dict[str, Any]:
         return {"id": bundle.model_id, "object": "model", "created": int(st.started_at), "owned_by": "deepwell",
