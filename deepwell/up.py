@@ -13,7 +13,7 @@ Retry-After and routes to it again once its health check passes. A child dying m
 ``MAX_RESTARTS`` times within a minute stops everything (exit 1, naming it).
 
 The engine's and the gateway's main options pass through (``--model``, ``--kv-dtype``,
-``--max-context``, ``--memory-fraction``, ``--cpu-kv-gib``, ``--api-keys-file``,
+``--max-context``, ``--memory-fraction``, ``--cpu-kv-gib``, ``--speculative-tokens``, ``--api-keys-file``,
 ``--request-log``), the rest as strings (``--engine-args``, ``--gateway-args``); every
 ``DEEPWELL_ENGINE_*`` / ``DEEPWELL_GATEWAY_*`` variable reaches the children too.
 """
@@ -52,6 +52,9 @@ class UpConfig:
     max_context: int = field(default=0, metadata={"help": "engine context limit in tokens (0 = the model's)"})
     memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: share of free GPU memory for the KV pool"})
     cpu_kv_gib: float = field(default=0.0, metadata={"help": "CPU: GiB for the KV pool (0 = the engine's default)"})
+    speculative_tokens: int = field(default=-1, metadata={"help": "engine MTP speculative decoding: tokens drafted "
+                                                                  "per step (0 = off, -1 = auto: on where the "
+                                                                  "checkpoint has MTP weights)"})
     api_keys_file: str = field(default="", metadata={"help": "gateway API keys file ('' = no client auth)"})
     request_log: str = field(default="", metadata={"help": "gateway JSONL request log ('' = off)"})
     engine_args: str = field(default="", metadata={"help": "more engine flags, one string (e.g. '--max-concurrency "
@@ -83,6 +86,8 @@ class UpConfig:
         configs.check(self.max_context >= 0, "max_context", self.max_context, "must be >= 0 (0 = the model's)")
         configs.check(0 < self.memory_fraction <= 1, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         configs.check(self.cpu_kv_gib >= 0, "cpu_kv_gib", self.cpu_kv_gib, "must be >= 0 (0 = engine default)")
+        configs.check(self.speculative_tokens >= -1, "speculative_tokens", self.speculative_tokens,
+                      "must be >= 0 (0 = off), or -1 for auto")
         for name in ("engine_args", "gateway_args"):
             try:
                 shlex.split(getattr(self, name))
@@ -157,6 +162,8 @@ def plan(cfg: UpConfig, run_dir: Path) -> list[Child]:
         engine_argv += ["--max-context", str(cfg.max_context)]
     if cfg.cpu_kv_gib:
         engine_argv += ["--cpu-kv-gib", str(cfg.cpu_kv_gib)]
+    if cfg.speculative_tokens >= 0:
+        engine_argv += ["--speculative-tokens", str(cfg.speculative_tokens)]
     engine_argv += shlex.split(cfg.engine_args)
     children.append(Child("engine", engine_argv, lambda: grpc_healthy(engine_address, timeout_s=1.0)))
     gateway_argv = [py, "-m", "gateway", "--host", cfg.host, "--port", str(cfg.port), "--engines", engine_address,

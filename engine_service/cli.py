@@ -131,7 +131,7 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,
                           token_budget=cfg.token_budget, queue_size=cfg.queue_size, chunk_tokens=cfg.chunk_tokens,
                           max_context=cfg.max_context or runner.max_context, prefix_cache=cfg.prefix_cache == "on",
-                          cache_fraction=cfg.cache_fraction)
+                          cache_fraction=cfg.cache_fraction, speculative_tokens=speculative_tokens(cfg, runner))
     core = EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
                       defaults=default_sampling(source.generation_config), observer=observer)
     calibrate_kv(source, runner, served_context=core.max_context)
@@ -144,6 +144,20 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
         except KVKernelCheckError as exc:
             raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r} on this device: {exc}") from None
     return core
+
+
+def speculative_tokens(cfg: EngineConfig, runner: Any) -> int:
+    """Drafts per decode step: the configured count where the runner has its MTP module enabled
+    (auto: ``DEFAULT_SPECULATIVE_TOKENS``), else 0; ``ConfigError`` when asked for without MTP."""
+    from engine_service.config import DEFAULT_SPECULATIVE_TOKENS
+
+    has_mtp = bool(getattr(runner, "mtp_layers", 0))
+    if cfg.speculative_tokens > 0 and not has_mtp:
+        raise configs.ConfigError(f"invalid speculative_tokens={cfg.speculative_tokens}: the model has no MTP "
+                                  "weights to draft with (use a Qwen3.5/3.6 checkpoint with mtp.* tensors, or 0)")
+    if not has_mtp:
+        return 0
+    return DEFAULT_SPECULATIVE_TOKENS if cfg.speculative_tokens < 0 else cfg.speculative_tokens
 
 
 def calibrate_kv(source: Any, runner: Any, served_context: int | None = None, sink: bool = True) -> Any:
@@ -216,7 +230,8 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
     try:
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
                             kv_hadamard=cfg.kv_hadamard, kv_center_k=cfg.kv_center_k,
-                            kv_k_rounding=cfg.kv_k_rounding, random=cfg.random_weights)
+                            kv_k_rounding=cfg.kv_k_rounding, random=cfg.random_weights,
+                            mtp=cfg.speculative_tokens != 0)
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
 

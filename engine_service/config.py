@@ -23,6 +23,9 @@ applied at start-up (``engine_service.cli``):
 - The served context is ``min(max_context or the model's, num_pages * page_size)``; the
   model's is its config's, extended by ``rope_scaling`` (``engine_service.rope_scaling``:
   YaRN; ``auto`` extends the embedded default model 8192 -> 32768 tokens).
+- ``speculative_tokens`` (MTP): -1 drafts ``DEFAULT_SPECULATIVE_TOKENS`` tokens per decode step
+  where the checkpoint has MTP weights (and none elsewhere); a positive value for a checkpoint
+  without them refuses to start. The MTP layer's KV is one more layer of every KV page.
 - ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv.quant_pool``):
   it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
   when the runner is built); a page then costs its true quantized bytes, so the same
@@ -61,6 +64,8 @@ KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv.quant_pool.
 CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv.quant_pool.SCALED_FORMATS
 QUANT_PAGE_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_SPECULATIVE_TOKENS = 3  # provisional (vLLM/SGLang recipes use 2-3): no sweep on real MTP weights yet
+MAX_SPECULATIVE_TOKENS = 15  # a verify slice is 1 + drafts <= 16 tokens (the verify kernels' T)
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,10 @@ class EngineConfig:
                                                                 "context with YaRN; model = the checkpoint's own; "
                                                                 "auto = yarn:4:1 for the embedded default model "
                                                                 "(8k -> 32k), model otherwise"})
+    speculative_tokens: int = field(default=-1, metadata={
+        "help": "MTP speculative decoding: tokens drafted per decode step by the checkpoint's own MTP layer and "
+                "verified in one step (outputs exactly as without; 0 = off; -1 = auto: "
+                f"{DEFAULT_SPECULATIVE_TOKENS} where the checkpoint has MTP weights, else off)"})
     random_weights: bool = field(default=False, metadata={"help": "fill the weights with random values instead of "
                                                                   "loading them (speed and memory measurements of "
                                                                   "full-size shapes: a HF directory then needs only "
@@ -201,6 +210,8 @@ class EngineConfig:
         c(self.chunk_tokens >= 0, "chunk_tokens", self.chunk_tokens, "must be >= 0 (0 = token_budget)")
         c(self.queue_size >= 0, "queue_size", self.queue_size, "must be >= 0")
         c(self.max_context >= 0, "max_context", self.max_context, "must be >= 0 (0 = the model's)")
+        c(-1 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS, "speculative_tokens", self.speculative_tokens,
+          f"must be in 0..{MAX_SPECULATIVE_TOKENS} (0 = off), or -1 for auto")
         try:
             parse_rope_scaling(self.rope_scaling)
         except ValueError as exc:

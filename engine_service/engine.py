@@ -44,7 +44,7 @@ from engine_service.cache.index import Owner
 from engine_service.cache.host import HostCounters, HostTier
 from engine_service.cache.resident import PrefixCache
 from engine_service.cache.types import CacheCounters
-from engine_service.runner_api import ForwardBatch, ModelRunner, SeqSlice
+from engine_service.runner_api import DraftInput, ForwardBatch, ModelRunner, SeqSlice
 from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
 from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan
 from engine_service.sessions import SessionLedger, Turn
@@ -86,6 +86,8 @@ class FinishedEvent:
     stop_token_id: int | None = None
     error: str = ""
     cached: dict[str, int] = field(default_factory=dict)
+    spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request
+    spec_accepted: int = 0  # and accepted
 
 
 Event = AdmittedEvent | TokensEvent | FinishedEvent
@@ -106,6 +108,9 @@ class Counters:
     tokens_decoded: int = 0
     requests_finished: int = 0
     steps: int = 0
+    spec_rounds: int = 0  # verify slices run
+    spec_drafted: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # of them accepted
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,9 @@ class StepObserver:
     def on_host_copy(self, kind: str, seconds: float, nbytes: int, ok: bool) -> None:
         """A spill to (``kind`` = spill) or restore from (restore) the host tier ended."""
 
+    def on_spec_round(self, drafted: int, accepted: int) -> None:
+        """One verify slice: ``drafted`` draft tokens checked, ``accepted`` of them kept."""
+
 
 @dataclass(frozen=True)
 class EngineLimits:
@@ -155,6 +163,7 @@ class EngineLimits:
     chunk_tokens: int = 0  # per-request cap per step (0 = token_budget)
     prefix_cache: bool = True  # keep ended sequences and checkpoints for reuse (cache.resident)
     cache_fraction: float = 1.0  # the most of the KV pool's pages that entries alone may hold
+    speculative_tokens: int = 0  # MTP drafts per decode step (0: off; the runner must have enable_mtp()'d)
 
 
 class EngineCore:
@@ -178,6 +187,11 @@ class EngineCore:
                             chunk_tokens=limits.chunk_tokens),
             self.blocks, cache=self.cache)
         self.sampler = Sampler()
+        self.spec_tokens = limits.speculative_tokens
+        if self.spec_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.spec_tokens}")
+        if self.spec_tokens and not getattr(runner, "mtp_layers", 0):
+            raise ValueError("speculative decoding needs a runner with the MTP module enabled (enable_mtp())")
         self.eos_ids = frozenset(eos_ids)
         self.defaults = defaults or SamplingParams()
         self.observer = observer or StepObserver()
@@ -289,7 +303,7 @@ class EngineCore:
             batch = self._build_batch(plan)
             self._in_step = {s.request.request_id for s in plan.slices}
         try:
-            sampled = self._run(plan, batch)
+            sampled, drafts = self._run(plan, batch)
         except Exception as exc:  # an internal error fails this step's requests only
             ids = [s.request.request_id for s in plan.slices]
             log.exception("engine step failed", request_ids=ids, error=str(exc))
@@ -302,7 +316,7 @@ class EngineCore:
             return 0
         self._report_kv_scales()
         with self.lock:
-            done = self._apply(plan, sampled)
+            done = self._apply(plan, sampled, drafts)
             self._in_step = set()  # (after: a failure while applying leaves these half-updated)
             return done
 
@@ -325,15 +339,18 @@ class EngineCore:
         for s in plan.slices:
             req = s.request
             end = s.start + s.num_tokens
-            ids.extend(req.tokens[s.start:end])
+            ids.extend(req.tokens[s.start:end] if not s.verify else [req.tokens[s.start], *s.draft])
             table = self.blocks.block_table(req.request_id)[: -(-end // ps)]
             seqs.append(SeqSlice(state_slot=self.blocks.state_slot(req.request_id), block_table=tuple(table),
-                                 start=s.start, num_tokens=s.num_tokens, need_logits=s.need_logits))
+                                 start=s.start, num_tokens=s.num_tokens, need_logits=s.need_logits,
+                                 verify=s.verify))
         return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.runner.device), seqs=seqs)
 
-    def _run(self, plan: StepPlan, batch: ForwardBatch) -> dict[str, Sampled]:
-        """Restores, model forward, checkpoint images, sampling (outside the lock: the pages and
-        slots copied from are pinned by their requests until ``update``)."""
+    def _run(self, plan: StepPlan, batch: ForwardBatch) -> tuple[dict[str, list[Sampled]], dict[str, list[int]]]:
+        """Restores, model forward, checkpoint images, sampling (a verify slice: acceptance and
+        the commit of its recurrent state), MTP drafting; outside the lock: the pages and slots
+        copied from are pinned by their requests until ``update``. Returns each request's new
+        tokens and its drafts for the next step."""
         for s, seq in zip(plan.slices, batch.seqs):
             r = s.restore
             if r is not None and r.copy_page is not None:
@@ -347,24 +364,69 @@ class EngineCore:
         for s, seq in zip(plan.slices, batch.seqs):
             if s.checkpoint is not None and s.checkpoint.image_slot >= 0:
                 self.runner.copy_state(seq.state_slot, s.checkpoint.image_slot)
-        wanted = [s for s in plan.slices if s.need_logits]
-        if logits.shape[0] != len(wanted):
-            raise RuntimeError(f"runner returned {logits.shape[0]} logits rows for {len(wanted)} slices")
-        if not wanted:
-            return {}
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        keep = [i for i, ok in enumerate(finite) if ok]
-        for i, ok in enumerate(finite):
-            if not ok:  # fails in _apply, alone
-                wanted[i].request.extra["step_error"] = "model produced non-finite logits"
-        if not keep:
-            return {}
-        wanted = [wanted[i] for i in keep]
-        rows = [SampleRow(params=s.request.params, prompt_ids=s.request.prompt_ids, output_ids=s.request.output_ids,
-                          generator=s.request.extra.get("generator"), eos_ids=self.eos_ids,
-                          prompt_seen=self._prompt_seen(s.request)) for s in wanted]
-        out = self.sampler.sample(logits[keep] if len(keep) < len(finite) else logits, rows)
-        return {s.request.request_id: o for s, o in zip(wanted, out)}
+        wanted = [(s, seq) for s, seq in zip(plan.slices, batch.seqs) if s.need_logits]
+        counts = [s.num_tokens if s.verify else 1 for s, _ in wanted]
+        if logits.shape[0] != sum(counts):
+            raise RuntimeError(f"runner returned {logits.shape[0]} logits rows for {sum(counts)} wanted")
+        out: dict[str, list[Sampled]] = {}
+        if wanted:
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            plain: list[Slice] = []
+            plain_rows: list[int] = []
+            lo = 0
+            for (s, seq), n in zip(wanted, counts):
+                rows = range(lo, lo + n)
+                lo += n
+                if not all(finite[i] for i in rows):  # fails in _apply, alone
+                    s.request.extra["step_error"] = "model produced non-finite logits"
+                elif s.verify:
+                    out[s.request.request_id] = self._accept(s, seq.state_slot, logits[rows.start:rows.stop])
+                else:
+                    plain.append(s)
+                    plain_rows.append(rows.start)
+            if plain:
+                x = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+                for s, smp in zip(plain, self.sampler.sample(x, [self._sample_row(s.request) for s in plain])):
+                    out[s.request.request_id] = [smp]
+        drafts = self._propose(plan, batch, out) if self.spec_tokens else {}
+        return out, drafts
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        return SampleRow(params=req.params, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
+                         generator=req.extra.get("generator"), eos_ids=self.eos_ids, prompt_seen=self._prompt_seen(req))
+
+    def _accept(self, s: Slice, slot: int, logits: torch.Tensor) -> list[Sampled]:
+        """A verify slice's tokens (the accepted drafts, then the model's own, cut at a stop) and
+        the commit of its recurrent state to exactly the positions they follow."""
+        acc = self.sampler.verify(logits, self._sample_row(s.request), s.draft)
+        keep, _ = self.scheduler.keep_until_stop(s.request, [a.token_id for a in acc])
+        acc = acc[:keep]
+        self.runner.accept(slot, len(acc))  # type: ignore[attr-defined]
+        return acc
+
+    def _propose(self, plan: StepPlan, batch: ForwardBatch, out: dict[str, list[Sampled]]) -> dict[str, list[int]]:
+        """MTP after the step: the MTP layers run over every slice's computed rows (their KV
+        filled for later drafts), and requests still decoding draft up to ``spec_tokens`` tokens."""
+        inputs: list[DraftInput] = []
+        owners: list[str] = []
+        row = 0
+        with self.lock:  # page reservations for the drafts are scheduler state
+            for s, seq in zip(plan.slices, batch.seqs):
+                req, first = s.request, row
+                row += s.num_tokens
+                new = [x.token_id for x in out.get(req.request_id, ())]
+                if req.status is not Status.RUNNING or (s.need_logits and not new):
+                    continue  # cancelled meanwhile, or its logits failed
+                m = len(new) if s.verify else s.num_tokens
+                following = (req.tokens[: s.start + 1] + new if s.verify else req.tokens + new)[s.start + 1:
+                                                                                                 s.start + m + 1]
+                ends = s.need_logits and self.scheduler.keep_until_stop(req, new)[1]
+                k = 0 if not s.need_logits or ends else self.scheduler.draft_room(req, self.spec_tokens, len(new))
+                inputs.append(DraftInput(tuple(self.blocks.block_table(req.request_id)), s.start, first,
+                                         following, k))
+                owners.append(req.request_id)
+        drafts = self.runner.propose(inputs)  # type: ignore[attr-defined]
+        return {rid: d for rid, d in zip(owners, drafts) if d}
 
     def _prompt_seen(self, req: Request) -> torch.Tensor | None:
         """The prompt's token set as a [vocab] bool mask, built once per request (repetition penalty)."""
@@ -377,7 +439,7 @@ class EngineCore:
             req.extra["prompt_seen"] = mask
         return mask
 
-    def _apply(self, plan: StepPlan, sampled: dict[str, Sampled]) -> int:
+    def _apply(self, plan: StepPlan, sampled: dict[str, list[Sampled]], drafts: dict[str, list[int]]) -> int:
         now = time.monotonic()
         for sl in plan.slices:
             err = sl.request.extra.pop("step_error", None)
@@ -385,7 +447,7 @@ class EngineCore:
                 log.error("request failed in step", request_id=sl.request.request_id, error=err)
                 if self.scheduler.fail(sl.request.request_id, f"internal error: {err}") is not None:
                     self._emit_finished(sl.request)
-        finished = self.scheduler.update(plan, {k: v.token_id for k, v in sampled.items()})
+        finished = self.scheduler.update(plan, {k: [x.token_id for x in v] for k, v in sampled.items()})
         done = {id(r) for r in finished}
         decoded = 0
         for s in plan.slices:
@@ -393,20 +455,26 @@ class EngineCore:
             smp = sampled.get(req.request_id)
             if smp is None or (id(req) not in done and req.status is not Status.RUNNING):
                 continue  # no logits in this slice, or cancelled while the step ran
-            decoded += 1
+            decoded += len(smp)
+            if s.verify:
+                self._count_round(req, s.draft, smp)
             times: _Times = req.extra["times"]
             if times.first_token is None:
                 times.first_token = now
                 self.observer.on_first_token(now - times.arrival)
             elif times.last_token is not None:
-                self.observer.on_token_gap(now - times.last_token)
+                for _ in smp:  # tokens of a verify slice arrive together: their mean gap each
+                    self.observer.on_token_gap((now - times.last_token) / len(smp))
             times.last_token = now
             is_stop = id(req) in done and req.stop_token_id is not None
-            if not is_stop:
-                lp = [smp] if req.params.logprobs else None
-                self._emit(req, TokensEvent([smp.token_id], lp))
+            shown = smp[:-1] if is_stop else smp
+            if shown:
+                lp = list(shown) if req.params.logprobs else None
+                self._emit(req, TokensEvent([x.token_id for x in shown], lp))
             if id(req) in done:
                 self._emit_finished(req)
+            elif req.status is Status.RUNNING and req.request_id in drafts:
+                req.draft = list(drafts[req.request_id])
         total = plan.num_tokens
         prefilled = sum(s.num_tokens for s in plan.slices if not _is_decode(s))
         self.counters.tokens_prefilled += prefilled
@@ -414,6 +482,21 @@ class EngineCore:
         self.counters.steps += 1
         self.observer.on_step(self.snapshot(), prefilled, decoded)
         return total
+
+    def _count_round(self, req: Request, draft: tuple[int, ...], got: list[Sampled]) -> None:
+        accepted = 0
+        for d, x in zip(draft, got):
+            if d != x.token_id:
+                break
+            accepted += 1
+        c = self.counters
+        c.spec_rounds += 1
+        c.spec_drafted += len(draft)
+        c.spec_accepted += accepted
+        mine = req.extra.setdefault("spec", [0, 0])
+        mine[0] += len(draft)
+        mine[1] += accepted
+        self.observer.on_spec_round(len(draft), accepted)
 
     # -- events --------------------------------------------------------------------------
     def _emit(self, req: Request, event: Event) -> None:
@@ -441,7 +524,8 @@ class EngineCore:
             prefill_ms=((first if first is not None else now) - admitted) * ms if t.admitted is not None else 0.0,
             decode_ms=(now - first) * ms if first is not None else 0.0,
             ttft_ms=(first - t.arrival) * ms if first is not None else 0.0,
-            stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits))
+            stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits),
+            spec_drafted=req.extra.get("spec", (0, 0))[0], spec_accepted=req.extra.get("spec", (0, 0))[1])
         if req.owner.session:
             self.sessions.finished(req.owner.tenant, req.owner.session, Turn(
                 ev.prompt_tokens, ev.cached, ev.ttft_ms, ev.completion_tokens, ev.reason.value))
@@ -449,8 +533,9 @@ class EngineCore:
 
 
 def _is_decode(s: Slice) -> bool:
-    """A decode slice feeds back the one token generated last step; anything else is prefill."""
-    return s.num_tokens == 1 and not s.new_seq and s.start >= len(s.request.prompt_ids)
+    """A decode slice feeds back the one token generated last step (with the drafts after it, a
+    verify slice); anything else is prefill."""
+    return s.verify or (s.num_tokens == 1 and not s.new_seq and s.start >= len(s.request.prompt_ids))
 
 
 class Engine:

@@ -41,6 +41,11 @@ of a conversation's chain). With the host tier (``--kv-daemon``):
 ``deepwell_engine_cache_spill_seconds`` / ``deepwell_engine_cache_restore_seconds`` (Reserve or
 Lookup to Commit or Release, copies included). The host tier's entries and bytes are the daemon's
 own metrics (``deepwell kvcache --metrics-address``).
+
+Speculative decoding (MTP, ``--speculative-tokens``): ``deepwell_engine_spec_draft_tokens_total``
+and ``deepwell_engine_spec_accepted_tokens_total`` (their ratio is the acceptance rate) and the
+histogram ``deepwell_engine_spec_accepted_per_round`` (drafts accepted per verify step; each
+step also yields one token of the model's own).
 """
 
 from __future__ import annotations
@@ -129,6 +134,13 @@ class EngineMetrics(StepObserver):
                                                    f"Host-tier {kind} latency (RPCs and copies)", labels,
                                                    buckets=_COPY_BUCKETS, registry=r)
                                    for kind in ("spill", "restore")}
+        self.spec_drafted = Counter("deepwell_engine_spec_draft_tokens", "Speculative decoding: draft tokens verified",
+                                    labels, registry=r)
+        self.spec_accepted = Counter("deepwell_engine_spec_accepted_tokens", "Speculative decoding: draft tokens "
+                                     "accepted", labels, registry=r)
+        self.spec_per_round = Histogram("deepwell_engine_spec_accepted_per_round", "Speculative decoding: draft "
+                                        "tokens accepted per verify step of one request", labels,
+                                        buckets=tuple(range(16)), registry=r)
         self.model = model
         self._server: Any = None
 
@@ -211,6 +223,11 @@ class EngineMetrics(StepObserver):
         if delta > 0:
             child.inc(delta)
             self._totals[key] = total
+
+    def on_spec_round(self, drafted: int, accepted: int) -> None:
+        self.spec_drafted.labels(self.model).inc(drafted)
+        self.spec_accepted.labels(self.model).inc(accepted)
+        self.spec_per_round.labels(self.model).observe(accepted)
 
     def on_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(self.model).observe(ttft_s)

@@ -40,13 +40,13 @@ from engine_service.kv.settings import KVSettings, KVSpec, page_bytes_by_kv_dtyp
 from engine_service.kv.state import StateLayout, StatePool
 from engine_service.kv.store import KVStore
 from engine_service.layers.backend import ReferenceBackend, get_backend
-from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
+from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext, VerifyRecord
 from engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from engine_service.layers.rope import inv_freq_and_scale
 from engine_service.loading.source import ModelSource
 from engine_service.models import build_model, load_weights, random_weights
 from engine_service.models.decoder import CausalLM
-from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
+from engine_service.runner_api import DraftInput, ForwardBatch, MemorySpec, SeqSlice
 from kernels.calibration import ScaleCounts
 
 log = get_logger(__name__)
@@ -91,6 +91,10 @@ class TorchModelRunner:
         self.kv_store = KVStore(self.kv_spec, self.state_layout, device, self.ops, inv_freq=inv_freq,
                                 max_context=a.max_context, num_q_heads=a.attention.num_heads, model_dtype=dtype)
         self._slot_pos: list[int] = []  # tokens each state slot's contents correspond to
+        self.mtp_layers = 0  # > 0 once enable_mtp(): the MTP module's KV layers follow the model's
+        self._last_hidden: torch.Tensor | None = None  # the last forward's hidden states (MTP drafting)
+        self._verify: VerifyRecord | None = None  # the last forward's verify slices, until accepted
+        self._verify_start: dict[int, int] = {}
 
     # -- runner_api.ModelRunner ------------------------------------------------------
     @property
@@ -164,7 +168,12 @@ class TorchModelRunner:
                              [SeqSlice(0 if state else -1, list(range(pages)), 0, n, need_logits=False)])
         ctx = self._context(batch, scratch, state, [0])
         with torch.inference_mode():
-            self.model(batch.input_ids.to(self._device), ctx, scratch, state)  # type: ignore[arg-type]
+            ids_dev = batch.input_ids.to(self._device)
+            hidden = self.model(ids_dev, ctx, scratch, state)  # type: ignore[arg-type]
+            if self.mtp_layers:  # the MTP layers' K/V too: each row pairs with the token after it
+                nxt = torch.cat([ids_dev[1:], ids_dev[-1:]])
+                ctx = self._context(batch, scratch, None, [])
+                self.model.mtp_forward(nxt, self.model.model.norm(hidden), ctx, scratch)  # type: ignore[arg-type]
 
     def check_kv_kernels(self) -> KVKernelCheck | None:
         """Before serving: the device's KV kernels against the reference (``KVStore.check_kernels``)."""
@@ -180,12 +189,16 @@ class TorchModelRunner:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         with torch.inference_mode():
             hidden = self.model(ids, ctx, self.kv, self.state)
+            self._last_hidden = hidden if self.mtp_layers else None
+            self._verify = ctx.verify
+            self._verify_start = {s.state_slot: s.start for s in ctx.seqs if s.verify}
             if self.state is not None:
                 for s in ctx.seqs:
-                    self._slot_pos[s.state_slot] = s.start + s.num_tokens
+                    if not s.verify:
+                        self._slot_pos[s.state_slot] = s.start + s.num_tokens
             rows = []
             for s, q in zip(ctx.seqs, batch.seqs, strict=True):
-                if q.all_logits:
+                if q.all_logits or q.verify:
                     rows.extend(range(s.offset, s.offset + s.num_tokens))
                 elif q.need_logits:
                     rows.append(s.offset + s.num_tokens - 1)
@@ -193,6 +206,79 @@ class TorchModelRunner:
                 return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self._device)
             index = torch.tensor(rows, dtype=torch.long, device=self._device)
             return self.model.logits(hidden.index_select(0, index))
+
+    # -- speculative decoding ----------------------------------------------------------
+    def enable_mtp(self) -> None:
+        """Give the model's MTP module its KV layers in the pool (after the main model's), so
+        ``propose`` can draft; before ``allocate``. ValueError when the model has no MTP weights."""
+        if self.model.mtp is None:
+            raise ValueError(f"{self.args.architecture} has no MTP module loaded: nothing to draft with "
+                             "(speculative decoding needs a checkpoint with mtp.* weights)")
+        if self.kv_store.kv is not None:
+            raise RuntimeError("enable_mtp() must be called before allocate()")
+        a, n = self.args, len(self.model.mtp.layers)
+        self.kv_spec = resolve(self.kv_spec.settings, model_dtype=self.dtype, num_layers=len(a.attention_layers) + n,
+                               num_kv_heads=a.attention.num_kv_heads, head_dim=a.attention.head_dim,
+                               page_size=self.page_size)
+        inv_freq, _ = inv_freq_and_scale(a.rope)
+        self.kv_store = KVStore(self.kv_spec, self.state_layout, self._device, self.ops, inv_freq=inv_freq,
+                                max_context=a.max_context, num_q_heads=a.attention.num_heads, model_dtype=self.dtype)
+        self.mtp_layers = n
+
+    def accept(self, slot: int, num_tokens: int) -> None:
+        """Commit the first ``num_tokens`` tokens of the last forward's verify slice in ``slot``:
+        its recurrent state then holds ``start + num_tokens`` tokens (no-op without state)."""
+        if self.state is None:
+            return
+        if self._verify is None or slot not in self._verify_start:
+            raise ValueError(f"state slot {slot} had no verify slice in the last forward")
+        start = self._verify_start.pop(slot)
+        commits = self._verify.commits.get(slot, [])
+        with torch.inference_mode():
+            for commit in commits:
+                commit(num_tokens)
+        self._slot_pos[slot] = start + num_tokens
+
+    def propose(self, inputs: Sequence[DraftInput]) -> list[list[int]]:
+        """MTP drafting after a forward: per input, the MTP layers run over its computed rows
+        (filling their KV), then ``num_drafts`` tokens are drafted greedily one at a time."""
+        if not self.mtp_layers or self._last_hidden is None:
+            raise RuntimeError("propose() needs enable_mtp() and a forward first")
+        if not inputs:
+            return []
+        dev, model, hid = self._device, self.model, self._last_hidden
+        drafts: list[list[int]] = [[] for _ in inputs]
+        with torch.inference_mode():
+            rows = torch.cat([torch.arange(d.hidden_row, d.hidden_row + len(d.tokens)) for d in inputs]).to(dev)
+            h = model.model.norm(hid.index_select(0, rows))
+            seqs = [SeqSlice(-1, d.block_table, d.start, len(d.tokens), need_logits=False) for d in inputs]
+            ids = [t for d in inputs for t in d.tokens]
+            live = [i for i, d in enumerate(inputs) if d.num_drafts > 0]
+            out = self._mtp_step(ids, seqs, h)
+            ends = torch.tensor([sum(len(d.tokens) for d in inputs[: i + 1]) - 1 for i in live], dtype=torch.long,
+                                device=dev)
+            for step in range(max((inputs[i].num_drafts for i in live), default=0)):
+                if not live:
+                    break
+                last = out.index_select(0, ends)
+                picked = model.lm_head(last).float().argmax(dim=-1).tolist()
+                for i, t in zip(live, picked):
+                    drafts[i].append(int(t))
+                live_next = [j for j, i in enumerate(live) if len(drafts[i]) < inputs[i].num_drafts]
+                if not live_next:
+                    break
+                live = [live[j] for j in live_next]
+                seqs = [SeqSlice(-1, inputs[i].block_table, inputs[i].start + len(inputs[i].tokens) + step, 1,
+                                 need_logits=False) for i in live]
+                out = self._mtp_step([drafts[i][-1] for i in live], seqs, last.index_select(
+                    0, torch.tensor(live_next, dtype=torch.long, device=dev)))
+                ends = torch.arange(len(live), dtype=torch.long, device=dev)
+        return drafts
+
+    def _mtp_step(self, ids: list[int], seqs: list[SeqSlice], hidden: torch.Tensor) -> torch.Tensor:
+        batch = ForwardBatch(torch.tensor(ids, dtype=torch.long), seqs)
+        ctx = self._context(batch, self.kv, None, [])
+        return self.model.mtp_forward(batch.input_ids.to(self._device), hidden, ctx, self.kv)  # type: ignore[arg-type]
 
     def reset_state(self, slot: int) -> None:
         if self.state is not None:
@@ -289,7 +375,8 @@ class TorchModelRunner:
                     token_index = (table[pos // ps] * ps + pos % ps).to(self._device)
                     slots.append(token_index[s.start :])
             positions.append(torch.arange(s.start, end))
-            seqs.append(SeqInfo(offset, s.num_tokens, s.start, s.state_slot, token_index))
+            verify = s.verify and s.num_tokens > 1 and state is not None
+            seqs.append(SeqInfo(offset, s.num_tokens, s.start, s.state_slot, token_index, verify))
             offset += s.num_tokens
         multi_i = [i for i, s in enumerate(seqs) if s.num_tokens > 1]
         single_i = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
@@ -305,6 +392,7 @@ class TorchModelRunner:
             multi=tuple(seqs[i] for i in multi_i),
             decode=self._decode_group(single, dec_pages) if single else None,
             prefill=prefill,
+            verify=VerifyRecord() if any(s.verify for s in seqs) else None,
         )
 
     def _page_tables(self, seqs: list[SeqInfo], tables: list[list[int]]) -> PageTables | None:
@@ -350,6 +438,7 @@ def build_runner(
     kv_center_k: str = "auto",
     kv_k_rounding: str = "auto",
     random: bool = False,
+    mtp: bool = False,
 ) -> TorchModelRunner:
     """Build the model for ``source`` on ``device`` and stream its weights in (``random``: fill
     them with random values instead, ``models.random_weights``).
@@ -357,6 +446,9 @@ def build_runner(
     ``backend`` names the layer ops (``layers.backend.get_backend``); "auto": "cuda" (the GDN
     ops on fla-core's kernels, ``layers.cuda_backend``) on a CUDA device where fla-core
     imports, else "reference".
+
+    ``mtp``: give the checkpoint's MTP module its KV layers (``enable_mtp``) for speculative
+    decoding; a model without (complete) MTP weights logs ``mtp_unavailable`` and has none.
 
     The runner (and so every KV setting) is checked before the weights load."""
     dev = torch.device(device)
@@ -373,6 +465,12 @@ def build_runner(
         random_weights(model)
     else:
         load_weights(model, family, text_cfg, source.iter_tensors())
+    if mtp:
+        if model.mtp is not None:
+            runner.enable_mtp()
+        else:
+            log.warning("mtp_unavailable", model_id=source.model_id,
+                        reason="the checkpoint has no (complete) MTP weights: decoding without speculation")
     log.info(
         "runner_built",
         model_id=source.model_id,

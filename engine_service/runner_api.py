@@ -43,6 +43,20 @@ class SeqSlice:
     num_tokens: int  # new tokens in this step, >= 1
     need_logits: bool = True  # return logits for the slice's last token
     all_logits: bool = False  # return logits for every token of the slice, in order (scoring: perplexity)
+    # speculative verify slice (implies all_logits): recurrent state stays at ``start`` until
+    # ``accept(slot, n)`` commits its first n tokens; attention KV beyond them is ignored later
+    verify: bool = False
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """One sequence's part of MTP drafting after a forward (``TorchModelRunner.propose``)."""
+
+    block_table: Sequence[int]  # pages covering start + len(tokens) + num_drafts - 1 positions
+    start: int  # position of the slice the last forward computed for it
+    hidden_row: int  # that slice's first row in the forward's batch
+    tokens: Sequence[int]  # the tokens that follow positions start .. start + len - 1 (len: rows computed)
+    num_drafts: int  # tokens to draft after them (0: only fill the MTP layers' KV)
 
 
 @dataclass

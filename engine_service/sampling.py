@@ -177,8 +177,61 @@ class Sampler:
                 if banned:
                     x[i, banned] = float("-inf")
 
+    def verify(self, logits: torch.Tensor, row: SampleRow, draft: Sequence[int]) -> list[Sampled]:
+        """Speculative acceptance of ``draft`` against ``logits`` ``[len(draft) + 1, vocab]`` (row ``j``:
+        the model's next-token logits after the request's tokens and ``draft[:j]``): the accepted
+        drafts, then one token of the model's own, as ``sample`` would have chosen them one by one.
+
+        Each row is processed as ``sample`` processes it (penalties and min_tokens with the drafts
+        before it in the history). Greedy: a draft is kept while it equals the argmax. Sampling: the
+        drafter is greedy (its distribution a point mass on its token), so draft ``d`` is kept with
+        probability p(d) and otherwise replaced by a draw from p without ``d`` — standard
+        speculative rejection sampling, whose output distribution is exactly p. A request's
+        generator makes it reproducible, though its tokens differ from a non-speculative run's."""
+        if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match a draft of {len(draft)} tokens")
+        p, out = row.params, []
+        history = list(row.output_ids)
+        raw_lp = torch.log_softmax(logits.float(), dim=-1) if p.logprobs > 0 else None
+        for j in range(len(draft) + 1):
+            r = SampleRow(p, row.prompt_ids, history, row.generator, row.eos_ids, row.prompt_seen)
+            x = logits[j : j + 1].float().clone()
+            self._apply_penalties(x, [r])
+            self._ban_until_min_tokens(x, [r], x.shape[1])
+            d = draft[j] if j < len(draft) else None
+            if p.greedy:
+                tok = int(torch.argmax(x[0]))
+            else:
+                assert r.generator is not None, "a sampled row needs its request's generator"
+                probs = self._probs(x, [r])[0]
+                u = float(torch.rand(1, generator=r.generator, device=r.generator.device))
+                if d is not None and u < float(probs[d]):
+                    tok = d
+                else:
+                    if d is not None:
+                        probs[d] = 0.0
+                    tok = int(torch.multinomial(probs, 1, generator=r.generator))
+            smp = Sampled(token_id=tok)
+            if raw_lp is not None:
+                smp.logprob = float(raw_lp[j, tok])
+                vals, ids = _topk_stable(raw_lp[j], p.logprobs)
+                smp.top = [(int(t), float(v)) for t, v in zip(ids.tolist(), vals.tolist())]
+            out.append(smp)
+            if tok != d:
+                break
+            history.append(tok)
+        return out
+
     @staticmethod
-    def _draw(x: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+    def _probs(x: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """The distribution ``_draw`` draws from, per row over the whole vocabulary ``[B, vocab]``."""
+        probs, ids = Sampler._filtered(x, rows)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        return torch.zeros_like(probs).scatter_(1, ids, probs)
+
+    @staticmethod
+    def _filtered(x: torch.Tensor, rows: Sequence[SampleRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, top-k, top-p and min-p applied: (probabilities, token ids), best first."""
         temps = torch.tensor([r.params.temperature for r in rows], dtype=x.dtype, device=x.device)
         x = x / temps[:, None]
         sorted_logits, sorted_ids = torch.sort(x, dim=-1, descending=True, stable=True)
@@ -193,7 +246,11 @@ class Sampler:
         min_p = torch.tensor([r.params.min_p for r in rows], dtype=x.dtype, device=x.device)
         drop |= probs < (min_p * probs[:, 0])[:, None]
         drop[:, 0] = False  # the best token always survives
-        probs = probs.masked_fill(drop, 0.0)
+        return probs.masked_fill(drop, 0.0), sorted_ids
+
+    @staticmethod
+    def _draw(x: torch.Tensor, rows: Sequence[SampleRow]) -> list[int]:
+        probs, sorted_ids = Sampler._filtered(x, rows)
         picked: list[int] = []
         for j, r in enumerate(rows):
             assert r.generator is not None, "a sampled row needs its request's generator"

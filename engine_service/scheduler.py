@@ -45,7 +45,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -123,6 +123,7 @@ class Request:
     # its memory holds exactly its num_computed positions (False from admission until a step of it
     # is applied: pending copies): only then may it be kept in the cache
     consistent: bool = field(init=False, default=True)
+    draft: list[int] = field(init=False, default_factory=list)  # speculative tokens to verify next step
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -160,6 +161,11 @@ class Slice:
     new_seq: bool  # first slice after (re)admission: the engine resets (or restores) the state slot
     restore: Restore | None = None  # new_seq from a cache hit: the copies to make first
     checkpoint: Checkpoint | None = None  # ends at a boundary: the state image to take after the step
+    draft: tuple[int, ...] = ()  # a verify slice: the last token, then these drafted ones (num_tokens - 1)
+
+    @property
+    def verify(self) -> bool:
+        return bool(self.draft)
 
 
 @dataclass
@@ -440,32 +446,67 @@ class Scheduler:
             return self.cache.room(pages, slots, hit.entry if hit is not None else None)
         return self.blocks.free_pages >= pages and self.blocks.free_slots >= slots
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+    def update(self, plan: StepPlan, sampled: dict[str, Sequence[int]]) -> list[Request]:
         """Apply a step the engine ran (forward, then the restores' and checkpoints' copies):
-        ``sampled`` maps request id -> token for slices with logits.
+        ``sampled`` maps request id -> its new tokens for slices with logits: one, or for a verify
+        slice the L accepted ones (the drafts that matched, then the model's own token; the engine
+        has cut them at the first stop), which make its first L positions computed.
 
         Returns the requests that finished in this step.
         """
         finished: list[Request] = []
         for s in plan.slices:
             req = s.request
+            req.draft.clear()
             if req.status is not Status.RUNNING:
                 continue  # cancelled while the step ran (its pins went with its memory)
             if s.checkpoint is not None:
                 self._keep_checkpoint(req, s.checkpoint)
             if s.restore is not None or s.checkpoint is not None:
                 self.blocks.unpin(req.request_id)
-            req.num_computed += s.num_tokens
+            toks = sampled.get(req.request_id, ()) if s.need_logits else ()
+            if s.verify and not 1 <= len(toks) <= s.num_tokens:
+                raise ValueError(f"verify slice of {s.num_tokens} tokens accepted {len(toks)}")
+            req.num_computed += len(toks) if s.verify else s.num_tokens
             req.consistent = True
             if not s.need_logits:
                 continue
-            tok = sampled[req.request_id]
-            req.tokens.append(tok)
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self._finish(req, reason)
-                finished.append(req)
+            for tok in toks:
+                req.tokens.append(tok)
+                reason = self._stop_reason(req, tok, req.num_output)
+                if reason is not None:
+                    if reason is Finish.STOP:
+                        req.stop_token_id = tok
+                    self._finish(req, reason)
+                    finished.append(req)
+                    break
         return finished
+
+    def keep_until_stop(self, req: Request, tokens: Sequence[int]) -> tuple[int, bool]:
+        """``(n, ends)``: how many of ``tokens``, appended in order to ``req``, it keeps (up to and
+        including the first that would finish it, by the stop rules ``update`` applies), and
+        whether the last kept one finishes it."""
+        for i, tok in enumerate(tokens):
+            if self._stop_reason(req, tok, req.num_output + i + 1) is not None:
+                return i + 1, True
+        return len(tokens), False
+
+    def draft_room(self, req: Request, want: int, pending: int = 0) -> int:
+        """How many tokens ``req`` may draft (at most ``want``) once the step's ``pending`` new
+        tokens are applied: within its max_tokens, and within the pages it holds plus free ones
+        (taken now; never evicting or preempting), so that the drafting's KV writes and the next
+        verify slice have pages."""
+        if req.status is not Status.RUNNING or want <= 0:
+            return 0
+        tokens = req.num_tokens + pending
+        want = min(want, req.max_tokens - (req.num_output + pending) - 1)
+        while want > 0:
+            try:
+                self.blocks.ensure(req.request_id, tokens + want)
+                return want
+            except OutOfPages:
+                want -= 1
+        return 0
 
     def _keep_checkpoint(self, req: Request, cp: Checkpoint) -> None:
         req.checkpoints.add(cp.position)
@@ -493,6 +534,11 @@ class Scheduler:
         return tuple(b for b in (req.turn_boundary, req.prefix_boundary) if b is not None)
 
     def _slice_len(self, req: Request, budget: int) -> int:
+        if req.draft and req.num_tokens - req.num_computed == 1:  # a verify slice: the drafts that fit
+            room = min(budget, self.limits.chunk_tokens or budget, req.max_tokens - req.num_output)
+            del req.draft[max(0, room - 1):]
+            return 1 + len(req.draft)
+        req.draft.clear()
         n = min(req.num_tokens - req.num_computed, budget)
         if self.limits.chunk_tokens:
             n = min(n, self.limits.chunk_tokens)
@@ -510,9 +556,11 @@ class Scheduler:
             if new_seq:
                 req.first_slice = restore if restore is not None else Restore()
             return None
-        return Slice(request=req, start=req.num_computed, num_tokens=n, need_logits=end == req.num_tokens,
-                     new_seq=new_seq, restore=restore if restore is not None and restore != Restore() else None,
-                     checkpoint=checkpoint)  # type: ignore[arg-type]
+        draft = tuple(req.draft) if n > 1 and req.draft else ()
+        return Slice(request=req, start=req.num_computed, num_tokens=n,
+                     need_logits=end == req.num_tokens or bool(draft), new_seq=new_seq,
+                     restore=restore if restore is not None and restore != Restore() else None,
+                     checkpoint=checkpoint, draft=draft)  # type: ignore[arg-type]
 
     def _checkpoint_at(self, req: Request, end: int) -> Checkpoint | object | None:
         """A checkpoint when the slice ends at a boundary not kept yet, with a state slot reserved
@@ -569,6 +617,7 @@ class Scheduler:
         """Back to the queue at its place; what it computed stays in the cache while room allows."""
         self.running.remove(req)
         self._release(req, retain=True)
+        req.draft.clear()
         req.status = Status.WAITING
         req.num_computed = 0
         req.num_preemptions += 1
@@ -587,13 +636,14 @@ class Scheduler:
             ledger = Ledger(ledger.tokens[:req.num_computed], ledger.digests[:req.num_computed // ps])
         self.cache.retire(req.request_id, ledger, req.owner)
 
-    def _stop_reason(self, req: Request, tok: int) -> Finish | None:
+    @staticmethod
+    def _stop_reason(req: Request, tok: int, num_output: int) -> Finish | None:
+        """Does ``tok``, generated as ``req``'s ``num_output``-th token, finish it?"""
         p = req.params
-        if req.num_output > p.min_tokens:
+        if num_output > p.min_tokens:
             if tok in p.stop_token_ids or (tok in req.eos_ids and not p.ignore_eos):
-                req.stop_token_id = tok
                 return Finish.STOP
-        if req.num_output >= req.max_tokens:
+        if num_output >= req.max_tokens:
             return Finish.LENGTH
         return None
 
@@ -608,6 +658,7 @@ class Scheduler:
             if req.host_lease is not None and self.cache is not None and self.cache.host is not None:
                 self.cache.host.release(req.host_lease)
                 req.host_lease = None
+        req.draft.clear()
         req.status = Status.FINISHED
         req.finish = reason
         req.error = error

@@ -171,7 +171,8 @@ def event_to_proto(ev: Event) -> engine_pb2.GenerateResponse:
     fin = engine_pb2.Finished(
         reason=_REASONS[ev.reason],
         usage=engine_pb2.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
-                               cached=cache_hits(ev.cached)),
+                               cached=cache_hits(ev.cached), spec_draft_tokens=ev.spec_drafted,
+                               spec_accepted_tokens=ev.spec_accepted),
         timings=engine_pb2.Timings(queue_ms=ev.queue_ms, prefill_ms=ev.prefill_ms, decode_ms=ev.decode_ms,
                                    ttft_ms=ev.ttft_ms),
         error=ev.error)
@@ -313,7 +314,8 @@ def build_model_info(*, model_id: str, architecture: str, model_type: str, core:
         files=[engine_pb2.ModelFile(name=f.name, size=len(f.data), sha256=f.sha256) for f in files.values()],
         default_sampling=params_to_proto(core.defaults), page_size=core.blocks.page_size,
         max_concurrency=core.scheduler.limits.max_concurrency, engine_id=engine_id, version=__version__,
-        hybrid=core.spec.hybrid, supports_vision=False, kv_calibration_digest=kv_calibration_digest)
+        hybrid=core.spec.hybrid, supports_vision=False, kv_calibration_digest=kv_calibration_digest,
+        speculative_tokens=core.spec_tokens)
     for key in ("bos_token_id", "pad_token_id"):
         v = generation_config.get(key, config.get(key))
         if isinstance(v, int) and v >= 0:

@@ -7,7 +7,8 @@ namespaced session key or null), ``endpoint``, ``status`` (HTTP-style code), ``e
 ``queue_ms`` / ``prefill_ms`` / ``decode_ms``), ``finish_reason``, ``tool_parse``
 (``ok`` | ``failure`` | ``none``), ``tool_parse_reasons`` and ``tool_format`` (how the
 request's tools reached the prompt: ``template``, ``generic_hermes`` for a template that
-ignores tools, null without tools). Writes are line-atomic
+ignores tools, null without tools), ``speculative`` (the engine's MTP ``draft_tokens`` and
+``accepted_tokens`` for the request; empty when it ended before the engine reported). Writes are line-atomic
 (one ``write`` of a full line on an append-mode file) and serialized by a lock.
 """
 
@@ -39,6 +40,7 @@ class RequestRecord:
     tool_parse: str = "none"
     tool_parse_reasons: list[str] = field(default_factory=list)
     tool_format: str | None = None
+    speculative: dict[str, int] = field(default_factory=dict)  # draft_tokens / accepted_tokens (MTP)
 
 
 class RequestLog:

@@ -282,6 +282,7 @@ class Generation:
         self.status = 200
         self._completion_tokens = 0
         self._engine_timings: dict[str, float] = {}
+        self._spec: dict[str, int] = {}  # the engine's speculative-decoding counts of this request
         self._queue: asyncio.Queue[OutEvent | BaseException | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -365,6 +366,8 @@ class Generation:
                 t = f.timings
                 self._engine_timings = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "decode_ms": t.decode_ms,
                                         "engine_ttft_ms": t.ttft_ms}
+                self._spec = {"draft_tokens": f.usage.spec_draft_tokens,
+                              "accepted_tokens": f.usage.spec_accepted_tokens}
                 self._engine_done = True
                 if f.reason in ENGINE_STOPPED:
                     await self._finish("error", f, kind="unavailable", error=(
@@ -522,4 +525,5 @@ class Generation:
         r.timings = {"total_ms": round((now - self.arrival) * 1000, 3), **self._engine_timings}
         if self.first_token_at is not None:
             r.timings["ttft_ms"] = round((self.first_token_at - self.arrival) * 1000, 3)
+        r.speculative = dict(self._spec)
         self.service.request_log.write(r)

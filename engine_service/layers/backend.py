@@ -174,6 +174,7 @@ class ReferenceBackend:
         g: torch.Tensor,
         beta: torch.Tensor,
         state: torch.Tensor,
+        recurrent: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hk, hv = q.shape[1], v.shape[1]
         if hk != hv:
@@ -186,11 +187,25 @@ class ReferenceBackend:
         k = _l2norm(k)
         q = q * (q.shape[-1] ** -0.5)
         s = state.float()
-        if q.shape[1] == 1:
+        if q.shape[1] == 1 or recurrent:
             out, s = _delta_recurrent(q, k, v, g, beta, s)
         else:
             out, s = _delta_chunked(q, k, v, g, beta, s, GDN_CHUNK)
         return out.transpose(0, 1), s
+
+    def gated_delta_rule_recurrent(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gated_delta_rule`` token by token (the decode form, whatever T): what a speculative
+        verify step and its commit use, so that replaying the first L tokens of a verified slice
+        gives bit for bit the state its outputs were computed with."""
+        return self.gated_delta_rule(q, k, v, g, beta, state, recurrent=True)
 
     # -- the small elementwise chains (one fused kernel each on CUDA: kernels.fused) ---------
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

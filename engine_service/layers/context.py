@@ -6,6 +6,11 @@ range in the batch, its start position, the gather index of its cached tokens (f
 pool) and its state slot (for recurrent layers). Layers never see block tables; only the
 KV store of an attention layer reads the page tables below.
 
+A *verify* slice (speculative decoding: the last sampled token and the drafts after it) runs
+like any multi-token slice, except that recurrent layers leave its state slot at ``start``:
+each records what it needs in ``StepContext.verify`` (``VerifyRecord``), and the runner's
+``accept`` replays the first L tokens into the slot once L is known.
+
 Single-token slices (decode) are also gathered into a ``DecodeGroup`` so layers can run
 them as one batched op: their batch rows, state slots, and the KV gather index padded to
 the longest context (``lengths`` masks the padding).
@@ -19,7 +24,8 @@ multi-token slices (``StepContext.prefill``, one varlen kernel call) and the dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +37,7 @@ class SeqInfo:
     start: int  # position of the first new token
     state_slot: int
     token_index: torch.Tensor | None  # [start + num_tokens] flat KV rows; None: no float KV pool
+    verify: bool = False  # speculative verify slice: recurrent state committed later (VerifyRecord)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,19 @@ class DecodeGroup:
     pages: PageTables | None = None  # quantized KV store
 
 
+Commit = Callable[[int], None]  # replay the first L tokens of a verify slice into its slot
+
+
+@dataclass
+class VerifyRecord:
+    """Per verify slice (by state slot), one commit per recurrent layer, filled during the forward."""
+
+    commits: dict[int, list[Commit]] = field(default_factory=dict)
+
+    def add(self, slot: int, commit: Commit) -> None:
+        self.commits.setdefault(slot, []).append(commit)
+
+
 @dataclass(frozen=True)
 class StepContext:
     positions: torch.Tensor  # [T] int64
@@ -60,3 +80,4 @@ class StepContext:
     multi: tuple[SeqInfo, ...] = ()  # slices with num_tokens > 1 (run one by one)
     decode: DecodeGroup | None = None  # slices with num_tokens == 1 (run batched)
     prefill: PageTables | None = None  # the ``multi`` slices, quantized KV store only
+    verify: VerifyRecord | None = None  # present when a slice is a verify slice

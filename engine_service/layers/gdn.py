@@ -8,7 +8,9 @@ store the projections interleaved per key-head group (``in_proj_qkvz``/``in_proj
 the loader de-interleaves them into this layout once (see ``models.qwen3_next``).
 
 State invariant: a slot's (conv, recurrent) rows hold the state after exactly ``start``
-tokens of its sequence; ``forward`` advances it by the slice's tokens in place.
+tokens of its sequence; ``forward`` advances it by the slice's tokens in place, except for a
+speculative verify slice, whose slot is advanced by its commit (``context.VerifyRecord``)
+once the accepted length is known.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from engine_service.layers.backend import ReferenceBackend
-from engine_service.layers.context import StepContext
+from engine_service.layers.context import SeqInfo, StepContext
 from engine_service.layers.mlp import linear
 from engine_service.layers.norm import GatedRMSNorm
 
@@ -89,6 +91,9 @@ class GatedDeltaNet(nn.Module):
         core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=x.device)
         for seq in ctx.multi:
             rows = slice(seq.offset, seq.offset + seq.num_tokens)
+            if seq.verify:
+                core[rows] = self._verify(seq, mixed[rows], g[rows], beta[rows], ctx, conv_state, rec_state)
+                continue
             slot = seq.state_slot
             conv_out, conv_state[slot] = self.backend.causal_conv1d(
                 mixed[rows], conv_state[slot], weight
@@ -124,3 +129,28 @@ class GatedDeltaNet(nn.Module):
             core[dec.rows] = o
         out = self.backend.gated_rms_norm_cast(core, z, self.norm.weight, self.norm.eps, x.dtype)
         return self.out_proj(out.reshape(t, s.value_dim))
+
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, n = self.spec, conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        return (q.reshape(n, s.num_k_heads, s.head_k_dim), k.reshape(n, s.num_k_heads, s.head_k_dim),
+                v.reshape(n, s.num_v_heads, s.head_v_dim))
+
+    def _verify(self, seq: SeqInfo, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: StepContext,
+                conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
+        """A verify slice: outputs from the slot's state token by token, the slot left untouched;
+        the commit (``VerifyRecord``) replays the first L tokens from the same inputs, so the
+        state it writes is the one the L-th output was computed with."""
+        assert ctx.verify is not None
+        slot, weight = seq.state_slot, self.conv1d.weight.squeeze(1)
+        conv_out, _ = self.backend.causal_conv1d(mixed, conv_state[slot], weight)
+        q, k, v = self._qkv(conv_out)
+        o, _ = self.backend.gated_delta_rule_recurrent(q, k, v, g, beta, rec_state[slot])
+
+        def commit(n: int) -> None:
+            _, conv_state[slot] = self.backend.causal_conv1d(mixed[:n], conv_state[slot], weight)
+            _, rec_state[slot] = self.backend.gated_delta_rule_recurrent(
+                q[:n], k[:n], v[:n], g[:n], beta[:n], rec_state[slot])
+
+        ctx.verify.add(slot, commit)
+        return o

@@ -68,11 +68,16 @@ class TextModel(nn.Module):
 
 
 class MTPModule(nn.Module):
-    """Multi-token-prediction weights (``mtp.*``), loaded for later speculation.
+    """Multi-token prediction (``mtp.*``): the draft model of speculative decoding.
 
     Layout as in Qwen3.5/Qwen3-Next checkpoints: ``fc`` [H, 2H], ``pre_fc_norm_embedding``,
-    ``pre_fc_norm_hidden``, ``layers.{i}`` (full-attention decoder layers) and ``norm``.
-    No forward yet: speculative decoding is a later issue.
+    ``pre_fc_norm_hidden``, ``layers.{i}`` (full-attention decoder layers) and ``norm``; the
+    embedding and LM head are the main model's. Row ``i`` of a step pairs the embedding of a
+    token ``t[p+1]`` with the (final-normed) hidden state ``h[p]`` that predicted it, at
+    position ``p``: ``x = fc([norm_e(embed(t)) | norm_h(h)])``, then the layers (their own KV in
+    the pool, one page-pool layer each after the main model's), then ``norm``. The result both
+    predicts ``t[p+2]`` (through the LM head) and is the ``h`` of the next draft step
+    (as in vLLM's Qwen3-Next MTP).
     """
 
     def __init__(self, args: ModelArgs, backend: ReferenceBackend) -> None:
@@ -85,6 +90,18 @@ class MTPModule(nn.Module):
             DecoderLayer(args, args.moe is not None, backend, FULL) for _ in range(args.mtp_layers)
         )
         self.norm = RMSNorm(args.hidden, args.rms_eps, zc, backend)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                ctx: StepContext, kv: PagePool, first_layer: int) -> torch.Tensor:
+        """``embeds``/``hidden`` ``[T, H]`` -> normed output ``[T, H]``; layer ``i`` uses pool layer
+        ``first_layer + i``."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        h = self.fc(x)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn(layer.input_layernorm(h), cos_sin, ctx, kv.layer(first_layer + i))
+            x, h = layer.post_attention_layernorm.add(a, h)
+            h = h + layer.mlp(x)
+        return self.norm(h)
 
 
 class CausalLM(nn.Module):
@@ -132,3 +149,13 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()
+
+    def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: StepContext, kv: PagePool
+                    ) -> torch.Tensor:
+        """The MTP module over one step (``MTPModule.forward``): ``input_ids`` ``[T]`` the tokens
+        that follow each row's position, ``hidden`` ``[T, H]`` their predictors' normed hidden
+        states. Its pool layers come after the main model's attention layers."""
+        assert self.mtp is not None
+        embeds = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(ctx.positions, embeds.dtype)
+        return self.mtp(embeds, hidden.to(embeds.dtype), cos_sin, ctx, kv, len(self.attn_index))

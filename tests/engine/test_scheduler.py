@@ -32,7 +32,7 @@ def shape(plan) -> list[tuple[str, int, int, bool]]:
 
 def run_step(s: Scheduler, token: int = 7) -> list[tuple[str, int, int, bool]]:
     plan = s.schedule()
-    s.update(plan, {sl.request.request_id: token for sl in plan.slices if sl.need_logits})
+    s.update(plan, {sl.request.request_id: [token] for sl in plan.slices if sl.need_logits})
     return shape(plan)
 
 
@@ -178,11 +178,11 @@ def test_stop_rules() -> None:
     s.add(req("stop", 2, max_tokens=5, params=SamplingParams(temperature=0.0, stop_token_ids=(9,))))
     s.add(req("min", 2, max_tokens=5, params=SamplingParams(temperature=0.0, min_tokens=1)))
     plan = s.schedule()
-    fin = s.update(plan, {"eos": 0, "ign": 0, "stop": 9, "min": 0})
+    fin = s.update(plan, {"eos": [0], "ign": [0], "stop": [9], "min": [0]})
     assert {r.request_id: (r.finish, r.stop_token_id) for r in fin} == {
         "eos": (Finish.STOP, 0), "stop": (Finish.STOP, 9)}
     plan = s.schedule()
-    fin = s.update(plan, {"ign": 0, "min": 0})
+    fin = s.update(plan, {"ign": [0], "min": [0]})
     assert {r.request_id: (r.finish, r.stop_token_id) for r in fin} == {
         "ign": (Finish.LENGTH, None), "min": (Finish.STOP, 0)}
 
@@ -198,7 +198,7 @@ def test_preemption_frees_and_recomputes() -> None:
     assert shape(plan) == [("a", 4, 1, True)] and [r.request_id for r in plan.preempted] == ["b"]
     b = s.get("b")
     assert b is not None and b.status is Status.WAITING and b.num_computed == 0 and b.tokens == [1, 2, 7, 7]
-    s.update(plan, {"a": 7})
+    s.update(plan, {"a": [7]})
     assert s.blocks.used_pages == 3
     assert run_step(s) == [("a", 5, 1, True)]  # a finishes (4 tokens); b (2 pages) did not fit meanwhile
     assert run_step(s) == [("b", 0, 4, True)]  # b recomputes prompt + its outputs, then continues

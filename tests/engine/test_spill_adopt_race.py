@@ -44,7 +44,7 @@ def _run(s: Scheduler, req: Request) -> None:
     s.add(req)
     while req.status is not Status.FINISHED:
         plan = s.schedule()
-        s.update(plan, {sl.request.request_id: 7 for sl in plan.slices if sl.need_logits})
+        s.update(plan, {sl.request.request_id: [7] for sl in plan.slices if sl.need_logits})
 
 
 def test_an_entry_whose_spill_finishes_during_admission_is_still_adopted() -> None:
@@ -62,10 +62,10 @@ def test_an_entry_whose_spill_finishes_during_admission_is_still_adopted() -> No
     s.add(b)
     plan = s.schedule()  # used to raise KeyError ('entry', 1)
     assert b.status is Status.RUNNING and b.num_computed == 12 and b.cache_hits
-    s.update(plan, {sl.request.request_id: 7 for sl in plan.slices if sl.need_logits})
+    s.update(plan, {sl.request.request_id: [7] for sl in plan.slices if sl.need_logits})
     while b.status is not Status.FINISHED:
         plan = s.schedule()
-        s.update(plan, {sl.request.request_id: 7 for sl in plan.slices if sl.need_logits})
+        s.update(plan, {sl.request.request_id: [7] for sl in plan.slices if sl.need_logits})
     pc.poll()  # the spill is done now: the entry's memory goes back, b's own references went with b
     assert not pc.entries or entry.id not in pc.entries
     assert bm.free_pages + bm.cached_only_pages == 32

@@ -214,7 +214,7 @@ class ModelFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "model_type", "max_context_tokens", "kv_dtype", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template", "bos_token", "eos_token", "files", "default_sampling", "page_size", "max_concurrency", "engine_id", "version", "hybrid", "supports_vision", "kv_calibration_digest")
+    __slots__ = ("model_id", "architecture", "model_type", "max_context_tokens", "kv_dtype", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template", "bos_token", "eos_token", "files", "default_sampling", "page_size", "max_concurrency", "engine_id", "version", "hybrid", "supports_vision", "kv_calibration_digest", "speculative_tokens")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,7 @@ class ModelInfo(_message.Message):
     HYBRID_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_VISION_FIELD_NUMBER: _ClassVar[int]
     KV_CALIBRATION_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     model_type: str
@@ -257,7 +258,8 @@ class ModelInfo(_message.Message):
     hybrid: bool
     supports_vision: bool
     kv_calibration_digest: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., page_size: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., engine_id: _Optional[str] = ..., version: _Optional[str] = ..., hybrid: bool = ..., supports_vision: bool = ..., kv_calibration_digest: _Optional[str] = ...) -> None: ...
+    speculative_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., default_sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., page_size: _Optional[int] = ..., max_concurrency: _Optional[int] = ..., engine_id: _Optional[str] = ..., version: _Optional[str] = ..., hybrid: bool = ..., supports_vision: bool = ..., kv_calibration_digest: _Optional[str] = ..., speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class ReadModelFileRequest(_message.Message):
     __slots__ = ("name",)

@@ -1,0 +1,291 @@
+"""MTP speculative decoding on the real runner (CPU, fp32): outputs exactly as without it.
+
+A tiny random Qwen3.5 hybrid with one MTP layer (random MTP weights: its drafts are almost
+always rejected, which exercises the recurrent-state rollback at every step), and the same
+engine with an *oracle* drafter that proposes the plain run's continuation with planted
+mistakes (every acceptance length from none to all, and the bonus token). Greedy tokens equal
+the non-speculative engine's through batching, chunked prefill, page boundaries, stop tokens,
+max_tokens, the prefix cache and a quantized KV cache; the sampler's acceptance keeps the
+sampling distribution.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine_service.engine import EngineCore, EngineLimits, TokensEvent
+from engine_service.loading import open_model
+from engine_service.models import build_model
+from engine_service.runner import build_runner
+from engine_service.sampling import SampleRow, Sampler, SamplingParams, make_generator
+from tests.engine.helpers_models import save_tiny
+
+SPECS = [(1, 37, 12, 0), (2, 9, 15, 0), (3, 70, 9, 1), (4, 21, 14, 3)]  # seed, prompt len, max tokens, arrival
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _add_mtp(d: Path) -> Path:
+    """Give the HF directory ``d`` ``mtp_num_hidden_layers: 1`` and random ``mtp.*`` weights."""
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    model, _, _ = build_model(cfg)
+    assert model.mtp is not None
+    g = torch.Generator().manual_seed(7)
+    mtp = {f"mtp.{k}": (torch.randn(v.shape, generator=g) * 0.08 if v.dim() > 1 else 1 + 0.1 * torch.randn(
+        v.shape, generator=g)) for k, v in model.mtp.state_dict().items()}
+    f = next(d.glob("*.safetensors"))
+    save_file({**load_file(str(f)), **mtp}, str(f))
+    return d
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny qwen3_5 hybrid (head_dim 32) with one MTP layer."""
+    d = tmp_path_factory.mktemp("qwen3_5_mtp")
+    save_tiny("qwen3_5", d)
+    return _add_mtp(d)
+
+
+@pytest.fixture(scope="module")
+def mtp_model64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with head_dim 64 (the quantized KV kernels need 64/128/256)."""
+    from tests.engine.test_kv_quant import save_hybrid
+
+    d = tmp_path_factory.mktemp("qwen3_5_mtp64")
+    save_hybrid(d)
+    return _add_mtp(d)
+
+
+def _core(path: Path, spec: int, *, budget: int = 64, page_size: int = 8, pages: int = 96, chunk: int = 0,
+          cache: bool = False, kv_dtype: str = "auto", eos: tuple[int, ...] = ()) -> EngineCore:
+    runner = build_runner(open_model(path), page_size=page_size, kv_dtype=kv_dtype, mtp=spec > 0)
+    return EngineCore(runner, EngineLimits(num_pages=pages, num_state_slots=12, max_concurrency=4,
+                                           token_budget=budget, queue_size=8, max_context=512, chunk_tokens=chunk,
+                                           prefix_cache=cache, speculative_tokens=spec), eos_ids=eos)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(core: EngineCore, specs: list[tuple[int, int, int, int]], params: Callable[[int], SamplingParams] | None
+         = None, prompts: dict[int, list[int]] | None = None) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {s[0]: [] for s in specs}
+    arrivals: dict[int, list] = {}
+    for seed, n, mt, at in specs:
+        def sink(ev, seed=seed) -> None:
+            if isinstance(ev, TokensEvent):
+                out[seed].extend(ev.token_ids)
+        p = params(mt) if params else SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True)
+        req = core.make_request((prompts or {}).get(seed) or _prompt(seed, n), p, sink=sink, request_id=str(seed))
+        arrivals.setdefault(at, []).append(req)
+    step = 0
+    while step <= max(arrivals) or core.has_work():
+        for req in arrivals.get(step, []):
+            core.submit(req)
+        core.step()
+        step += 1
+        assert step < 3000
+    return out
+
+
+def _oracle(core: EngineCore, truth: dict[int, list[int]], wrong: Callable[[int], bool]) -> None:
+    """Replace the MTP drafts by the plain run's continuation, with position ``i`` of the output
+    drafted wrong where ``wrong(i)`` (the engine's own drafting still runs: same page reservations)."""
+    run = core._run
+
+    def patched(plan, batch):  # type: ignore[no-untyped-def]
+        sampled, drafts = run(plan, batch)
+        for rid, d in drafts.items():
+            req = core.scheduler.get(rid)
+            assert req is not None
+            done = len(req.output_ids) + len(sampled[rid])
+            want = truth[int(rid)][done: done + len(d)]
+            drafts[rid] = [(t + 1) % 250 if wrong(done + i) else t for i, t in enumerate(want)]
+            drafts[rid] = drafts[rid] or d
+        return sampled, drafts
+
+    core._run = patched  # type: ignore[method-assign]
+
+
+def test_mtp_drafts_rejected_or_not_tokens_equal_plain(mtp_model: Path) -> None:
+    plain = _run(_core(mtp_model, 0), SPECS)
+    core = _core(mtp_model, 3)
+    assert core.runner.mtp_layers == 1
+    assert _run(core, SPECS) == plain
+    c = core.counters
+    assert c.spec_rounds > 0 and c.spec_drafted >= c.spec_rounds
+    assert core.blocks.used_pages == 0 and core.blocks.used_slots == 0
+
+
+@pytest.mark.parametrize(("k", "budget", "page_size", "chunk"), [(3, 64, 8, 0), (4, 7, 4, 0), (2, 32, 16, 5),
+                                                                 (6, 13, 8, 0)])
+def test_every_acceptance_length_gives_the_plain_tokens(mtp_model: Path, k: int, budget: int, page_size: int,
+                                                        chunk: int) -> None:
+    plain = _run(_core(mtp_model, 0), SPECS)
+    core = _core(mtp_model, k, budget=budget, page_size=page_size, chunk=chunk)
+    _oracle(core, plain, wrong=lambda i: i % 7 in (2, 5))
+    assert _run(core, SPECS) == plain
+    c = core.counters
+    assert 0 < c.spec_accepted < c.spec_drafted  # some accepted, some not
+    assert core.blocks.used_pages == 0 and core.blocks.used_slots == 0
+
+
+def test_all_drafts_right_takes_few_steps(mtp_model: Path) -> None:
+    spec = [(2, 9, 15, 0)]
+    plain = _run(_core(mtp_model, 0), spec)
+    core = _core(mtp_model, 4)
+    _oracle(core, plain, wrong=lambda i: False)
+    assert _run(core, spec) == plain
+    c = core.counters
+    assert c.spec_accepted == c.spec_drafted  # every draft kept
+    assert c.steps <= 1 + -(-14 // 5)  # prefill, then 5 tokens per verify step
+
+
+def test_stop_token_and_max_tokens_inside_a_verify_slice(mtp_model: Path) -> None:
+    spec = [(1, 37, 20, 0), (3, 70, 6, 0)]
+    plain = _run(_core(mtp_model, 0), spec)
+    stop = plain[1][9]  # a token the first request generates 10th
+    first = plain[1].index(stop)
+
+    def params(mt: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=mt, stop_token_ids=(stop,))
+
+    expect = _run(_core(mtp_model, 0), spec, params)
+    assert expect[1] == plain[1][:first]  # the stop token ends it, unshown
+    core = _core(mtp_model, 5)
+    _oracle(core, plain, wrong=lambda i: False)
+    assert _run(core, spec, params) == expect
+    assert core.blocks.used_pages == 0
+
+
+def test_prefix_cache_turns_with_speculation(mtp_model: Path) -> None:
+    """Turn 2 extends turn 1's prompt and reply: it reuses the cache and decodes the same tokens."""
+    turn1 = _prompt(11, 40)
+    plain_core, spec_core = _core(mtp_model, 0, cache=True), _core(mtp_model, 3, cache=True)
+    a1 = _run(plain_core, [(11, 40, 10, 0)], prompts={11: turn1})
+    b1 = _run(spec_core, [(11, 40, 10, 0)], prompts={11: turn1})
+    assert a1 == b1
+    turn2 = turn1 + a1[11] + _prompt(12, 15)
+    a2 = _run(plain_core, [(12, 0, 10, 0)], prompts={12: turn2})
+    b2 = _run(spec_core, [(12, 0, 10, 0)], prompts={12: turn2})
+    assert a2 == b2
+    assert spec_core.cache is not None and sum(spec_core.cache.counters.hit_tokens.values()) > 0
+
+
+def test_quantized_kv_with_speculation(mtp_model64: Path) -> None:
+    spec = SPECS[:2]
+    base = _core(mtp_model64, 0, page_size=64, kv_dtype="nvfp4")
+    base.runner.calibrate_kv(_prompt(5, 96))
+    plain = _run(base, spec)
+    core = _core(mtp_model64, 3, page_size=64, kv_dtype="nvfp4")
+    cal = core.runner.calibrate_kv(_prompt(5, 96))  # the MTP layer's K/V calibrated too: one more layer
+    assert cal is not None and len(cal.scales) == len(base.runner.kv_calibration.scales) + 1
+    _oracle(core, plain, wrong=lambda i: i % 4 == 1)
+    assert _run(core, spec) == plain
+    assert core.counters.spec_accepted > 0
+
+
+def test_speculation_needs_mtp_weights(tmp_path: Path) -> None:
+    save_tiny("qwen3_5", tmp_path)
+    runner = build_runner(open_model(tmp_path), page_size=8, mtp=True)  # logged, not enabled
+    assert runner.mtp_layers == 0
+    with pytest.raises(ValueError, match="MTP"):
+        EngineCore(runner, EngineLimits(num_pages=16, num_state_slots=2, max_concurrency=1, token_budget=16,
+                                        queue_size=2, max_context=128, speculative_tokens=2))
+
+
+# -- the sampler's acceptance ---------------------------------------------------------------
+def _row(params: SamplingParams, seed: int, output: list[int] | None = None) -> SampleRow:
+    return SampleRow(params=params, prompt_ids=[1, 2], output_ids=output or [],
+                     generator=None if params.greedy else make_generator(seed, torch.device("cpu")))
+
+
+def test_greedy_verify_is_sequential_sampling_with_penalties() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 12, generator=g)
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5)
+    s = Sampler()
+    seq: list[int] = []  # what plain decoding picks row by row
+    for j in range(4):
+        seq.append(s.sample(logits[j: j + 1], [_row(p, 0, [5, *seq])])[0].token_id)
+    got = [x.token_id for x in s.verify(logits, _row(p, 0, [5]), seq[:3])]
+    assert got == seq  # all three drafts kept, then the bonus
+    wrong = [seq[0], (seq[1] + 1) % 12, seq[2]]
+    got = [x.token_id for x in s.verify(logits, _row(p, 0, [5]), wrong)]
+    assert got == seq[:2]  # the first draft, then the model's own token where the second was wrong
+
+
+def test_rejection_sampling_keeps_the_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
+    p = SamplingParams(temperature=0.9, top_k=5)
+    probs = Sampler._probs(logits / 1.0, [_row(p, 0)])[0]
+    n = 4000
+    for draft in (0, 5, 4):  # a likely, the likeliest and a filtered-out (top_k) draft
+        counts = torch.zeros(6)
+        for seed in range(n):
+            tok = Sampler().verify(torch.cat([logits, logits]), _row(p, seed), [draft])[0].token_id
+            counts[tok] += 1
+        assert torch.allclose(counts / n, probs, atol=0.025), (draft, counts / n, probs)
+    assert float(probs[4]) == 0.0  # top_k=5 drops the worst token
+
+
+# -- the engine process --------------------------------------------------------------------
+async def test_engine_process_speculates_and_reports_it(mtp_model: Path, tmp_path: Path) -> None:
+    """``--speculative-tokens 2`` over gRPC: ModelInfo says so, the tokens equal a run without,
+    Usage carries the request's drafted / accepted counts and /metrics the totals."""
+    import asyncio
+    import urllib.request
+
+    from deepwell import grpcx
+    from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
+    from tests.engine.helpers_process import engine_process
+
+    ids = _prompt(3, 30)
+    sampling = engine_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = {}
+    for k in (0, 2):
+        args = ["--model", str(mtp_model), "--num-pages", "40", "--page-size", "8", "--token-budget", "24",
+                "--log-level", "warning", "--cpu-threads", "1", "--speculative-tokens", str(k)]
+        (tmp_path / f"k{k}").mkdir()
+        with engine_process(tmp_path / f"k{k}", args) as (address, metrics_url):
+            async with grpcx.aio_channel(address) as ch:
+                stub = engine_pb2_grpc.EngineStub(ch)
+                info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+                assert info.speculative_tokens == k
+                msgs = [m async for m in stub.Generate(engine_pb2.GenerateRequest(prompt_token_ids=ids,
+                                                                                  sampling=sampling))]
+            got[k] = [t for m in msgs if m.HasField("tokens") for t in m.tokens.token_ids]
+            usage = msgs[-1].finished.usage
+            text = await asyncio.to_thread(lambda u=metrics_url: urllib.request.urlopen(u, timeout=10).read().decode())
+        drafted = usage.spec_draft_tokens
+        assert (drafted > 0) == (k > 0) and usage.spec_accepted_tokens <= drafted
+        if k:
+            assert f'deepwell_engine_spec_draft_tokens_total{{model="{info.model_id}"}} {float(drafted)}' in text
+            assert "deepwell_engine_spec_accepted_per_round_count" in text
+    assert got[2] == got[0] and len(got[0]) == 12
+
+
+def test_speculative_tokens_without_mtp_refuses_to_start(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    save_tiny("qwen3_5", tmp_path)
+    r = subprocess.run([sys.executable, "-m", "engine_service", "--model", str(tmp_path), "--speculative-tokens",
+                        "2", "--num-pages", "16", "--metrics-port", "-1"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "no MTP weights" in r.stderr
