@@ -61,6 +61,7 @@ KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
 KV_HADAMARD = ("auto", "on", "off", "layer")
 KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv.quant_pool.CENTER_K_MODES
 KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv.quant_pool.K_ROUNDING_MODES
+KV_PAGED = ("auto", "on", "off")  # engine_service.kv.settings.PAGED_MODES
 CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv.quant_pool.SCALED_FORMATS
 QUANT_PAGE_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -109,6 +110,12 @@ class EngineConfig:
                                                                  "attention error, the append ~1.6x slower); auto "
                                                                  "(feedback for fp8 and nvfp4)",
                                                          "choices": KV_K_ROUNDING})
+    kv_paged: str = field(default="auto", metadata={"help": "a bf16 KV cache in the kernels' paged layout, read by "
+                                                            "the Triton decode / verify / prefill kernels with no "
+                                                            "gather (on), or the float pool gathered for the "
+                                                            "reference attention (off); auto: on on CUDA where the "
+                                                            "model fits the kernels (page 64, head_dim 64/128/256)",
+                                                    "choices": KV_PAGED})
     page_size: int = field(default=64, metadata={"help": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})
     memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: fraction of free memory after the "
@@ -185,6 +192,9 @@ class EngineConfig:
           self.kv_k_rounding, f"applies to calibrated kv dtypes ({', '.join(CALIBRATED_KV_DTYPES)}) only, not "
           f"kv_dtype={self.kv_dtype}; use auto or nearest")
         c(1 <= self.page_size <= 4096, "page_size", self.page_size, "must be in 1..4096")
+        c(self.kv_paged in KV_PAGED, "kv_paged", self.kv_paged, f"must be one of {', '.join(KV_PAGED)}")
+        c(self.kv_paged != "on" or self.kv_dtype in ("auto", "bf16"), "kv_paged", self.kv_paged,
+          f"applies to a bf16 KV cache only, not kv_dtype={self.kv_dtype}; use auto or off")
         quant = self.kv_dtype in QUANT_KV_DTYPES
         c(not quant or self.page_size == QUANT_PAGE_SIZE, "page_size", self.page_size,
           f"must be {QUANT_PAGE_SIZE} with kv_dtype={self.kv_dtype} (the kernels' page); set --page-size "

@@ -75,7 +75,7 @@ class TorchModelRunner:
         a = self.args
         self.kv_spec: KVSpec = resolve(kv or KVSettings(), model_dtype=dtype, num_layers=len(a.attention_layers),
                                        num_kv_heads=a.attention.num_kv_heads, head_dim=a.attention.head_dim,
-                                       page_size=page_size)
+                                       page_size=page_size, device_type=torch.device(device).type)
         self.state_layout: StateLayout | None = None
         if a.gdn is not None and a.recurrent_layers:
             self.state_layout = StateLayout(
@@ -219,7 +219,7 @@ class TorchModelRunner:
         a, n = self.args, len(self.model.mtp.layers)
         self.kv_spec = resolve(self.kv_spec.settings, model_dtype=self.dtype, num_layers=len(a.attention_layers) + n,
                                num_kv_heads=a.attention.num_kv_heads, head_dim=a.attention.head_dim,
-                               page_size=self.page_size)
+                               page_size=self.page_size, device_type=self._device.type)
         inv_freq, _ = inv_freq_and_scale(a.rope)
         self.kv_store = KVStore(self.kv_spec, self.state_layout, self._device, self.ops, inv_freq=inv_freq,
                                 max_context=a.max_context, num_q_heads=a.attention.num_heads, model_dtype=self.dtype)
@@ -437,6 +437,7 @@ def build_runner(
     kv_hadamard: str = "auto",
     kv_center_k: str = "auto",
     kv_k_rounding: str = "auto",
+    kv_paged: str = "auto",
     random: bool = False,
     mtp: bool = False,
 ) -> TorchModelRunner:
@@ -459,7 +460,7 @@ def build_runner(
     ops = get_backend(backend)
     log.info("layer_backend", backend=ops.name, device=str(dev), reason=why)
     model, family, text_cfg = build_model(source.config, dev, dtype, ops)
-    runner = TorchModelRunner(model, dev, dtype, KVSettings(kv_dtype, kv_hadamard, kv_center_k, kv_k_rounding),
+    runner = TorchModelRunner(model, dev, dtype, KVSettings(kv_dtype, kv_hadamard, kv_center_k, kv_k_rounding, kv_paged),
                               page_size, ops)
     if random:
         random_weights(model)

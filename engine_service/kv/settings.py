@@ -7,6 +7,11 @@ float KV dtypes; the calibration's scratch pool, in the model dtype, for quantiz
 quantized layout (``kernels`` ``KVLayout``, None for float), and the derived switches:
 K centered (``center_k``; per page: ``center_page``), K rounded with query-weighted feedback
 (``k_feedback``), K's rotation chosen per layer at calibration (``per_layer_rotation``).
+
+A bf16 cache on CUDA is held in the kernels' paged bf16 layout (``KVSettings.paged``) so the
+same Triton decode / verify / prefill kernels read it as the quantized formats, with no
+gather: ``quant_layout`` is then the bf16 ``KVLayout`` (no scales, no rotation, nothing to
+calibrate) and ``paged_float`` is true; ``name`` says ``bf16`` either way.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from engine_service.kv.quant_pool import (
     quant_layout,
     resolve_hadamard,
 )
-from kernels.kv_formats.layout import KVLayout
+from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,13 @@ class KVSettings:
     hadamard: str = "auto"  # auto | on | off | layer
     center_k: str = "auto"  # auto | on | off | page
     k_rounding: str = "auto"  # auto | nearest | feedback
+    # a bf16 cache in the kernels' paged layout, read by the Triton decode / verify / prefill
+    # kernels with no gather (on), or the float pool gathered into contiguous tensors (off);
+    # auto: on for CUDA where the kernels take the model (page 64, head_dim 64/128/256)
+    paged: str = "auto"  # auto | on | off
+
+
+PAGED_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,11 @@ class KVSpec:
     @property
     def quantized(self) -> bool:
         return self.quant_layout is not None
+
+    @property
+    def paged_float(self) -> bool:
+        """A bf16 cache served by the paged kernels (no gather)."""
+        return self.quant_layout is not None and self.quant_layout.fmt.value == "bf16"
 
     @property
     def name(self) -> str:
@@ -84,9 +101,12 @@ def page_bytes_by_kv_dtype(float_layout: FloatKVLayout) -> tuple[tuple[str, int]
 
 
 def resolve(settings: KVSettings, *, model_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int,
-            page_size: int) -> KVSpec:
-    """Check ``settings`` for this model and derive the pool layouts (``KVSettingsError``)."""
+            page_size: int, device_type: str = "cpu") -> KVSpec:
+    """Check ``settings`` for this model and derive the pool layouts (``KVSettingsError``); a bf16
+    cache on ``device_type`` "cuda" gets the kernels' paged layout where it fits (``paged``)."""
     s = settings
+    if s.paged not in PAGED_MODES:
+        raise KVSettingsError(f"kv paged mode {s.paged!r} must be one of {', '.join(PAGED_MODES)}")
     quantized = is_quantized(s.kv_dtype)
     if not quantized and s.hadamard in ("on", "layer"):
         raise KVSettingsError(f"kv_hadamard {s.hadamard!r} needs a quantized kv dtype (fp8, int8, nvfp4), "
@@ -107,6 +127,8 @@ def resolve(settings: KVSettings, *, model_dtype: torch.dtype, num_layers: int, 
     flt = FloatKVLayout(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                         dtype=float_dtype)
     qlay = quant_layout(s.kv_dtype, num_kv_heads, head_dim, page_size, s.hadamard) if quantized and num_layers else None
+    if not quantized and num_layers and _paged_bf16(s.paged, float_dtype, head_dim, page_size, device_type):
+        qlay = KVLayout.make("bf16", num_kv_heads, head_dim, False)
     return KVSpec(
         settings=s, float_layout=flt, quant_layout=qlay,
         center_k=s.center_k != "off" and scaled,
@@ -117,3 +139,15 @@ def resolve(settings: KVSettings, *, model_dtype: torch.dtype, num_layers: int, 
         # layer: the calibration chooses each attention layer's K rotation (auto for fp8 / nvfp4)
         per_layer_rotation=qlay is not None and resolve_hadamard(s.kv_dtype, s.hadamard) == "layer",
     )
+
+
+def _paged_bf16(mode: str, dtype: torch.dtype, head_dim: int, page_size: int, device_type: str) -> bool:
+    """Whether a float cache of ``dtype`` is the kernels' paged bf16 cache (``KVSettings.paged``)."""
+    fits = dtype == torch.bfloat16 and page_size == PAGE_SIZE and head_dim in HEAD_DIMS
+    if mode == "on" and not fits:
+        why = (f"its dtype is {str(dtype).removeprefix('torch.')}" if dtype != torch.bfloat16 else
+               f"page_size {page_size} is not {PAGE_SIZE}" if page_size != PAGE_SIZE else
+               f"head_dim {head_dim} is not one of {HEAD_DIMS}")
+        raise KVSettingsError(f"a paged float KV cache needs bf16, page_size {PAGE_SIZE} and head_dim in {HEAD_DIMS}: "
+                              f"{why}; use --kv-paged auto or off")
+    return fits and (mode == "on" or (mode == "auto" and device_type == "cuda"))

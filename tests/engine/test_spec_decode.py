@@ -71,8 +71,10 @@ def mtp_model64(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _core(path: Path, spec: int, *, budget: int = 64, page_size: int = 8, pages: int = 96, chunk: int = 0,
-          cache: bool = False, kv_dtype: str = "auto", eos: tuple[int, ...] = ()) -> EngineCore:
-    runner = build_runner(open_model(path), page_size=page_size, kv_dtype=kv_dtype, mtp=spec > 0)
+          cache: bool = False, kv_dtype: str = "auto", eos: tuple[int, ...] = (), device: str = "cpu",
+          dtype: torch.dtype = torch.float32) -> EngineCore:
+    runner = build_runner(open_model(path), device=device, dtype=dtype, page_size=page_size, kv_dtype=kv_dtype,
+                          mtp=spec > 0)
     return EngineCore(runner, EngineLimits(num_pages=pages, num_state_slots=12, max_concurrency=4,
                                            token_budget=budget, queue_size=8, max_context=512, chunk_tokens=chunk,
                                            prefix_cache=cache, speculative_tokens=spec), eos_ids=eos)
@@ -198,6 +200,19 @@ def test_quantized_kv_with_speculation(mtp_model64: Path) -> None:
     _oracle(core, plain, wrong=lambda i: i % 4 == 1)
     assert _run(core, spec) == plain
     assert core.counters.spec_accepted > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "nvfp4"])
+def test_cuda_backend_speculation_equals_plain(mtp_model64: Path, kv_dtype: str) -> None:
+    """On CUDA (fla-core's recurrent kernel for verify and commit, the Triton KV kernels), fp32."""
+    kw = {"device": "cuda", "page_size": 64, "kv_dtype": kv_dtype}
+    plain = _run(_core(mtp_model64, 0, **kw), SPECS)
+    core = _core(mtp_model64, 3, **kw)
+    _oracle(core, plain, wrong=lambda i: i % 5 == 2)
+    assert _run(core, SPECS) == plain
+    assert 0 < core.counters.spec_accepted < core.counters.spec_drafted
+    assert _run(_core(mtp_model64, 3, **kw), SPECS) == plain  # the MTP drafter itself
 
 
 def test_speculation_needs_mtp_weights(tmp_path: Path) -> None:
