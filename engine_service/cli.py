@@ -68,19 +68,26 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
                free_bytes: int | None = None) -> tuple[int, int]:
     """(num_pages, num_state_slots) for ``cfg`` and the runner's ``MemorySpec``.
 
-    From memory (``num_pages = 0``): on CUDA ``memory_fraction`` of the device memory free after
-    the weights (``free_bytes``, else ``torch.cuda.mem_get_info``) less the state slots, on CPU
-    ``cpu_kv_gib``; never more pages than ``max_concurrency`` full contexts. The pages that fit
-    are logged with what the same budget would hold in each KV dtype. On CUDA a budget that
-    cannot hold one full served context is a ``ConfigError`` naming the numbers and the fixes;
-    on CPU (an explicit GiB figure) the served context shrinks to the pool, with a warning."""
+    From memory (``num_pages = 0``): never more pages than ``contexts`` full served contexts
+    (``contexts`` = ``max_concurrency``), and within a budget: on CUDA ``memory_fraction`` of the
+    device memory free after the weights (``free_bytes``, else ``torch.cuda.mem_get_info``) less
+    the state slots; on CPU ``cpu_kv_gib`` GiB, or with ``cpu_kv_gib = 0`` (auto, the default) up
+    to ``CPU_KV_AUTO_GIB`` GiB with ``contexts`` = ``min(max_concurrency, CPU_KV_AUTO_CONTEXTS)``: a
+    CPU pool is host RAM, zeroed at start, and sized to what is served rather than to a fixed
+    figure (SmolLM2-135M in fp32 at its served 32k: 1.4 GiB; in nvfp4: 0.2 GiB). The pages and
+    the pool's bytes are logged (``kv_pool_sized``) with what the same budget would hold in each
+    KV dtype. On CUDA a budget that cannot hold one full served context is a ``ConfigError``
+    naming the numbers and the fixes; on CPU the served context shrinks to the pool, with a
+    warning."""
+    from engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB
+
     per_request = 3 if cfg.prefix_cache == "on" else 1  # with the cache: two state images per running request
     slots = (cfg.state_slots or per_request * cfg.max_concurrency) if spec.hybrid else 0
     if cfg.num_pages:
         return cfg.num_pages, slots
     context = min(cfg.max_context or model_context, model_context)
     context_pages = -(-context // spec.page_size)
-    cap = cfg.max_concurrency * context_pages
+    contexts = cfg.max_concurrency
     cuda = device.type == "cuda"
     if cuda:
         if free_bytes is None:
@@ -90,17 +97,24 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
         budget = int(free_bytes * cfg.memory_fraction) - slots * spec.bytes_per_state_slot
         where = (f"--memory-fraction {cfg.memory_fraction} of {free_bytes / 2**30:.1f} GiB free after the weights"
                  + (f", less {slots} state slots of {spec.bytes_per_state_slot / 2**20:.1f} MiB" if slots else ""))
-    else:
+    elif cfg.cpu_kv_gib:
         budget = int(cfg.cpu_kv_gib * (1 << 30))
         where = f"--cpu-kv-gib {cfg.cpu_kv_gib}"
+    else:
+        contexts = min(cfg.max_concurrency, CPU_KV_AUTO_CONTEXTS)
+        budget = int(CPU_KV_AUTO_GIB * (1 << 30))
+        where = f"--cpu-kv-gib 0: auto, up to {CPU_KV_AUTO_GIB:g} GiB"
+    cap = contexts * context_pages
     pages = min(cap, budget // max(1, spec.bytes_per_page))
     if pages < 1:
         raise configs.ConfigError(f"invalid memory budget: {budget} bytes hold no KV page of "
                                   f"{spec.bytes_per_page} bytes (raise --cpu-kv-gib / --memory-fraction "
                                   "or set --num-pages)")
     fits = {name: max(0, budget) // b * spec.page_size for name, b in spec.page_bytes_by_kv_dtype if b > 0}
-    _log().info("kv_pool_sized", pages=pages, tokens=pages * spec.page_size, budget_gib=round(budget / 2**30, 2),
-                context=context, tokens_by_kv_dtype=fits)
+    _log().info("kv_pool_sized", pages=pages, tokens=pages * spec.page_size,
+                pool_gib=round(pages * spec.bytes_per_page / 2**30, 3), budget_gib=round(budget / 2**30, 2),
+                context=context, contexts=contexts, sized_by="contexts" if pages == cap else "budget",
+                budget=where, tokens_by_kv_dtype=fits)
     if pages < context_pages:
         others = ", ".join(f"{n} {t}" for n, t in fits.items())
         msg = (f"the KV pool holds {pages * spec.page_size} tokens ({pages} pages of {spec.bytes_per_page} bytes in "
@@ -178,7 +192,11 @@ def calibrate_kv(source: Any, runner: Any, served_context: int | None = None, si
     sink_id = sink_token_id(tok_json, (source.generation_config or {}).get("bos_token_id"), runner.vocab_size)
     if sink_id is not None and sink and spec.center_page:  # page 0 on the sink's key
         ids = [sink_id, *ids]
-    return runner.calibrate_kv(ids, source=how, max_position=served_context, sink=sink)
+    from deepwell.progress import Progress
+
+    # no count to show (the calibration reports none): the elapsed time, redrawn by a thread
+    with Progress(f"KV calibration ({spec.name}, {len(ids)} tokens)", ticker=True):
+        return runner.calibrate_kv(ids, source=how, max_position=served_context, sink=sink)
 
 
 def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, metrics: Any, model_id: str,
@@ -231,7 +249,7 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
                             kv_hadamard=cfg.kv_hadamard, kv_center_k=cfg.kv_center_k,
                             kv_k_rounding=cfg.kv_k_rounding, kv_paged=cfg.kv_paged, random=cfg.random_weights,
-                            mtp=cfg.speculative_tokens != 0)
+                            mtp=cfg.speculative_tokens != 0, weight_dtype=cfg.weight_dtype)
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
 
@@ -250,6 +268,7 @@ async def serve(cfg: EngineConfig) -> int:
     from engine_service import rope_scaling
     from engine_service.loading import open_model
     from engine_service.metrics import EngineMetrics
+    from engine_service.progress import PrefillProgress
     from engine_service.runner import build_runner
     from engine_service.service import SERVICE_NAME, EngineService, build_model_info, load_files
 
@@ -281,7 +300,9 @@ async def serve(cfg: EngineConfig) -> int:
         None, lambda: _build_runner(build_runner, cfg, source, device, dtype))
     model_id = cfg.served_model_name or default_name or source.model_id or Path(model_path).stem
     metrics = EngineMetrics(model_id)
-    core = await loop.run_in_executor(None, lambda: build_core(cfg, source, runner, observer=metrics))
+    observer = PrefillProgress(metrics)  # prefill_progress lines and gauges, then the metrics
+    core = await loop.run_in_executor(None, lambda: build_core(cfg, source, runner, observer=observer))
+    observer.attach(core)
     if runner.kv_calibration is not None:
         metrics.set_kv_calibration(runner.kv_calibration)
     if getattr(runner, "kv_kernel_check", None) is not None:

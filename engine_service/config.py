@@ -4,9 +4,15 @@ Validated on construction (``ConfigError`` names the setting and the value). Siz
 applied at start-up (``engine_service.cli``):
 
 - ``num_pages = 0`` sizes the KV pool from memory: on CUDA ``memory_fraction`` of the free
-  device memory after the weights (less the state slots), on CPU ``cpu_kv_gib``; in both cases
-  never more pages than ``max_concurrency`` full-context sequences need. The log line
-  ``kv_pool_sized`` gives the tokens that fit and what the same memory holds per KV dtype. On
+  device memory after the weights (less the state slots), on CPU ``cpu_kv_gib`` GiB; in both
+  cases never more pages than ``max_concurrency`` full-context sequences need. ``cpu_kv_gib = 0``
+  (the default) is auto: ``CPU_KV_AUTO_CONTEXTS`` (1) full served context, up to
+  ``CPU_KV_AUTO_GIB`` (2) GiB — a CPU pool is host RAM, zeroed at start, so it is sized to what is
+  served (SmolLM2-135M in fp32 at its 32k: 1.4 GiB, in nvfp4 0.2 GiB), not to a fixed figure; an
+  explicit ``cpu_kv_gib`` is the budget, still capped at ``max_concurrency`` full contexts.
+  ``num_pages > 0`` is the pool, whatever the memory. The log line
+  ``kv_pool_sized`` gives the pages, the pool's GiB, what bounded it (``sized_by``: contexts or
+  budget) and what the same memory holds per KV dtype. On
   CUDA a pool that cannot hold one full served context refuses to start (the message names
   the numbers and the fixes); on CPU the served context shrinks to the pool, with a warning.
 - ``state_slots = 0`` gives hybrid models one recurrent-state slot per concurrent request, and
@@ -61,10 +67,13 @@ KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
 KV_HADAMARD = ("auto", "on", "off", "layer")
 KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv.quant_pool.CENTER_K_MODES
 KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv.quant_pool.K_ROUNDING_MODES
-KV_PAGED = ("auto", "on", "off")  # engine_service.kv.settings.PAGED_MODES
+KV_PAGED = ("auto", "on", "off")
+WEIGHT_DTYPES = ("auto", "fp8")  # engine_service.kv.settings.PAGED_MODES
 CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv.quant_pool.SCALED_FORMATS
 QUANT_PAGE_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CPU_KV_AUTO_GIB = 2.0  # cpu_kv_gib = 0 (auto): the CPU pool's upper bound ...
+CPU_KV_AUTO_CONTEXTS = 1  # ... and the full served contexts it is sized to (at most max_concurrency)
 DEFAULT_SPECULATIVE_TOKENS = 3  # provisional (vLLM/SGLang recipes use 2-3): no sweep on real MTP weights yet
 MAX_SPECULATIVE_TOKENS = 15  # a verify slice is 1 + drafts <= 16 tokens (the verify kernels' T)
 
@@ -86,6 +95,11 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "weights/activations dtype: auto (float32 on CPU, "
                                                          "bfloat16 on CUDA), float32, bfloat16, float16",
                                                  "choices": DTYPES})
+    weight_dtype: str = field(default="auto", metadata={"help": "weights of the decoder's linear layers: auto (= "
+                                                                "dtype), or fp8 (block-scaled E4M3, 128x128 blocks, "
+                                                                "quantized at load; half the bytes per decode step; "
+                                                                "the embedding and LM head stay in dtype)",
+                                                        "choices": WEIGHT_DTYPES})
     kv_dtype: str = field(default="auto", metadata={"help": "KV cache format: auto (= dtype), bf16, fp16, fp32 "
                                                             "(float pool), or fp8, int8, nvfp4 (quantized paged "
                                                             "cache; needs --page-size 64 and head_dim 64/128/256)",
@@ -120,7 +134,10 @@ class EngineConfig:
     num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})
     memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: fraction of free memory after the "
                                                                   "weights for the KV pool"})
-    cpu_kv_gib: float = field(default=2.0, metadata={"help": "CPU: GiB for the KV pool"})
+    cpu_kv_gib: float = field(default=0.0, metadata={
+        "help": "CPU: the KV pool's GiB, an upper bound: the pool holds at most --max-concurrency full served "
+                "contexts, and at most this many GiB (0 = auto: one full served context, up to "
+                f"{CPU_KV_AUTO_GIB:g} GiB; SmolLM2-135M in fp32 at 32k: 1.4 GiB). --num-pages overrides both"})
     state_slots: int = field(default=0, metadata={"help": "recurrent-state slots for hybrid models: running "
                                                           "requests and the prefix cache's state images (0 = "
                                                           "3 x max_concurrency with the prefix cache, else "
@@ -180,6 +197,8 @@ class EngineConfig:
           self.device, "must be auto, cpu, cuda or cuda:N")
         c(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
         c(self.kv_dtype in KV_DTYPES, "kv_dtype", self.kv_dtype, f"must be one of {', '.join(KV_DTYPES)}")
+        c(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", self.weight_dtype,
+          f"must be one of {', '.join(WEIGHT_DTYPES)}")
         c(self.kv_hadamard in KV_HADAMARD, "kv_hadamard", self.kv_hadamard, f"must be one of {', '.join(KV_HADAMARD)}")
         c(self.kv_center_k in KV_CENTER_K, "kv_center_k", self.kv_center_k, f"must be one of {', '.join(KV_CENTER_K)}")
         c(self.kv_center_k not in ("on", "page") or self.kv_dtype in CALIBRATED_KV_DTYPES, "kv_center_k",
@@ -207,7 +226,7 @@ class EngineConfig:
           f"which kv_dtype={self.kv_dtype} has none of; use on or off")
         c(self.num_pages >= 0, "num_pages", self.num_pages, "must be >= 0 (0 = from memory)")
         c(0.0 < self.memory_fraction <= 1.0, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
-        c(self.cpu_kv_gib > 0, "cpu_kv_gib", self.cpu_kv_gib, "must be > 0")
+        c(self.cpu_kv_gib >= 0, "cpu_kv_gib", self.cpu_kv_gib, "must be >= 0 (0 = auto)")
         c(self.state_slots >= 0, "state_slots", self.state_slots, "must be >= 0")
         c(self.prefix_cache in ("on", "off"), "prefix_cache", self.prefix_cache, "must be on or off")
         c(not self.kv_daemon or self.prefix_cache == "on", "kv_daemon", self.kv_daemon,

@@ -42,6 +42,8 @@ from engine_service.kv.store import KVStore
 from engine_service.layers.backend import ReferenceBackend, get_backend
 from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext, VerifyRecord
 from engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
+from engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
+from engine_service.layers.fp8_linear import quantize_linears
 from engine_service.layers.rope import inv_freq_and_scale
 from engine_service.loading.source import ModelSource
 from engine_service.models import build_model, load_weights, random_weights
@@ -440,6 +442,7 @@ def build_runner(
     kv_paged: str = "auto",
     random: bool = False,
     mtp: bool = False,
+    weight_dtype: str = "auto",
 ) -> TorchModelRunner:
     """Build the model for ``source`` on ``device`` and stream its weights in (``random``: fill
     them with random values instead, ``models.random_weights``).
@@ -447,6 +450,9 @@ def build_runner(
     ``backend`` names the layer ops (``layers.backend.get_backend``); "auto": "cuda" (the GDN
     ops on fla-core's kernels, ``layers.cuda_backend``) on a CUDA device where fla-core
     imports, else "reference".
+
+    ``weight_dtype`` "fp8": the decoder's linear layers become block-scaled FP8 after loading
+    (``layers.fp8_linear``); "auto": the model dtype.
 
     ``mtp``: give the checkpoint's MTP module its KV layers (``enable_mtp``) for speculative
     decoding; a model without (complete) MTP weights logs ``mtp_unavailable`` and has none.
@@ -466,6 +472,11 @@ def build_runner(
         random_weights(model)
     else:
         load_weights(model, family, text_cfg, source.iter_tensors())
+    if weight_dtype == "fp8":
+        count, saved = quantize_linears(model)
+        log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK))
+    elif weight_dtype != "auto":
+        raise ValueError(f"weight_dtype must be auto or fp8, got {weight_dtype!r}")
     if mtp:
         if model.mtp is not None:
             runner.enable_mtp()

@@ -1,0 +1,71 @@
+"""Linear layers with block-scaled FP8 weights (``--weight-dtype fp8``).
+
+``FP8Linear`` holds a weight as E4M3 codes ``weight [N, K]`` and fp32 block scales
+``weight_scale_inv [ceil(N / bn), ceil(K / bk)]`` (the DeepSeek-V3 / Qwen FP8 checkpoint
+layout: the scale multiplies) and computes ``x @ w.T (+ bias)`` through
+``kernels.fp8_gemm.matmul``: the W8A16 Triton kernel on CUDA (one byte per weight read), the
+reference (dequantize, then matmul) on CPU. Activations stay in the model dtype.
+
+``quantize_linears(model)`` replaces, after the weights are loaded, every ``nn.Linear`` of the
+decoder layers (and the MTP module) whose sides are both at least ``min_features`` by its FP8
+form (scale = block amax / 448); the embedding, the LM head, MoE routers (``mlp.gate``) and
+small projections (the Gated DeltaNet's per-head ``in_proj_a`` / ``in_proj_b``) stay in the
+model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, for now. An FP8 checkpoint is today dequantized at load (``loading.fp8``) and
+quantized again here, to the model dtype first: its codes come back where the bf16 rounding
+of ``code x scale`` does not move them (most), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import fp8_gemm
+
+BLOCK = (128, 128)
+
+
+class FP8Linear(nn.Module):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 block: tuple[int, int] = BLOCK) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.block = block
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear, block: tuple[int, int] = BLOCK) -> FP8Linear:
+        codes, scales = fp8_gemm.quantize(layer.weight.detach(), block)
+        bias = layer.bias.detach() if layer.bias is not None else None
+        return cls(codes, scales, bias, block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        out = fp8_gemm.matmul(x.reshape(-1, self.in_features), self.weight, self.weight_scale_inv, self.block,
+                              self.bias)
+        return out.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks={self.block}"
+
+
+def quantize_linears(model: nn.Module, min_features: int = 128, block: tuple[int, int] = BLOCK,
+                     skip: tuple[str, ...] = ("lm_head", "gate")) -> tuple[int, int]:
+    """Replace eligible ``nn.Linear`` modules of ``model`` in place; returns (layers replaced,
+    weight bytes saved). One layer at a time, so the peak is one layer's extra copy."""
+    count, saved = 0, 0
+    for name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, nn.Linear) or any(full == s or full.endswith("." + s) for s in skip):
+                continue
+            if min(child.in_features, child.out_features) < min_features:
+                continue
+            before = child.weight.numel() * child.weight.element_size()
+            q = FP8Linear.from_linear(child, block)
+            setattr(parent, child_name, q)
+            saved += before - q.weight.numel() - q.weight_scale_inv.numel() * 4
+            count += 1
+    return count, saved

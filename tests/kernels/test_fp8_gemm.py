@@ -1,0 +1,59 @@
+"""Block-scaled FP8 weights: the quantizer's format, and the W8A16 Triton kernel against its
+reference (CPU through the Triton interpreter at small sizes; CUDA at model sizes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import fp8_gemm
+from kernels.fp8_gemm import reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def test_quantize_roundtrip_and_scales() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 300, generator=g) * torch.linspace(0.01, 3, 300)
+    codes, scales = reference.quantize(w, (128, 128))
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (200, 300) and scales.shape == (2, 3)
+    back = reference.dequantize(codes, scales)
+    # E4M3 keeps 3 mantissa bits: each element within half an ulp of its block's grid
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + scales.max() * 2 ** -9).all()
+    # the block's largest magnitude is exactly 448 codes
+    assert torch.allclose(codes.float().abs().amax(), torch.tensor(reference.FP8_MAX))
+    z_codes, z_scales = reference.quantize(torch.zeros(3, 5), (128, 128))
+    assert torch.equal(z_scales, torch.ones(1, 1)) and not z_codes.float().any()
+    # a re-quantized FP8 weight gets its own codes and scales back
+    c2, s2 = reference.quantize(back, (128, 128))
+    assert torch.equal(c2.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(s2, scales)
+    with pytest.raises(ValueError, match="block scales must be fp32"):
+        reference.dequantize(codes, scales[:1])
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("m", "n", "k", "dtype", "bias"), [
+    (1, 70, 128, torch.float32, False), (5, 128, 256, torch.bfloat16, True), (33, 64, 200, torch.float16, False),
+])
+def test_kernel_matches_reference_in_the_interpreter(m: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m + n)
+    codes, scales = reference.quantize(torch.randn(n, k, generator=g), (128, 128))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    got = fp8_gemm.matmul(x, codes, scales, bias=b, kernel_on_cpu=True)
+    want = reference.w8a16_matmul(x, codes, scales, bias=b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 5120), (8, 17408, 5120), (300, 5120, 17408)])
+def test_kernel_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    codes, scales = reference.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, (128, 128))
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    got = fp8_gemm.matmul(x, codes, scales).float()
+    want = reference.w8a16_matmul(x, codes, scales).float()
+    assert ((got - want).norm() / want.norm()) < 5e-3
