@@ -29,6 +29,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("internal-token", "deepwell.auth"),
     ("sessions", "deepwell.sessions_cli"),
     ("stats", "deepwell.stats_cli"),
+    ("log", "deepwell.log_cli"),
 ]
 
 

@@ -86,6 +86,7 @@ class FinishedEvent:
     stop_token_id: int | None = None
     error: str = ""
     cached: dict[str, int] = field(default_factory=dict)
+    restore_ms: float = 0.0  # RESTORING from the host tier, out of every step (a first one: not in queue_ms)
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request
     spec_accepted: int = 0  # and accepted
 
@@ -97,9 +98,12 @@ Sink = Callable[[Event], None]
 @dataclass
 class _Times:
     arrival: float
-    admitted: float | None = None
+    admitted: float | None = None  # its first slice
     first_token: float | None = None
     last_token: float | None = None
+    restore_first: float | None = None  # its first admission, when that was from the host tier (ends queue_ms)
+    restore_started: float | None = None  # RESTORING since (None: not now)
+    restore_ms: float = 0.0  # RESTORING in total (ended restores)
 
 
 @dataclass
@@ -201,6 +205,7 @@ class EngineCore:
         self.lock = threading.RLock()
         self._kv_scales_at = float("-inf")
         self._in_step: set[str] = set()  # ids of the requests in the step running now
+        self._restoring: dict[str, Request] = {}  # RESTORING at the last schedule(), timed in _time_restores
         self.observer.on_step(self.snapshot(), 0, 0)
 
     def attach_host(self, host: HostTier) -> None:
@@ -291,9 +296,11 @@ class EngineCore:
             for req in self.scheduler.expire():
                 self._emit_finished(req)
             plan = self.scheduler.schedule()
+            now = time.monotonic()
+            if self._restoring or self.scheduler.restoring:
+                self._time_restores(now)
             if not plan.slices:
                 return 0
-            now = time.monotonic()
             for s in plan.slices:
                 times: _Times = s.request.extra["times"]
                 if times.admitted is None:
@@ -331,6 +338,24 @@ class EngineCore:
         counts = read()
         if counts is not None:
             self.observer.on_kv_scales(*counts)
+
+    def _time_restores(self, now: float) -> None:
+        """A request's stay in RESTORING (admitted from the host tier, its pages and slot being
+        filled, out of every step) runs from the ``schedule()`` that admitted it to the one that
+        let it join the running requests (so it includes the wait for that step)."""
+        current = {req.request_id: req for req, _ in self.scheduler.restoring}
+        for rid, req in current.items():
+            t: _Times = req.extra["times"]
+            if rid not in self._restoring and t.restore_started is None:
+                t.restore_started = now
+                if t.admitted is None and t.restore_first is None:
+                    t.restore_first = now
+        for rid, req in self._restoring.items():
+            t = req.extra["times"]
+            if rid not in current and t.restore_started is not None:
+                t.restore_ms += (now - t.restore_started) * 1000.0
+                t.restore_started = None
+        self._restoring = current
 
     def _build_batch(self, plan: StepPlan) -> ForwardBatch:
         ids: list[int] = []
@@ -518,13 +543,14 @@ class EngineCore:
         admitted = t.admitted if t.admitted is not None else now
         first = t.first_token
         ms = 1000.0
+        restore_ms = t.restore_ms + ((now - t.restore_started) * ms if t.restore_started is not None else 0.0)
         ev = FinishedEvent(
             reason=req.finish or Finish.ERROR, prompt_tokens=len(req.prompt_ids), completion_tokens=req.num_output,
-            queue_ms=(admitted - t.arrival) * ms,
+            queue_ms=((t.restore_first if t.restore_first is not None else admitted) - t.arrival) * ms,
             prefill_ms=((first if first is not None else now) - admitted) * ms if t.admitted is not None else 0.0,
             decode_ms=(now - first) * ms if first is not None else 0.0,
             ttft_ms=(first - t.arrival) * ms if first is not None else 0.0,
-            stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits),
+            stop_token_id=req.stop_token_id, error=req.error, cached=dict(req.cache_hits), restore_ms=restore_ms,
             spec_drafted=req.extra.get("spec", (0, 0))[0], spec_accepted=req.extra.get("spec", (0, 0))[1])
         if req.owner.session:
             self.sessions.finished(req.owner.tenant, req.owner.session, Turn(

@@ -174,7 +174,7 @@ def event_to_proto(ev: Event) -> engine_pb2.GenerateResponse:
                                cached=cache_hits(ev.cached), spec_draft_tokens=ev.spec_drafted,
                                spec_accepted_tokens=ev.spec_accepted),
         timings=engine_pb2.Timings(queue_ms=ev.queue_ms, prefill_ms=ev.prefill_ms, decode_ms=ev.decode_ms,
-                                   ttft_ms=ev.ttft_ms),
+                                   ttft_ms=ev.ttft_ms, restore_ms=ev.restore_ms),
         error=ev.error)
     if ev.stop_token_id is not None:
         fin.stop_token_id = ev.stop_token_id

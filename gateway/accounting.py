@@ -1,15 +1,26 @@
 """Opt-in JSONL request log: one line per finished request, never any prompt text.
 
 Fields: ``ts`` (unix seconds at finish), ``request_id``, ``tenant``, ``session`` (the
-namespaced session key or null), ``endpoint``, ``status`` (HTTP-style code), ``engine``,
+namespaced session key ``<tenant>/<key>`` in clear, only with ``--request-log-session-keys``;
+else null), ``session_hash`` (``deepwell.log_cli.session_hash`` of that key: the first 16 hex
+digits of its SHA-256, the same for every request of the session and across restarts; null
+without a session), ``endpoint``, ``status`` (HTTP-style code), ``engine``,
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` (a dict per reuse level plus
 ``total``), ``timings`` (gateway ``ttft_ms`` / ``total_ms`` and the engine's
-``queue_ms`` / ``prefill_ms`` / ``decode_ms``), ``finish_reason``, ``tool_parse``
+``queue_ms`` / ``prefill_ms`` / ``decode_ms`` / ``engine_ttft_ms`` / ``restore_ms``: the time
+the request spent restoring its prefix from the host tier, out of every step, 0 without one;
+a first admission's restore is neither queue nor prefill time), ``finish_reason``, ``tool_parse``
 (``ok`` | ``failure`` | ``none``), ``tool_parse_reasons`` and ``tool_format`` (how the
 request's tools reached the prompt: ``template``, ``generic_hermes`` for a template that
 ignores tools, null without tools), ``speculative`` (the engine's MTP ``draft_tokens`` and
 ``accepted_tokens`` for the request; empty when it ended before the engine reported). Writes are line-atomic
 (one ``write`` of a full line on an append-mode file) and serialized by a lock.
+
+The session hash is a pseudonym, not a secret: it lets a log be shipped elsewhere and still be
+grouped by session (``deepwell log summarize``), and whoever knows a key can compute its hash to
+find it; a guessable key (an OpenAI ``user`` that is an e-mail address) can be confirmed the same
+way. Spills have no per-request time (they happen after a request ends, per cache entry): their
+latency is the engine's Prometheus ``deepwell_engine_cache_spill_seconds``.
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from deepwell.log_cli import session_hash
+
 CACHE_LEVELS = ("resident_frontier", "resident_checkpoint", "host_entry", "session_lookup", "shared_prefix")
 
 
@@ -29,7 +42,8 @@ class RequestRecord:
     request_id: str
     tenant: str
     endpoint: str
-    session: str | None = None
+    session: str | None = None  # in clear only with --request-log-session-keys
+    session_hash: str | None = None
     status: int = 200
     engine: str | None = None
     prompt_tokens: int = 0
@@ -41,6 +55,9 @@ class RequestRecord:
     tool_parse_reasons: list[str] = field(default_factory=list)
     tool_format: str | None = None
     speculative: dict[str, int] = field(default_factory=dict)  # draft_tokens / accepted_tokens (MTP)
+
+
+__all__ = ["CACHE_LEVELS", "RequestLog", "RequestRecord", "session_hash"]
 
 
 class RequestLog:

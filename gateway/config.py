@@ -55,6 +55,11 @@ class GatewayConfig:
     request_log: str = field(
         default="", metadata={"help": "append one JSON line per request to this file (no prompt text); empty = off"}
     )
+    request_log_session_keys: bool = field(
+        default=False,
+        metadata={"help": "also write each request's session key in clear to the request log ('session'); by "
+                          "default only its hash ('session_hash') is written"},
+    )
     internal_token_file: str = field(
         default="",
         metadata={"help": "file holding the internal token (mode 0600) the engines require on every call "

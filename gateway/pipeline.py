@@ -26,7 +26,7 @@ from typing import Any
 
 from deepwell import logs
 from deepwell.engine.v1 import engine_pb2
-from gateway.accounting import CACHE_LEVELS, RequestLog, RequestRecord
+from gateway.accounting import CACHE_LEVELS, RequestLog, RequestRecord, session_hash
 from gateway.chat_types import ChatRequest, Event, InvalidRequest, SamplingOptions, ToolCallEnd
 from gateway.config import U32, GatewayConfig
 from gateway.engine_client import EngineClient, EngineOverloaded, EngineRejected, EngineUnavailable, ModelBundle
@@ -291,7 +291,7 @@ class Generation:
         self._iter: AsyncIterator[OutEvent] | None = None
         self._primed: list[OutEvent] = []
         self.record = RequestRecord(request_id=prepared.request_id, tenant=prepared.tenant, endpoint=prepared.endpoint,
-                                    session=prepared.session_key, tool_format=prepared.tool_format)
+                                    tool_format=prepared.tool_format)
 
     # ------------------------------------------------------------------ engine side
     def _request(self) -> engine_pb2.GenerateRequest:
@@ -365,7 +365,7 @@ class Generation:
                 f = msg.finished
                 t = f.timings
                 self._engine_timings = {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "decode_ms": t.decode_ms,
-                                        "engine_ttft_ms": t.ttft_ms}
+                                        "engine_ttft_ms": t.ttft_ms, "restore_ms": t.restore_ms}
                 self._spec = {"draft_tokens": f.usage.spec_draft_tokens,
                               "accepted_tokens": f.usage.spec_accepted_tokens}
                 self._engine_done = True
@@ -500,7 +500,8 @@ class Generation:
         m = self.service.metrics
         r = self.record
         r.status = self.status
-        r.session = self.p.session_key
+        r.session = self.p.session_key if self.service.config.request_log_session_keys else None
+        r.session_hash = session_hash(self.p.session_key)
         r.engine = self.p.engine.address
         m.finished(self.p.endpoint, self.status)
         if self.first_token_at is not None:

@@ -99,7 +99,8 @@ def up(tmp_path_factory) -> Up:
     # stops there instead of filling the context)
     proc, (port, _grpc, _engine, metrics_port) = start_up(
         tmp, "--kvcache-arena-bytes", str(256 << 20), "--startup-timeout-s", "300", timeout_s=600,
-        env={"DEEPWELL_GATEWAY_REQUEST_LOG": str(tmp / "requests.jsonl"), "DEEPWELL_GATEWAY_DEFAULT_MAX_TOKENS": "1024"})
+        env={"DEEPWELL_GATEWAY_REQUEST_LOG": str(tmp / "requests.jsonl"), "DEEPWELL_GATEWAY_DEFAULT_MAX_TOKENS": "1024",
+             "DEEPWELL_GATEWAY_REQUEST_LOG_SESSION_KEYS": "1"})  # the tests below read the keys in clear
     yield Up(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", tmp / "requests.jsonl")
     proc.send_signal(signal.SIGINT)
     try:
