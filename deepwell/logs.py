@@ -14,6 +14,8 @@ from typing import Any
 
 import structlog
 
+from deepwell.progress import clear_bars
+
 _configured = False
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -32,6 +34,7 @@ def setup_logging(component: str, level: str = "info", json: bool | None = None)
         json = (env == "1") if env in ("0", "1") else not sys.stderr.isatty()
     numeric = getattr(logging, level.upper())
     shared: list[Any] = [
+        clear_bars,  # a progress bar on the terminal (deepwell.progress) gives its line to the log line
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

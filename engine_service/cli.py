@@ -7,6 +7,10 @@ size the KV pool (``config.py`` rules), calibrate a quantized KV cache's global 
 the gRPC server (health + reflection), mark it SERVING, then print
 ``engine listening on <host>:<port>`` (and write ``--port-file``). SIGINT / SIGTERM: mark
 NOT_SERVING, finish every request as cancelled, stop the server, exit 0.
+Progress (``deepwell.progress``: a bar on a TTY, ``progress`` log lines otherwise): the default
+model's download, the weight loading and the KV calibration; while serving, long prefills log
+``prefill_progress`` and set the ``deepwell_engine_prefill_*`` gauges (``engine_service.progress``,
+the step observer wrapped around ``EngineMetrics``).
 Nothing heavy (torch, model code) is imported at module level.
 """
 

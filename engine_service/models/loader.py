@@ -12,6 +12,10 @@ the stream, missing language-model tensors fail listing them with their shapes. 
 tensors load into ``model.mtp`` when their layout matches and never fail the load: an
 incomplete or mismatched MTP set drops the MTP module (logged). Unknown tensors are
 logged and skipped.
+
+Progress (``deepwell.progress``): parameter bytes written of the model's total (a bar on a
+TTY, ``progress`` log lines otherwise); ``weights_loaded`` logs the tensors read, the bytes and
+the seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from deepwell.logs import get_logger
+from deepwell.progress import Progress
 from engine_service.layers.backend import ReferenceBackend
 from engine_service.models.decoder import CausalLM
 from engine_service.models.registry import Family, resolve
@@ -112,22 +117,27 @@ def _offer(
     mtp: WeightTargets,
     state: _LoadState,
     pieces: Iterable[tuple[str, torch.Tensor]],
-) -> None:
-    """Copy one checkpoint tensor's pieces into their parameters (locals die on return)."""
+) -> int:
+    """Copy one checkpoint tensor's pieces into their parameters (locals die on return);
+    returns the parameter elements written."""
+    written = 0
     for pname, t in pieces:
         if pname.startswith("mtp."):
             if model.mtp is None:
                 state.skipped += 1
                 continue
             try:
-                if not mtp.offer(pname, t):
+                if mtp.offer(pname, t):
+                    written += t.numel()
+                else:
                     state.mtp_error = state.mtp_error or f"unexpected MTP tensor {pname}"
             except ValueError as exc:
                 state.mtp_error = state.mtp_error or str(exc)
-        elif not main.offer(pname, t):
-            if pname == "lm_head.weight" and model.args.tie_embeddings:
-                continue
+        elif main.offer(pname, t):
+            written += t.numel()
+        elif not (pname == "lm_head.weight" and model.args.tie_embeddings):
             state.unexpected.append(pname)
+    return written
 
 
 def load_weights(
@@ -145,14 +155,20 @@ def load_weights(
         mtp.add_module(model.mtp, "mtp.")
     state = _LoadState()
     adapt = family.adapter_for(text_cfg)
-    for raw, tensor in tensors:
-        name = normalize_name(raw)
-        if name is None:
-            state.skipped += 1
-        else:
-            _offer(model, main, mtp, state, adapt(name, tensor))
-        # drop our reference before the stream reads the next tensor (peak: one tensor)
-        del tensor
+    params = list(model.parameters())  # tied weights once
+    elem = params[0].element_size() if params else 4
+    total = sum(p.numel() for p in params) * elem
+    count = 0
+    with Progress("loading weights", total=total, unit="B") as bar:
+        for raw, tensor in tensors:
+            name = normalize_name(raw)
+            count += 1
+            if name is None:
+                state.skipped += 1
+            else:
+                bar.update(_offer(model, main, mtp, state, adapt(name, tensor)) * elem)
+            # drop our reference before the stream reads the next tensor (peak: one tensor)
+            del tensor
     missing = main.missing()
     if missing:
         raise missing_error(missing)
@@ -169,6 +185,9 @@ def load_weights(
     log.info(
         "weights_loaded",
         architecture=model.args.architecture,
+        tensors=count,
+        bytes=total,
+        seconds=round(bar.clock() - bar.started, 2),
         skipped=state.skipped,
         mtp=model.mtp is not None,
     )

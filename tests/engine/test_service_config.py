@@ -43,14 +43,16 @@ def test_size_pools() -> None:
                         num_attention_layers=1, num_recurrent_layers=3)
     dense = MemorySpec(page_size=64, bytes_per_page=1 << 20, bytes_per_state_slot=0,
                        num_attention_layers=4, num_recurrent_layers=0)
-    # capped by max_concurrency full-context sequences: 4 * 8192/64 = 512 pages
+    # an explicit --cpu-kv-gib, capped by max_concurrency full-context sequences: 4 * 8192/64 = 512 pages
+    # (the default, auto, is one context: tests/engine/test_pool_sizing.py)
     # hybrid: a slot per running request plus two per request for the prefix cache's state images
-    assert size_pools(EngineConfig(max_concurrency=4), hybrid, 8192, cpu) == (512, 12)
-    assert size_pools(EngineConfig(max_concurrency=4, prefix_cache="off"), hybrid, 8192, cpu) == (512, 4)
+    assert size_pools(EngineConfig(max_concurrency=4, cpu_kv_gib=2.0), hybrid, 8192, cpu) == (512, 12)
+    assert size_pools(EngineConfig(max_concurrency=4, cpu_kv_gib=2.0, prefix_cache="off"), hybrid, 8192,
+                      cpu) == (512, 4)
     # limited by the CPU budget: 0.25 GiB / 1 MiB = 256 pages
     assert size_pools(EngineConfig(cpu_kv_gib=0.25), dense, 8192, cpu) == (256, 0)
     assert size_pools(EngineConfig(num_pages=10, state_slots=3), hybrid, 8192, cpu) == (10, 3)
-    assert size_pools(EngineConfig(max_context=1024, max_concurrency=2), dense, 8192, cpu) == (32, 0)
+    assert size_pools(EngineConfig(max_context=1024, max_concurrency=2, cpu_kv_gib=2.0), dense, 8192, cpu) == (32, 0)
     with pytest.raises(configs.ConfigError, match="hold no KV page"):
         size_pools(EngineConfig(cpu_kv_gib=0.0001), dense, 8192, cpu)
 

@@ -1,0 +1,65 @@
+"""The KV pool's size rule (``engine_service.cli.size_pools``): on CPU sized to what is served.
+
+Default (``cpu_kv_gib = 0``, auto): one full served context (at most ``max_concurrency``), up to
+``CPU_KV_AUTO_GIB``; an explicit ``cpu_kv_gib`` is the budget, capped at ``max_concurrency`` full
+contexts; ``num_pages`` is the pool whatever the memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from deepwell import configs
+from engine_service.cli import size_pools
+from engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB, EngineConfig
+from engine_service.runner_api import MemorySpec
+
+CPU = torch.device("cpu")
+# SmolLM2-135M: 30 layers x 3 KV heads x d=64, K and V: 46,080 bytes per token in fp32, 6,480 in nvfp4
+SMOL_FP32 = MemorySpec(page_size=64, bytes_per_page=30 * 2 * 3 * 64 * 4 * 64, bytes_per_state_slot=0,
+                       num_attention_layers=30, num_recurrent_layers=0)
+SMOL_NVFP4 = MemorySpec(page_size=64, bytes_per_page=414_720, bytes_per_state_slot=0, num_attention_layers=30,
+                        num_recurrent_layers=0)
+
+
+def test_auto_is_one_served_context_on_cpu() -> None:
+    assert (CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB) == (1, 2.0)
+    assert EngineConfig().cpu_kv_gib == 0  # the default is auto
+    # the embedded default model at its served 32k: 512 pages = 1.41 GiB (was the whole 2 GiB: 728 pages)
+    with capture_logs() as logs:
+        assert size_pools(EngineConfig(), SMOL_FP32, 32768, CPU) == (512, 0)
+    sized = next(e for e in logs if e["event"] == "kv_pool_sized")
+    assert (sized["contexts"], sized["sized_by"], sized["pool_gib"]) == (1, "contexts", 1.406)
+    assert "auto" in sized["budget"]
+    # the same in nvfp4: 0.2 GiB
+    assert size_pools(EngineConfig(kv_dtype="nvfp4"), SMOL_NVFP4, 32768, CPU) == (512, 0)
+    # a smaller served context, a smaller pool
+    assert size_pools(EngineConfig(max_context=8192), SMOL_FP32, 32768, CPU) == (128, 0)
+    # never more contexts than requests run at once (1 already) and never more than 2 GiB
+    assert size_pools(EngineConfig(max_concurrency=1), SMOL_FP32, 32768, CPU) == (512, 0)
+    big = MemorySpec(page_size=64, bytes_per_page=16 << 20, bytes_per_state_slot=0, num_attention_layers=4,
+                     num_recurrent_layers=0)
+    with capture_logs() as logs:
+        assert size_pools(EngineConfig(), big, 32768, CPU) == (128, 0)  # 2 GiB / 16 MiB, below one context
+    assert any(e["event"] == "kv_pool_below_context" for e in logs)
+
+
+def test_explicit_budget_is_an_upper_bound() -> None:
+    # 8 GiB asked, 16 contexts allowed: 8 GiB of pages (5.7 contexts)
+    assert size_pools(EngineConfig(cpu_kv_gib=8.0), SMOL_FP32, 32768, CPU) == ((8 << 30) // SMOL_FP32.bytes_per_page,
+                                                                              0)
+    # ... but never more than max_concurrency full contexts
+    assert size_pools(EngineConfig(cpu_kv_gib=8.0, max_concurrency=2), SMOL_FP32, 32768, CPU) == (1024, 0)
+    # 2 GiB explicit: the old default's pool
+    assert size_pools(EngineConfig(cpu_kv_gib=2.0), SMOL_FP32, 32768, CPU) == (728, 0)
+    # an explicit pool size wins over both
+    assert size_pools(EngineConfig(num_pages=7, cpu_kv_gib=8.0), SMOL_FP32, 32768, CPU) == (7, 0)
+    with pytest.raises(configs.ConfigError, match="cpu_kv_gib"):
+        EngineConfig(cpu_kv_gib=-1.0)
+
+
+def test_cuda_sizing_is_unchanged_by_the_cpu_rule() -> None:
+    cuda = torch.device("cuda")  # only the type is read: free memory is passed in
+    # 16 contexts of 32k fit in 40 GiB free: the concurrency cap, not one context
+    assert size_pools(EngineConfig(), SMOL_FP32, 32768, cuda, free_bytes=40 << 30) == (16 * 512, 0)
