@@ -17,11 +17,11 @@ Claude Code sends, which the gateway strips) with ``x-claude-code-session-id`` (
 gateway's session key) and a unique ``x-request-id``. Sessions run concurrently (asyncio +
 httpx), turns in order within a session. ``--start lead`` (default) lets session 0's first
 turn finish before the others start, as when one agent is already running; ``together``
-starts all at once. By default the script starts ``python -m engine_service`` (``--model``,
+starts all at once. By default the script starts ``python -m deepwell.engine_service`` (``--model``,
 the embedded SmolLM2 when absent, or ``--tiny-hybrid``: a tiny random Qwen3.5-style hybrid
 with a small byte-level BPE tokenizer and the Qwen3.5 XML-tools chat template, written on the
 spot; ``--engine-arg='--num-pages 512 --cpu-threads 1'`` passes flags through, note the
-``=``) and ``python -m gateway --request-log`` on loopback, and stops both at the end; with
+``=``) and ``python -m deepwell.gateway --request-log`` on loopback, and stops both at the end; with
 ``--gateway`` it uses a running stack (``--engine``: its gRPC address, for the model's
 tokenizer and template; ``--request-log``: the log that gateway writes; ``--metrics``: the
 engine's /metrics). Sizes: ``--system-chars``, ``--tools``, ``--tool-output-chars MIN-MAX``,
@@ -105,7 +105,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))
 
 from benchmarks.agent_sessions import (  # noqa: E402
     MAX_TOOLS,
@@ -291,10 +291,10 @@ class Stack:
 
 def start_engine(run_dir: Path, model: str, extra: list[str],
                  timeout_s: float) -> tuple[subprocess.Popen[Any], str, str]:
-    """``python -m engine_service`` on loopback; returns (process, gRPC address, metrics URL)."""
+    """``python -m deepwell.engine_service`` on loopback; returns (process, gRPC address, metrics URL)."""
     port_file = run_dir / "engine.port"
     stderr = open(run_dir / "engine.stderr.log", "w")
-    cmd = [sys.executable, "-m", "engine_service", "--model", model, "--listen", "127.0.0.1:0",
+    cmd = [sys.executable, "-m", "deepwell.engine_service", "--model", model, "--listen", "127.0.0.1:0",
            "--port-file", str(port_file), "--metrics-port", "0", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
                             preexec_fn=_die_with_parent)
@@ -321,10 +321,10 @@ def start_engine(run_dir: Path, model: str, extra: list[str],
 
 
 def start_gateway(run_dir: Path, engine: str, request_log: Path, timeout_s: float) -> tuple[subprocess.Popen[Any], str]:
-    """``python -m gateway`` on loopback (HTTP only) writing ``request_log``; waits for /health."""
+    """``python -m deepwell.gateway`` on loopback (HTTP only) writing ``request_log``; waits for /health."""
     port_file = run_dir / "gateway.port"
     log = open(run_dir / "gateway.log", "w")
-    cmd = [sys.executable, "-m", "gateway", "--port", "0", "--port-file", str(port_file), "--engines", engine,
+    cmd = [sys.executable, "-m", "deepwell.gateway", "--port", "0", "--port-file", str(port_file), "--engines", engine,
            "--grpc-listen", "", "--request-log", str(request_log), "--health-interval-s", "0.5",
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_die_with_parent)
@@ -348,7 +348,7 @@ def start_gateway(run_dir: Path, engine: str, request_log: Path, timeout_s: floa
 
 
 def start_daemon(run_dir: Path, arena_mib: int, timeout_s: float) -> tuple[subprocess.Popen[Any], str, Path]:
-    """``python -m kvcache_daemon`` on a unix socket with its arena in /dev/shm; (process, address,
+    """``python -m deepwell.kvcache_daemon`` on a unix socket with its arena in /dev/shm; (process, address,
     the arena's directory: remove it after the daemon stopped)."""
     import asyncio
     import tempfile
@@ -358,7 +358,7 @@ def start_daemon(run_dir: Path, arena_mib: int, timeout_s: float) -> tuple[subpr
     shm = Path(tempfile.mkdtemp(prefix="dw-replay-", dir="/dev/shm"))
     address = f"unix://{run_dir / 'kvcache.sock'}"
     log = open(run_dir / "kvcache.log", "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache_daemon", "--address", address, "--arena-path",
+    proc = subprocess.Popen([sys.executable, "-m", "deepwell.kvcache_daemon", "--address", address, "--arena-path",
                              str(shm / "arena"), "--arena-bytes", str(arena_mib << 20), "--granule-bytes",
                              str(1 << 20), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
                             cwd=ROOT, preexec_fn=_die_with_parent)
@@ -412,7 +412,7 @@ async def fetch_bundle(address: str) -> Any:
     """The gateway's ``ModelBundle`` of the engine at ``address`` (as its health loop builds it)."""
     from deepwell import grpcx
     from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
-    from gateway.engine_client import GATEWAY_FILES, build_bundle
+    from deepwell.gateway.engine_client import GATEWAY_FILES, build_bundle
 
     async with grpcx.aio_channel(address) as channel:
         stub = engine_pb2_grpc.EngineStub(channel)
@@ -436,11 +436,11 @@ class Prompt:
 
 def render(bundle: Any, body: dict[str, Any], headers: dict[str, str]) -> Prompt:
     """The token ids and boundaries the gateway sends to the engine for this request."""
-    from gateway.http import schemas_anthropic
-    from gateway.http.anthropic_api import to_chat_request
-    from gateway.http.common import RequestContext
-    from gateway.prompting import build_prompt
-    from gateway.tool_format import tool_format
+    from deepwell.gateway.http import schemas_anthropic
+    from deepwell.gateway.http.anthropic_api import to_chat_request
+    from deepwell.gateway.http.common import RequestContext
+    from deepwell.gateway.prompting import build_prompt
+    from deepwell.gateway.tool_format import tool_format
 
     ctx = RequestContext(request_id=headers["x-request-id"], tenant="default", headers=headers)
     req, _ = to_chat_request(schemas_anthropic.MessagesRequest.model_validate(body), ctx)

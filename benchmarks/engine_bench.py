@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from engine_service.cli import calibrate_kv
-from engine_service.config import KV_DTYPES, KV_HADAMARD
-from engine_service.engine import EngineCore, EngineLimits, TokensEvent
-from engine_service.loading import open_model
-from engine_service.runner import build_runner
-from engine_service.sampling import SamplingParams
+from deepwell.engine_service.cli import calibrate_kv
+from deepwell.engine_service.config import KV_DTYPES, KV_HADAMARD
+from deepwell.engine_service.engine import EngineCore, EngineLimits, TokensEvent
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.runner import build_runner
+from deepwell.engine_service.sampling import SamplingParams
 
 
 def _prompts(c: int, n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -77,7 +77,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = args.model
     if not path:
-        from engine_service.default_model import ensure_default_model
+        from deepwell.engine_service.default_model import ensure_default_model
 
         path = str(ensure_default_model())
     dtype = getattr(torch, args.dtype)

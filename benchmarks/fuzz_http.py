@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # the fuzz strategies and the fake engine live with the gateway tests
+    sys.path.append(str(ROOT))  # the fuzz strategies and the fake engine live with the gateway tests
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,8 +61,8 @@ def in_process_gateway() -> Iterator[str]:
     import uvicorn
 
     from deepwell.logs import setup_logging
-    from gateway.config import GatewayConfig
-    from gateway.http.app import create_app
+    from deepwell.gateway.config import GatewayConfig
+    from deepwell.gateway.http.app import create_app
     from tests.gateway.fake_engine import free_port
     from tests.gateway.test_fuzz_http_props import fake_engine
 

@@ -33,13 +33,13 @@ import tempfile
 from collections import Counter
 from types import ModuleType
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from kernels.kv_formats import nvfp4  # noqa: E402
-from kernels.kv_formats.layout import KVFormat, KVLayout  # noqa: E402
+from deepwell.kernels.kv_formats import nvfp4  # noqa: E402
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout  # noqa: E402
 
 DEVICE_TRITON = "3.6"
 _FMT_CODE = {"nvfp4": 0, "fp8": 1, "int8": 2}
@@ -184,12 +184,12 @@ def main() -> int:
     if args.t < 1 or args.group < 1 or args.splits < 1 or args.warps < 1 or args.maxnreg < 0:
         ap.error("--t, --group, --splits and --warps must be >= 1, --maxnreg >= 0")
     if args.kernel == "decode":
-        mod = load_module(args.module, "kernels.paged_attention.gluon_decode")
+        mod = load_module(args.module, "deepwell.kernels.paged_attention.gluon_decode")
         if args.t * args.group > mod.MAX_COLS:
             ap.error(f"--t x --group must be <= {mod.MAX_COLS}")
         kernel, const, opts = decode_build(mod, args)
     else:
-        mod = load_module(args.module, "kernels.kv_append.gluon_append")
+        mod = load_module(args.module, "deepwell.kernels.kv_append.gluon_append")
         kernel, const, opts = append_build(mod, args)
     if args.kernel == "decode":
         shape = f"T={args.t} group={args.group} splits={args.splits}"

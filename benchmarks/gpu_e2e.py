@@ -84,24 +84,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))
 
 import torch  # noqa: E402
 
 from benchmarks.agent_replay import QWEN35_27B, write_qwen35_27b  # noqa: E402
-from engine_service import rope_scaling  # noqa: E402
-from engine_service.block_manager import pages_for  # noqa: E402
-from engine_service.cli import build_core  # noqa: E402
-from engine_service.config import EngineConfig  # noqa: E402
-from engine_service.engine import EngineCore, FinishedEvent, TokensEvent  # noqa: E402
-from engine_service.kv.pool import Region  # noqa: E402
-from engine_service.kv.quant_pool import KVSettingsError  # noqa: E402
-from engine_service.kv.settings import KVSettings  # noqa: E402
-from engine_service.layers.context import SeqInfo, StepContext  # noqa: E402
-from engine_service.loading import open_model  # noqa: E402
-from engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
-from engine_service.sampling import SamplingParams  # noqa: E402
-from engine_service.scheduler import Finish, Status  # noqa: E402
+from deepwell.engine_service import rope_scaling  # noqa: E402
+from deepwell.engine_service.block_manager import pages_for  # noqa: E402
+from deepwell.engine_service.cli import build_core  # noqa: E402
+from deepwell.engine_service.config import EngineConfig  # noqa: E402
+from deepwell.engine_service.engine import EngineCore, FinishedEvent, TokensEvent  # noqa: E402
+from deepwell.engine_service.kv.pool import Region  # noqa: E402
+from deepwell.engine_service.kv.quant_pool import KVSettingsError  # noqa: E402
+from deepwell.engine_service.kv.settings import KVSettings  # noqa: E402
+from deepwell.engine_service.layers.context import SeqInfo, StepContext  # noqa: E402
+from deepwell.engine_service.loading import open_model  # noqa: E402
+from deepwell.engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
+from deepwell.engine_service.sampling import SamplingParams  # noqa: E402
+from deepwell.engine_service.scheduler import Finish, Status  # noqa: E402
 
 GiB = 1 << 30
 PAGE_SIZE = 64

@@ -111,8 +111,8 @@ def prepare(args: argparse.Namespace) -> int:
     size = sum(w.stat().st_size for w in WHEELS.glob("*.whl"))
     print(f".whl: {len(list(WHEELS.glob('*.whl')))} wheels, {size / 2**20:.1f} MiB")
 
-    sys.path.insert(0, str(ROOT))
-    from engine_service.default_model import GGUF_NAME, ensure_default_model
+    sys.path.append(str(ROOT))
+    from deepwell.engine_service.default_model import GGUF_NAME, ensure_default_model
 
     gguf = ensure_default_model()
     parts = split(gguf, PARTS, args.part_mib << 20)
@@ -129,7 +129,10 @@ def install_wheels() -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)], check=True)
     # the engine, daemon and gateway the tests start are subprocesses: they need the path too
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH", "")) if p)
+    # (and the checkout, so `deepwell` imports in subprocesses started from any directory: nothing
+    # is pip-installed there; deepwell._CheckoutFinder maps deepwell.engine_service etc. onto it)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), os.environ.get("PYTHONPATH", ""), str(ROOT))
+                                               if p)
     sys.path.insert(0, str(SITE))
     importlib.invalidate_caches()
 

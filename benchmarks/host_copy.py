@@ -14,7 +14,7 @@ Prints, per KV format and context length:
   device-to-host and host-to-device: the link's bandwidth in this run;
 - ``export`` / ``import``: ``KVStore.export_entry`` / ``import_entry`` (``kv.pool``: gather
   into a staging buffer, then copy), in GB/s and as a fraction of ``raw``;
-- with ``--daemon``: a real ``python -m kvcache_daemon`` and the engine's ``HostTier``:
+- with ``--daemon``: a real ``python -m deepwell.kvcache_daemon`` and the engine's ``HostTier``:
   ``spill`` (Reserve -> copy -> Commit) and ``restore`` (Lookup + pin -> copy -> Release),
   wall seconds per entry, bit-exactness checked.
 """
@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))
 
-from engine_service.kv.float_pool import KVLayout as FloatLayout  # noqa: E402
-from engine_service.kv.float_pool import KVPool  # noqa: E402
-from engine_service.kv.pool import Region  # noqa: E402
-from engine_service.kv.quant_pool import QuantKVPool, quant_layout  # noqa: E402
-from engine_service.kv.state import StateLayout, StatePool  # noqa: E402
+from deepwell.engine_service.kv.float_pool import KVLayout as FloatLayout  # noqa: E402
+from deepwell.engine_service.kv.float_pool import KVPool  # noqa: E402
+from deepwell.engine_service.kv.pool import Region  # noqa: E402
+from deepwell.engine_service.kv.quant_pool import QuantKVPool, quant_layout  # noqa: E402
+from deepwell.engine_service.kv.state import StateLayout, StatePool  # noqa: E402
 
 PAGE = 64
 LAYERS, KV_HEADS, HEAD_DIM = 16, 4, 256
@@ -56,7 +56,7 @@ class Pools:
             self.kv = QuantKVPool(quant_layout(kv, KV_HEADS, HEAD_DIM, PAGE, "on"), LAYERS, pages, dev)
         self.state = StatePool(STATE, 2, dev)
         self.device = dev
-        from engine_service.kv.pool import row_nbytes
+        from deepwell.engine_service.kv.pool import row_nbytes
 
         self.page_nbytes = row_nbytes(self.kv.page_tensors())
         self.slot_nbytes = self.state.slot_nbytes
@@ -72,14 +72,14 @@ class Pools:
         return num_pages * self.page_nbytes + (self.slot_nbytes if with_state else 0)
 
     def export_kv(self, pages: list[int], slot: int, out: Region) -> None:
-        from engine_service.kv.pool import export_rows
+        from deepwell.engine_service.kv.pool import export_rows
 
         export_rows(self.kv.page_tensors(), pages, out)
         if slot >= 0:
             export_rows(self.state.slot_tensors(), [slot], out, start=len(pages) * self.page_nbytes)
 
     def import_kv(self, pages: list[int], slot: int, position: int, src: Region, entry_pages: int) -> None:
-        from engine_service.kv.pool import import_rows
+        from deepwell.engine_service.kv.pool import import_rows
 
         import_rows(self.kv.page_tensors(), pages, src)
         if slot >= 0:
@@ -160,7 +160,7 @@ def run_daemon(kv: str, tokens: int, dev: torch.device) -> dict:
 
     from deepwell import grpcx
     from deepwell.kvclient.client import KVClient
-    from engine_service.cache.host import HostTier
+    from deepwell.engine_service.cache.host import HostTier
 
     pages = -(-tokens // PAGE)
     pools = Pools(kv, 2 * pages + 8, dev)
@@ -170,7 +170,7 @@ def run_daemon(kv: str, tokens: int, dev: torch.device) -> dict:
     size = -(-(nbytes + gran) // gran) * gran
     work = tempfile.mkdtemp(dir=arena_dir(size), prefix="dw-daemon-")
     address = f"unix://{work}/kv.sock"
-    d = subprocess.Popen([sys.executable, "-m", "kvcache_daemon", "--address", address, "--arena-path",
+    d = subprocess.Popen([sys.executable, "-m", "deepwell.kvcache_daemon", "--address", address, "--arena-path",
                           f"{work}/arena", "--arena-bytes", str(size), "--granule-bytes", str(gran),
                           "--log-level", "warning"], cwd=REPO)
     assert asyncio.run(grpcx.wait_healthy(address, "deepwell.kvcache.v1.KVCache", 120)), "daemon did not start"

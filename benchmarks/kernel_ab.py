@@ -35,20 +35,20 @@ import sys
 from types import ModuleType
 from typing import Callable, Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from benchmarks.kv_attention import (D, HKV, HQ, append_case, bench, bench_graph, decode_case,  # noqa: E402
                                      graph_time, prefill_case)
-from kernels.backend import TritonBackend  # noqa: E402
-from kernels.hadamard.reference import scale as hadamard_scale  # noqa: E402
+from deepwell.kernels.backend import TritonBackend  # noqa: E402
+from deepwell.kernels.hadamard.reference import scale as hadamard_scale  # noqa: E402
 
 MODULES = {
-    "gluon_decode": "kernels.paged_attention.gluon_decode",
-    "triton_kernel": "kernels.paged_attention.triton_kernel",
-    "kv_append": "kernels.kv_append.triton_kernel",
-    "gluon_append": "kernels.kv_append.gluon_append",
+    "gluon_decode": "deepwell.kernels.paged_attention.gluon_decode",
+    "triton_kernel": "deepwell.kernels.paged_attention.triton_kernel",
+    "kv_append": "deepwell.kernels.kv_append.triton_kernel",
+    "gluon_append": "deepwell.kernels.kv_append.gluon_append",
 }
 DECODE_CASES = [(1, 64, 16384), (1, 1, 131072), (1, 8, 131072), (1, 64, 131072), (2, 8, 131072), (2, 64, 131072),
                 (4, 1, 16384), (4, 64, 16384), (4, 8, 131072), (4, 64, 131072)]

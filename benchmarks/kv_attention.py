@@ -33,17 +33,17 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from kernels.backend import KVCacheLayer, TritonBackend  # noqa: E402
-from kernels.calibration import calibrate  # noqa: E402
-from kernels.kv_append import triton_kernel as append_tk  # noqa: E402
-from kernels.kv_formats import KVLayout  # noqa: E402
-from kernels.paged_attention import gluon_decode  # noqa: E402
-from kernels.paged_attention import triton_kernel as attn_tk  # noqa: E402
+from deepwell.kernels.backend import KVCacheLayer, TritonBackend  # noqa: E402
+from deepwell.kernels.calibration import calibrate  # noqa: E402
+from deepwell.kernels.kv_append import triton_kernel as append_tk  # noqa: E402
+from deepwell.kernels.kv_formats import KVLayout  # noqa: E402
+from deepwell.kernels.paged_attention import gluon_decode  # noqa: E402
+from deepwell.kernels.paged_attention import triton_kernel as attn_tk  # noqa: E402
 
 HQ, HKV, D = 24, 4, 256
 PEAK = 4.8e12
@@ -241,8 +241,8 @@ def prefill_table(fmt: str = "nvfp4", prefix: int = 65536, chunk: int = 4096) ->
     configurations (Q already rotated; the first is the backend's for short chunks), and the
     workspace's two launches apart; then the engine's call against the packed pages for shorter
     chunks (``--only prefill``: where the workspace starts to pay)."""
-    from kernels.kv_dequant import reference as dq_ref
-    from kernels.kv_dequant import triton_kernel as dq_tk
+    from deepwell.kernels.kv_dequant import reference as dq_ref
+    from deepwell.kernels.kv_dequant import triton_kernel as dq_tk
 
     rows = []
     layout, cache, tables, ctx_lens, q, q_start, q_len, flops = prefill_case(fmt, prefix, chunk)
@@ -468,7 +468,7 @@ def _page_center(max_pages: int, sink: bool = True):
     """A per-page K centering for the 27B layout (64 rotary dims of 256, Qwen's theta): a random
     ``mu`` on the channels a page may center (``kernels.page_center``) and, with ``sink`` (the
     engine's default), a random sink key for page 0."""
-    from kernels.page_center import PageCenter, page_stationary, rope_table
+    from deepwell.kernels.page_center import PageCenter, page_stationary, rope_table
 
     inv = 1.0 / 10_000_000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     mu = torch.randn(HKV, D) * torch.where(page_stationary(inv, D), 1.0, 0.0)
@@ -524,7 +524,7 @@ def center_table(rounds: int = 3, kernels: bool = True) -> list[dict]:
                   f"page {best['page']*1e6:.1f} us (page 0 on a sink key; without {best['page_nosink']*1e6:.1f}), "
                   f"ratio {best['page']/best['fixed']:.3f}", flush=True)
             if kernels and be.uses_gluon(layout, HQ // HKV, t, q.device):  # the parts: Gluon kernel alone, page terms alone
-                from kernels.paged_attention import page_bias as pb_mod
+                from deepwell.kernels.paged_attention import page_bias as pb_mod
 
                 cols = gluon_decode.num_columns(t, HQ // HKV)
                 bias = pb_mod.page_bias(cen.page_center, q, t, cols, tables.shape[1], D**-0.5 * gluon_decode.LOG2E)

@@ -24,18 +24,18 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import engine_service.kv.quant_pool as kv_quant  # noqa: E402
-from engine_service.kv.settings import KVSettings  # noqa: E402
+import deepwell.engine_service.kv.quant_pool as kv_quant  # noqa: E402
+from deepwell.engine_service.kv.settings import KVSettings  # noqa: E402
 from benchmarks.kv_quality import find_gguf  # noqa: E402
-from engine_service.cli import calibrate_kv  # noqa: E402
-from engine_service.kv.quant_pool import HADAMARD_MODES  # noqa: E402
-from engine_service.loading import open_model  # noqa: E402
-from engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
-from engine_service.runner_api import ForwardBatch, SeqSlice  # noqa: E402
+from deepwell.engine_service.cli import calibrate_kv  # noqa: E402
+from deepwell.engine_service.kv.quant_pool import HADAMARD_MODES  # noqa: E402
+from deepwell.engine_service.loading import open_model  # noqa: E402
+from deepwell.engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
+from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice  # noqa: E402
 
 SYSTEM = "<|im_start|>system\n{}<|im_end|>\n"
 USER = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

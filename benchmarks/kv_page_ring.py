@@ -8,14 +8,14 @@ loop can approach (docs/kernels.md). Needs an sm_90 GPU and a Triton with Gluon.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
 from benchmarks.kv_attention import HKV, D, bench_graph, decode_case  # noqa: E402
-from kernels.paged_attention import gluon_decode as gd  # noqa: E402
+from deepwell.kernels.paged_attention import gluon_decode as gd  # noqa: E402
 
 
 @gluon.jit

@@ -119,11 +119,11 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels.calibration import (  # noqa: E402
+from deepwell.kernels.calibration import (  # noqa: E402
     ScaleCounter,
     calibrate,
     count_rows,
@@ -131,9 +131,9 @@ from kernels.calibration import (  # noqa: E402
     k_offset,
     stationary_channels,
 )
-from kernels.hadamard import fwht  # noqa: E402
-from kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4  # noqa: E402
-from kernels.kv_formats.layout import PAGE_SIZE  # noqa: E402
+from deepwell.kernels.hadamard import fwht  # noqa: E402
+from deepwell.kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4  # noqa: E402
+from deepwell.kernels.kv_formats.layout import PAGE_SIZE  # noqa: E402
 
 # +H and K centering: the cache defaults for fp8 and nvfp4
 DEFAULT_CONFIGS = "bf16,fp8+H,fp8+H:center=off,int8,nvfp4+H,nvfp4+H:center=off,nvfp4"
@@ -566,7 +566,7 @@ def rope_turn(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> tor
     """``x`` [N, H, d] turned by the engine's RoPE (``engine_service.layers.rope.apply_rope``,
     NeoX half-split over the first ``2 * len(inv_freq)`` channels) to positions ``pos`` [N]
     (angles in fp64, so far positions stay exact enough); negative positions turn back."""
-    from engine_service.layers.rope import apply_rope
+    from deepwell.engine_service.layers.rope import apply_rope
 
     ang = pos.double()[:, None] * inv_freq.double()[None, :]
     emb = torch.cat([ang, ang], dim=-1)
@@ -855,7 +855,7 @@ def main() -> int:
             hook.capture_sink = False
     if args.calibrate_on != "window":  # one unscored forward of the calibration text per config
         if args.calibrate_on == "builtin":
-            from engine_service.kv.calibration import CALIBRATION_TEXT as cal_text
+            from deepwell.engine_service.kv.calibration import CALIBRATION_TEXT as cal_text
         else:
             cal_text = Path(args.calibrate_on).read_text(encoding="utf-8")
         cal_ids = tok(cal_text, return_tensors="pt").input_ids

@@ -30,11 +30,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from engine_service.kv.quant_pool import CENTER_K_MODES, HADAMARD_MODES, K_ROUNDING_MODES  # noqa: E402
+from deepwell.engine_service.kv.quant_pool import CENTER_K_MODES, HADAMARD_MODES, K_ROUNDING_MODES  # noqa: E402
 
 DEFAULT_CONFIGS = "bf16,fp8,int8,nvfp4,nvfp4:hadamard=off"
 # the engine's --kv-hadamard / --kv-center-k / --kv-k-rounding choices, and whether page 0 is
@@ -76,7 +76,7 @@ def corpus_ids(tokenizer_json: bytes) -> list[int]:
 
 def window_logprobs(runner, ids: list[int], chunk: int) -> torch.Tensor:
     """log-softmax of the logits at every position but the last, prefilled in chunks."""
-    from engine_service.runner_api import ForwardBatch, SeqSlice
+    from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
 
     table = list(range(math.ceil(len(ids) / runner.page_size)))
     rows = []
@@ -108,12 +108,12 @@ def main() -> int:
     from deepwell.logs import setup_logging
 
     setup_logging("kv_quality_engine", "warning")  # the table only (the engine logs every allocation)
-    from engine_service.cli import calibrate_kv
-    from engine_service.default_model import ensure_default_model
-    from engine_service.kv.quant_pool import KVSettingsError
-    from engine_service.kv.settings import KVSettings
-    from engine_service.loading import open_model
-    from engine_service.runner import TorchModelRunner, build_runner
+    from deepwell.engine_service.cli import calibrate_kv
+    from deepwell.engine_service.default_model import ensure_default_model
+    from deepwell.engine_service.kv.quant_pool import KVSettingsError
+    from deepwell.engine_service.kv.settings import KVSettings
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import TorchModelRunner, build_runner
 
     source = open_model(ensure_default_model())
     base = build_runner(source, "cpu", torch.float32)

@@ -2,7 +2,7 @@
 
     python benchmarks/kvcache_bench.py [--iters 300] [--tokens 8192] [--copy-mib 512]
 
-Starts a real daemon (``python -m kvcache_daemon``) on a private unix socket with an arena
+Starts a real daemon (``python -m deepwell.kvcache_daemon``) on a private unix socket with an arena
 under /dev/shm (or uses ``--address`` of a running one), then prints p50/p99 of
 Reserve+Commit, Lookup+pin and Release round trips through ``deepwell.kvclient`` and the
 GB/s of ``ArenaMap.copy_in`` / ``copy_out`` over a multi-extent allocation.
@@ -63,7 +63,7 @@ def main() -> int:
     address = args.address
     if not address:
         address = f"unix://{tmp}/kv.sock"
-        proc = subprocess.Popen([sys.executable, "-m", "kvcache_daemon", "--address", address,
+        proc = subprocess.Popen([sys.executable, "-m", "deepwell.kvcache_daemon", "--address", address,
                                  "--arena-path", f"{shm}/arena", "--arena-bytes", str(args.arena_mib * MiB),
                                  "--granule-bytes", str(args.granule_mib * MiB), "--log-level", "warning"],
                                 stdout=subprocess.DEVNULL)

@@ -90,10 +90,10 @@ import httpx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))
 
 TARGETS = ("daemon", "engine")
-MODULES = {"daemon": "kvcache_daemon", "engine": "engine_service", "gateway": "gateway"}
+MODULES = {"daemon": "deepwell.kvcache_daemon", "engine": "deepwell.engine_service", "gateway": "deepwell.gateway"}
 COMPLETED = ("stop", "length", "tool_calls")
 SERVER_COMPLETED = ("stop", "stop_sequence", "length", "tool_calls")
 

@@ -24,7 +24,7 @@ import os
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"  # launches as on a GPU (captured, not run): before triton loads
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -32,8 +32,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from kernels.e4m3_unpack import fp8_conversion_for  # noqa: E402
-from kernels.paged_attention.triton_kernel import unpack_asm_for  # noqa: E402
+from deepwell.kernels.e4m3_unpack import fp8_conversion_for  # noqa: E402
+from deepwell.kernels.paged_attention.triton_kernel import unpack_asm_for  # noqa: E402
 
 _DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
            torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
@@ -47,9 +47,9 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100:
 
 def capture(quick: bool) -> list[tuple[JITFunction, tuple, dict]]:
     """The distinct Triton launches of a set of backend calls (module doc)."""
-    from kernels.backend import KVCacheLayer, TritonBackend
-    from kernels.kv_formats.layout import KVLayout
-    from kernels.page_center import PageCenter, rope_table
+    from deepwell.kernels.backend import KVCacheLayer, TritonBackend
+    from deepwell.kernels.kv_formats.layout import KVLayout
+    from deepwell.kernels.page_center import PageCenter, rope_table
 
     launches: list[tuple[JITFunction, tuple, dict]] = []
 

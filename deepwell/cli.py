@@ -23,9 +23,9 @@ from deepwell import __version__
 # (subcommand, module implementing it). Order is the order shown in --help.
 COMMANDS: list[tuple[str, str]] = [
     ("up", "deepwell.up"),
-    ("kvcache", "kvcache_daemon.cli"),
-    ("engine", "engine_service.cli"),
-    ("gateway", "gateway.cli"),
+    ("kvcache", "deepwell.kvcache_daemon.cli"),
+    ("engine", "deepwell.engine_service.cli"),
+    ("gateway", "deepwell.gateway.cli"),
     ("internal-token", "deepwell.auth"),
     ("sessions", "deepwell.sessions_cli"),
     ("stats", "deepwell.stats_cli"),

@@ -187,12 +187,12 @@ def plan(cfg: UpConfig, run_dir: Path) -> list[Child]:
     if cfg.kvcache:
         children.append(Child(
             "kvcache",
-            [py, "-m", "kvcache_daemon", "--address", kv_address, "--arena-path", str(run_dir / "arena"),
+            [py, "-m", "deepwell.kvcache_daemon", "--address", kv_address, "--arena-path", str(run_dir / "arena"),
              "--arena-bytes", str(arena), *token, *log],
             lambda: grpc_healthy(kv_address, timeout_s=1.0),
         ))
     engine_address = f"127.0.0.1:{cfg.engine_port}"
-    engine_argv = [py, "-m", "engine_service", "--listen", engine_address, "--metrics-port",
+    engine_argv = [py, "-m", "deepwell.engine_service", "--listen", engine_address, "--metrics-port",
                    str(cfg.engine_metrics_port), "--device", cfg.device, *token, *log]
     if cfg.kvcache:
         engine_argv += ["--kv-daemon", kv_address]
@@ -207,7 +207,7 @@ def plan(cfg: UpConfig, run_dir: Path) -> list[Child]:
         engine_argv += ["--speculative-tokens", str(cfg.speculative_tokens)]
     engine_argv += shlex.split(cfg.engine_args)
     children.append(Child("engine", engine_argv, lambda: grpc_healthy(engine_address, timeout_s=1.0)))
-    gateway_argv = [py, "-m", "gateway", "--host", cfg.host, "--port", str(cfg.port), "--engines", engine_address,
+    gateway_argv = [py, "-m", "deepwell.gateway", "--host", cfg.host, "--port", str(cfg.port), "--engines", engine_address,
                     "--grpc-listen", f"{cfg.host}:{cfg.grpc_port}", *token, *log]
     if cfg.api_keys_file:
         gateway_argv += ["--api-keys-file", cfg.api_keys_file]

@@ -1,4 +1,4 @@
-"""``python -m engine_service``: the same as ``deepwell engine``."""
+"""``python -m deepwell.engine_service``: the same as ``deepwell engine``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from deepwell.configs import ConfigError
-from engine_service import cli
+from deepwell.engine_service import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_service", description=cli.DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m deepwell.engine_service", description=cli.DESCRIPTION)
     cli.configure(parser)
     args = parser.parse_args(argv)
     try:

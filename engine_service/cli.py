@@ -1,4 +1,4 @@
-"""``deepwell engine`` / ``python -m engine_service``: serve one model over gRPC.
+"""``deepwell engine`` / ``python -m deepwell.engine_service``: serve one model over gRPC.
 
 Start-up: open the model (``--model`` or the embedded SmolLM2 default), build the runner,
 size the KV pool (``config.py`` rules), calibrate a quantized KV cache's global scales
@@ -20,10 +20,10 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from deepwell import configs
-from engine_service.config import ENV_PREFIX, EngineConfig
+from deepwell.engine_service.config import ENV_PREFIX, EngineConfig
 
 if TYPE_CHECKING:
-    from engine_service.engine import EngineCore
+    from deepwell.engine_service.engine import EngineCore
 
 HELP = "serve a model over gRPC (deepwell.engine.v1.Engine): scheduler, model runner, KV pool"
 DESCRIPTION = (
@@ -83,7 +83,7 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
     KV dtype. On CUDA a budget that cannot hold one full served context is a ``ConfigError``
     naming the numbers and the fixes; on CPU the served context shrinks to the pool, with a
     warning."""
-    from engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB
+    from deepwell.engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB
 
     per_request = 3 if cfg.prefix_cache == "on" else 1  # with the cache: two state images per running request
     slots = (cfg.state_slots or per_request * cfg.max_concurrency) if spec.hybrid else 0
@@ -141,8 +141,8 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     """EngineCore over ``runner`` (which it allocates); then the KV calibration, if any, and the
     check of the device's KV kernels (``kv.selfcheck``: the Triton / Gluon kernels against the
     reference on the calibration's K/V; where none agrees, ``ConfigError`` saying so)."""
-    from engine_service.engine import EngineCore, EngineLimits
-    from engine_service.service import default_sampling, eos_ids_of
+    from deepwell.engine_service.engine import EngineCore, EngineLimits
+    from deepwell.engine_service.service import default_sampling, eos_ids_of
 
     spec = runner.memory_spec()
     pages, slots = size_pools(cfg, spec, runner.max_context, runner.device)
@@ -155,7 +155,7 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     calibrate_kv(source, runner, served_context=core.max_context)
     check = getattr(runner, "check_kv_kernels", None)
     if check is not None:  # the device's KV kernels against the reference, before serving
-        from engine_service.kv.selfcheck import KVKernelCheckError
+        from deepwell.engine_service.kv.selfcheck import KVKernelCheckError
 
         try:
             check()
@@ -167,7 +167,7 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
 def speculative_tokens(cfg: EngineConfig, runner: Any) -> int:
     """Drafts per decode step: the configured count where the runner has its MTP module enabled
     (auto: ``DEFAULT_SPECULATIVE_TOKENS``), else 0; ``ConfigError`` when asked for without MTP."""
-    from engine_service.config import DEFAULT_SPECULATIVE_TOKENS
+    from deepwell.engine_service.config import DEFAULT_SPECULATIVE_TOKENS
 
     has_mtp = bool(getattr(runner, "mtp_layers", 0))
     if cfg.speculative_tokens > 0 and not has_mtp:
@@ -184,8 +184,8 @@ def calibrate_kv(source: Any, runner: Any, served_context: int | None = None, si
     ``tokenizer.json``), led by the chat template's first token where K is centered per page
     (``kv.calibration.sink_token_id``: page 0 is centered on its key); returns the
     ``KVCalibration`` or ``None`` when not needed. ``sink=False``: page 0 on its mean (ablation)."""
-    from engine_service.kv.calibration import calibration_token_ids, sink_token_id
-    from engine_service.kv.quant_pool import SCALED_FORMATS
+    from deepwell.engine_service.kv.calibration import calibration_token_ids, sink_token_id
+    from deepwell.engine_service.kv.quant_pool import SCALED_FORMATS
 
     spec = getattr(runner, "kv_spec", None)  # fake runners in tests have none
     if spec is None or spec.quant_layout is None or spec.name not in SCALED_FORMATS:
@@ -208,8 +208,8 @@ def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, m
     """Connect to the KV-cache daemon (in the background: a daemon that is down is a miss until it
     is back) and give the prefix cache its host tier; returns the client."""
     from deepwell.kvclient.client import KVClient
-    from engine_service.cache.host import HostTier
-    from engine_service.cache.identity import model_fingerprint, revision
+    from deepwell.engine_service.cache.host import HostTier
+    from deepwell.engine_service.cache.identity import model_fingerprint, revision
 
     cal = runner.kv_calibration
     fingerprint = model_fingerprint(
@@ -247,7 +247,7 @@ def internal_token(path: str, listen: str, log: Any) -> str:
 
 
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
-    from engine_service.kv.quant_pool import KVSettingsError
+    from deepwell.engine_service.kv.quant_pool import KVSettingsError
 
     try:
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
@@ -268,19 +268,19 @@ async def serve(cfg: EngineConfig) -> int:
     from deepwell import grpcx
     from deepwell.engine.v1 import engine_pb2_grpc
     from deepwell.logs import get_logger
-    from engine_service.engine import Engine
-    from engine_service import rope_scaling
-    from engine_service.loading import open_model
-    from engine_service.metrics import EngineMetrics
-    from engine_service.progress import PrefillProgress
-    from engine_service.runner import build_runner
-    from engine_service.service import SERVICE_NAME, EngineService, build_model_info, load_files
+    from deepwell.engine_service.engine import Engine
+    from deepwell.engine_service import rope_scaling
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.metrics import EngineMetrics
+    from deepwell.engine_service.progress import PrefillProgress
+    from deepwell.engine_service.runner import build_runner
+    from deepwell.engine_service.service import SERVICE_NAME, EngineService, build_model_info, load_files
 
     log = get_logger("engine_service")
     token = internal_token(cfg.internal_token_file, cfg.listen, log)
     model_path, default_name = cfg.model, ""
     if not model_path:
-        from engine_service.default_model import MODEL_ID, ensure_default_model
+        from deepwell.engine_service.default_model import MODEL_ID, ensure_default_model
 
         model_path, default_name = str(ensure_default_model()), MODEL_ID
     device = resolve_device(cfg.device)
@@ -292,7 +292,7 @@ async def serve(cfg: EngineConfig) -> int:
     loop = asyncio.get_running_loop()
     source = await loop.run_in_executor(None, lambda: open_model(model_path, weights=not cfg.random_weights))
     if not cfg.model:  # the embedded default model: its model card's sampling defaults
-        from engine_service.default_model import GENERATION_DEFAULTS
+        from deepwell.engine_service.default_model import GENERATION_DEFAULTS
 
         source.generation_config = {**GENERATION_DEFAULTS, **(source.generation_config or {})}
     yarn = rope_scaling.for_model(cfg.rope_scaling, default_model=not cfg.model)

@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepwell import configs
-from engine_service.rope_scaling import parse as parse_rope_scaling
+from deepwell.engine_service.rope_scaling import parse as parse_rope_scaling
 
 ENV_PREFIX = "ENGINE"
 DEVICES = ("auto", "cpu", "cuda")

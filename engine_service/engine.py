@@ -39,16 +39,16 @@ from dataclasses import dataclass, field
 import torch
 
 from deepwell.logs import get_logger
-from engine_service.block_manager import BlockManager
-from engine_service.cache.index import Owner
-from engine_service.cache.host import HostCounters, HostTier
-from engine_service.cache.resident import PrefixCache
-from engine_service.cache.types import CacheCounters
-from engine_service.runner_api import DraftInput, ForwardBatch, ModelRunner, SeqSlice
-from engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
-from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan
-from engine_service.sessions import SessionLedger, Turn
-from kernels.calibration import ScaleCounts
+from deepwell.engine_service.block_manager import BlockManager
+from deepwell.engine_service.cache.index import Owner
+from deepwell.engine_service.cache.host import HostCounters, HostTier
+from deepwell.engine_service.cache.resident import PrefixCache
+from deepwell.engine_service.cache.types import CacheCounters
+from deepwell.engine_service.runner_api import DraftInput, ForwardBatch, ModelRunner, SeqSlice
+from deepwell.engine_service.sampling import SampleRow, Sampled, Sampler, SamplingParams, make_generator
+from deepwell.engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Slice, Status, StepPlan
+from deepwell.engine_service.sessions import SessionLedger, Turn
+from deepwell.kernels.calibration import ScaleCounts
 
 log = get_logger(__name__)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepwell.logs import get_logger
-from engine_service.engine import Snapshot, StepObserver
+from deepwell.engine_service.engine import Snapshot, StepObserver
 
 log = get_logger(__name__)
 

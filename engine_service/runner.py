@@ -31,25 +31,25 @@ from typing import Any
 import torch
 
 from deepwell.logs import get_logger
-from engine_service.kv.calibration import KVCalibration, RecordingPool
-from engine_service.kv.float_pool import KVPool
-from engine_service.kv.pool import Region
-from engine_service.kv.quant_pool import QuantKVPool
-from engine_service.kv.selfcheck import KVKernelCheck
-from engine_service.kv.settings import KVSettings, KVSpec, page_bytes_by_kv_dtype, resolve
-from engine_service.kv.state import StateLayout, StatePool
-from engine_service.kv.store import KVStore
-from engine_service.layers.backend import ReferenceBackend, get_backend
-from engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext, VerifyRecord
-from engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
-from engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
-from engine_service.layers.fp8_linear import quantize_linears
-from engine_service.layers.rope import inv_freq_and_scale
-from engine_service.loading.source import ModelSource
-from engine_service.models import build_model, load_weights, random_weights
-from engine_service.models.decoder import CausalLM
-from engine_service.runner_api import DraftInput, ForwardBatch, MemorySpec, SeqSlice
-from kernels.calibration import ScaleCounts
+from deepwell.engine_service.kv.calibration import KVCalibration, RecordingPool
+from deepwell.engine_service.kv.float_pool import KVPool
+from deepwell.engine_service.kv.pool import Region
+from deepwell.engine_service.kv.quant_pool import QuantKVPool
+from deepwell.engine_service.kv.selfcheck import KVKernelCheck
+from deepwell.engine_service.kv.settings import KVSettings, KVSpec, page_bytes_by_kv_dtype, resolve
+from deepwell.engine_service.kv.state import StateLayout, StatePool
+from deepwell.engine_service.kv.store import KVStore
+from deepwell.engine_service.layers.backend import ReferenceBackend, get_backend
+from deepwell.engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext, VerifyRecord
+from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
+from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
+from deepwell.engine_service.layers.fp8_linear import quantize_linears
+from deepwell.engine_service.layers.rope import inv_freq_and_scale
+from deepwell.engine_service.loading.source import ModelSource
+from deepwell.engine_service.models import build_model, load_weights, random_weights
+from deepwell.engine_service.models.decoder import CausalLM
+from deepwell.engine_service.runner_api import DraftInput, ForwardBatch, MemorySpec, SeqSlice
+from deepwell.kernels.calibration import ScaleCounts
 
 log = get_logger(__name__)
 

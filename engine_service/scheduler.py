@@ -53,13 +53,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine_service.block_manager import BlockManager, OutOfPages, pages_for
-from engine_service.cache.index import Ledger, Owner
-from engine_service.cache.resident import PrefixCache
-from engine_service.cache.types import Hit, Kind, Level, Restore
+from deepwell.engine_service.block_manager import BlockManager, OutOfPages, pages_for
+from deepwell.engine_service.cache.index import Ledger, Owner
+from deepwell.engine_service.cache.resident import PrefixCache
+from deepwell.engine_service.cache.types import Hit, Kind, Level, Restore
 
 if TYPE_CHECKING:
-    from engine_service.sampling import SamplingParams
+    from deepwell.engine_service.sampling import SamplingParams
 
 
 class Status(Enum):

@@ -32,7 +32,7 @@ import grpc
 from deepwell import __version__
 from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
 from deepwell.logs import get_logger
-from engine_service.engine import (
+from deepwell.engine_service.engine import (
     AdmittedEvent,
     Engine,
     Event,
@@ -41,9 +41,9 @@ from engine_service.engine import (
     QueueFull,
     TokensEvent,
 )
-from engine_service.sampling import SamplingParams
-from engine_service.scheduler import Finish
-from engine_service.sessions import SessionRow, collect
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.scheduler import Finish
+from deepwell.engine_service.sessions import SessionRow, collect
 
 log = get_logger(__name__)
 

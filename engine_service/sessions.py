@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine_service.block_manager import pages_for
-from engine_service.cache.index import is_prefix
-from engine_service.cache.types import Entry, Kind
+from deepwell.engine_service.block_manager import pages_for
+from deepwell.engine_service.cache.index import is_prefix
+from deepwell.engine_service.cache.types import Entry, Kind
 
 DEFAULT_CAPACITY = 1000  # sessions whose requests the ledger remembers (least recently seen forgotten)
 

@@ -1,4 +1,4 @@
-"""``python -m gateway``: the same as ``deepwell gateway``."""
+"""``python -m deepwell.gateway``: the same as ``deepwell gateway``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from deepwell.configs import ConfigError
-from gateway import cli
+from deepwell.gateway import cli
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=cli.DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m deepwell.gateway", description=cli.DESCRIPTION)
     cli.configure(parser)
     args = parser.parse_args()
     try:

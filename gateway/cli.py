@@ -1,4 +1,4 @@
-"""``deepwell gateway`` / ``python -m gateway``: OpenAI + Anthropic HTTP and gRPC Chat."""
+"""``deepwell gateway`` / ``python -m deepwell.gateway``: OpenAI + Anthropic HTTP and gRPC Chat."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DESCRIPTION = (
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from deepwell.configs import add_arguments
-    from gateway.config import GatewayConfig
+    from deepwell.gateway.config import GatewayConfig
 
     add_arguments(parser, GatewayConfig, "GATEWAY")
 
@@ -23,10 +23,10 @@ def run(args: argparse.Namespace) -> int:
 
     from deepwell.configs import from_args
     from deepwell.logs import setup_logging
-    from gateway.config import GatewayConfig
+    from deepwell.gateway.config import GatewayConfig
 
     config = from_args(GatewayConfig, args, "GATEWAY")
     setup_logging("gateway", config.log_level)
-    from gateway.server import serve
+    from deepwell.gateway.server import serve
 
     return asyncio.run(serve(config))

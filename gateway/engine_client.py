@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deepwell import grpcx, logs
 from deepwell.engine.v1 import engine_pb2, engine_pb2_grpc
 
-log = logs.get_logger("gateway.engine_client")
+log = logs.get_logger("deepwell.gateway.engine_client")
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 GATEWAY_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -93,8 +93,8 @@ def build_bundle(info: engine_pb2.ModelInfo, files: dict[str, bytes], tool_parse
     """Tokenizer + template + parser choice from a ModelInfo and its fetched files."""
     from tokenizers import Tokenizer
 
-    from gateway.templates import ChatTemplate
-    from gateway.toolparse import parser_for_template
+    from deepwell.gateway.templates import ChatTemplate
+    from deepwell.gateway.toolparse import parser_for_template
 
     if "tokenizer.json" not in files:
         raise EngineError(f"engine for model {info.model_id!r} does not offer tokenizer.json")
@@ -125,7 +125,7 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "deepwell_probe_tool", "
 
 def _renders_tools(template: Any) -> bool:
     """Whether the chat template writes the tools it is given into the prompt."""
-    from gateway.templates import TemplateError
+    from deepwell.gateway.templates import TemplateError
 
     try:
         text = template.render([{"role": "user", "content": "hi"}], [_PROBE_TOOL], add_generation_prompt=True)

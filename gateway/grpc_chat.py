@@ -23,9 +23,9 @@ import grpc
 
 from deepwell import grpcx, logs
 from deepwell.gateway.v1 import chat_pb2, chat_pb2_grpc
-from gateway import session
-from gateway.auth import AuthError
-from gateway.chat_types import (
+from deepwell.gateway import session
+from deepwell.gateway.auth import AuthError
+from deepwell.gateway.chat_types import (
     ChatMessage,
     ChatRequest,
     ContentDelta,
@@ -38,11 +38,11 @@ from gateway.chat_types import (
     ToolCallStart,
     ToolDef,
 )
-from gateway.errors import GatewayError, invalid
-from gateway.pipeline import Finished, KeepAlive, Started
-from gateway.surrogates import find_lone_surrogate
+from deepwell.gateway.errors import GatewayError, invalid
+from deepwell.gateway.pipeline import Finished, KeepAlive, Started
+from deepwell.gateway.surrogates import find_lone_surrogate
 
-log = logs.get_logger("gateway.grpc_chat")
+log = logs.get_logger("deepwell.gateway.grpc_chat")
 
 SERVICE_NAME = chat_pb2.DESCRIPTOR.services_by_name["Chat"].full_name
 STATUS = {

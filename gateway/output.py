@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.chat_types import ContentDelta, Event, ToolCallEnd, ToolDef, ToolParseFailure
-from gateway.detok import IncrementalDetokenizer
-from gateway.stops import StopMatcher
-from gateway.toolparse.pipeline import OutputParser
+from deepwell.gateway.chat_types import ContentDelta, Event, ToolCallEnd, ToolDef, ToolParseFailure
+from deepwell.gateway.detok import IncrementalDetokenizer
+from deepwell.gateway.stops import StopMatcher
+from deepwell.gateway.toolparse.pipeline import OutputParser
 
 
 class OutputProcessor:

@@ -26,17 +26,17 @@ from typing import Any
 
 from deepwell import logs
 from deepwell.engine.v1 import engine_pb2
-from gateway.accounting import CACHE_LEVELS, RequestLog, RequestRecord, session_hash
-from gateway.chat_types import ChatRequest, Event, InvalidRequest, SamplingOptions, ToolCallEnd
-from gateway.config import U32, GatewayConfig
-from gateway.engine_client import EngineClient, EngineOverloaded, EngineRejected, EngineUnavailable, ModelBundle
-from gateway.errors import ContextLengthError, GatewayError, invalid
-from gateway.metrics import GatewayMetrics
-from gateway.output import OutputProcessor
-from gateway.routing import NoHealthyEngine, Router
-from gateway.tool_format import tool_format
+from deepwell.gateway.accounting import CACHE_LEVELS, RequestLog, RequestRecord, session_hash
+from deepwell.gateway.chat_types import ChatRequest, Event, InvalidRequest, SamplingOptions, ToolCallEnd
+from deepwell.gateway.config import U32, GatewayConfig
+from deepwell.gateway.engine_client import EngineClient, EngineOverloaded, EngineRejected, EngineUnavailable, ModelBundle
+from deepwell.gateway.errors import ContextLengthError, GatewayError, invalid
+from deepwell.gateway.metrics import GatewayMetrics
+from deepwell.gateway.output import OutputProcessor
+from deepwell.gateway.routing import NoHealthyEngine, Router
+from deepwell.gateway.tool_format import tool_format
 
-log = logs.get_logger("gateway.pipeline")
+log = logs.get_logger("deepwell.gateway.pipeline")
 
 ENGINE_FINISH = {
     engine_pb2.FINISH_REASON_STOP: "stop",
@@ -171,8 +171,8 @@ class ChatService:
     # ------------------------------------------------------------------ prompts
     @staticmethod
     def _render(req: ChatRequest, bundle: ModelBundle) -> Any:
-        from gateway.prompting import build_prompt
-        from gateway.templates import TemplateError
+        from deepwell.gateway.prompting import build_prompt
+        from deepwell.gateway.templates import TemplateError
 
         if bundle.template is None:
             raise invalid(f"model {bundle.model_id!r} has no chat template; use /v1/completions with a raw prompt")

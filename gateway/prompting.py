@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from deepwell.logs import get_logger
-from gateway.chat_types import ChatMessage, ChatRequest, InvalidRequest, ToolCallSpec
-from gateway.reasoning import prompt_opens_reasoning
-from gateway.templates import ChatTemplate, TemplateError
+from deepwell.gateway.chat_types import ChatMessage, ChatRequest, InvalidRequest, ToolCallSpec
+from deepwell.gateway.reasoning import prompt_opens_reasoning
+from deepwell.gateway.templates import ChatTemplate, TemplateError
 
 log = get_logger(__name__)
 

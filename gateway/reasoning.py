@@ -16,7 +16,7 @@ Contract:
 
 from __future__ import annotations
 
-from gateway.chat_types import ContentDelta, ReasoningDelta
+from deepwell.gateway.chat_types import ContentDelta, ReasoningDelta
 
 DEFAULT_OPEN = "<think>"
 DEFAULT_CLOSE = "</think>"

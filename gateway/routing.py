@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from gateway.surrogates import safe_utf8
+from deepwell.gateway.surrogates import safe_utf8
 
 
 class Routable(Protocol):

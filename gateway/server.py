@@ -15,10 +15,10 @@ from pathlib import Path
 import uvicorn
 
 from deepwell import logs
-from gateway.config import GatewayConfig
-from gateway.http.app import build_state, create_app
+from deepwell.gateway.config import GatewayConfig
+from deepwell.gateway.http.app import build_state, create_app
 
-log = logs.get_logger("gateway.server")
+log = logs.get_logger("deepwell.gateway.server")
 
 
 async def serve(config: GatewayConfig) -> int:
@@ -43,7 +43,7 @@ async def serve(config: GatewayConfig) -> int:
     port = server.servers[0].sockets[0].getsockname()[1]
     print(f"gateway http listening on http://{config.host}:{port}", flush=True)
     if config.grpc_listen:
-        from gateway.grpc_chat import start_chat_server
+        from deepwell.gateway.grpc_chat import start_chat_server
 
         grpc_handle = await start_chat_server(config.grpc_listen, state)
         print(f"gateway grpc Chat listening on {grpc_handle.address.rsplit(':', 1)[0]}:{grpc_handle.bound_port}",

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.chat_types import ChatRequest
-from gateway.engine_client import ModelBundle
+from deepwell.gateway.chat_types import ChatRequest
+from deepwell.gateway.engine_client import ModelBundle
 
 # Opening markup that forces a tool call: (any call, a named call), per parser.
 FORCED_CALL_PREFIX = {

@@ -17,8 +17,3 @@ reference on CPU). Packages:
 Only torch, triton and numpy are imported (no ``deepwell`` services, no structlog), so the
 kernels and their benchmarks run on a bare GPU image. Full description: ``docs/kernels.md``.
 """
-
-#: Marks this package as deepwell's: Hugging Face's ``kernels`` distribution (a dependency of
-#: transformers >= 5.25) installs a top-level package of the same name, which the engine
-#: detects by this marker's absence (``engine_service.__init__``).
-DEEPWELL_KERNELS = True

@@ -56,12 +56,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.kv_append import reference as append_ref
-from kernels.kv_append.reference import slots_from_positions
-from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
-from kernels.paged_attention import reference as attn_ref
-from kernels.page_center import PageCenter
-from kernels.paged_attention.reference import rotate_q
+from deepwell.kernels.kv_append import reference as append_ref
+from deepwell.kernels.kv_append.reference import slots_from_positions
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
+from deepwell.kernels.paged_attention import reference as attn_ref
+from deepwell.kernels.page_center import PageCenter
+from deepwell.kernels.paged_attention.reference import rotate_q
 
 __all__ = ["KVCacheLayer", "ReferenceBackend", "TritonBackend", "get_backend", "slots_from_positions"]
 
@@ -129,14 +129,14 @@ def _check_q(q: torch.Tensor, layer: KVCacheLayer) -> None:
 def _seq_rows(q_lens: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor]:
     """(first query row, query count) per sequence on ``device`` without a stream sync, cached
     per shape and stream like ``triton_kernel.work_items`` (every layer asks the same): read-only."""
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import triton_kernel
 
     return _seq_rows_cached(tuple(int(n) for n in q_lens), torch.device(device), triton_kernel.stream_key(device))
 
 
 @functools.lru_cache(maxsize=64)
 def _seq_rows_cached(q_lens: tuple[int, ...], device: torch.device, stream: int) -> tuple[Tensor, Tensor]:
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import triton_kernel
 
     starts = [0]
     for n in q_lens[:-1]:
@@ -236,7 +236,7 @@ class TritonBackend:
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                positions: torch.Tensor | None = None, *, validate: bool = True) -> None:
-        from kernels.kv_append import triton_kernel
+        from deepwell.kernels.kv_append import triton_kernel
 
         triton_kernel.append(layer.data, layer.layout, k, v, slots, layer.scales,
                              layer.append_offset(k.shape[0], positions, validate), layer.scale_counts,
@@ -244,7 +244,7 @@ class TritonBackend:
 
     def append_kernel(self, layout: KVLayout, device: torch.device) -> str:
         """The kernel ``append`` runs for ``layout`` on ``device``: "gluon" or "triton"."""
-        from kernels.kv_append import triton_kernel
+        from deepwell.kernels.kv_append import triton_kernel
 
         return triton_kernel.append_kernel(layout, device, impl=self.append_impl)
 
@@ -272,7 +272,7 @@ class TritonBackend:
         if tokens_per_seq > self.gluon_max_tokens:
             return False
         try:
-            from kernels.paged_attention import gluon_decode
+            from deepwell.kernels.paged_attention import gluon_decode
         except ImportError:  # a Triton without Gluon: the Triton kernel serves everything
             return False
         return gluon_decode.supported(layout, group, tokens_per_seq) and gluon_decode.available(device)
@@ -280,7 +280,7 @@ class TritonBackend:
     def decode_attention(self, q: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor, *,
                          tokens_per_seq: int = 1, sm_scale: float, num_splits: int | None = None,
                          out: Tensor | None = None, validate: bool = True) -> Tensor:
-        from kernels.paged_attention import triton_kernel
+        from deepwell.kernels.paged_attention import triton_kernel
 
         if validate:
             _check_q(q, layer)
@@ -293,16 +293,16 @@ class TritonBackend:
         bias = None
         if layer.page_center is not None:  # each page's q . c_P, one launch: the Gluon kernel's
             # columns in its log2 units, the Triton kernel's rows (a power of two) in true units
-            from kernels.paged_attention import page_bias
+            from deepwell.kernels.paged_attention import page_bias
 
             cols, scale = 1 << (t * group - 1).bit_length(), 1.0
             if gluon:
-                from kernels.paged_attention import gluon_decode
+                from deepwell.kernels.paged_attention import gluon_decode
 
                 cols, scale = gluon_decode.num_columns(t, group), sm_scale * gluon_decode.LOG2E
             bias = page_bias.page_bias(layer.page_center, q, t, cols, block_tables.shape[1], scale)
         if gluon:
-            from kernels.paged_attention import gluon_decode
+            from deepwell.kernels.paged_attention import gluon_decode
 
             per_sm = gluon_decode.programs_per_sm(t, group, layer.layout.head_dim, layer.layout.fmt)
             return gluon_decode.paged_decode(
@@ -332,7 +332,7 @@ class TritonBackend:
         if not self._dequantizes(layer.layout, max(lens, default=0) * group):
             return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False,
                                  _page_terms(q, layer))
-        from kernels.kv_dequant.reference import workspace_layout
+        from deepwell.kernels.kv_dequant.reference import workspace_layout
 
         page = workspace_layout(layer.layout).page_bytes
         b, w = block_tables.shape
@@ -368,9 +368,9 @@ class TritonBackend:
         segment would hold fewer than ``PREFILL_SEGMENT_MIN_PAGES`` pages; a context that fits
         (only its table row is wider) goes through one workspace of its pages. Reads the context
         length back to the host (one sync per call: pages past the context need no segment)."""
-        from kernels.kv_dequant import reference as dq_ref
-        from kernels.kv_dequant import triton_kernel as dq
-        from kernels.paged_attention import triton_kernel
+        from deepwell.kernels.kv_dequant import reference as dq_ref
+        from deepwell.kernels.kv_dequant import triton_kernel as dq
+        from deepwell.kernels.paged_attention import triton_kernel
 
         lay = layer.layout
         ws_lay = dq_ref.workspace_layout(lay)
@@ -436,7 +436,7 @@ class TritonBackend:
 
     def _dequantizes(self, layout: KVLayout, rows: int) -> bool:
         """Whether a prefill with ``rows`` query rows (longest chunk) may go through a workspace."""
-        from kernels.kv_dequant.reference import FORMATS
+        from deepwell.kernels.kv_dequant.reference import FORMATS
 
         return (layout.fmt in FORMATS and rows >= self._min_rows(layout.fmt)
                 and self.prefill_workspace_bytes > 0)
@@ -463,7 +463,7 @@ class TritonBackend:
         its keys with the page offsets added back, one fp16 rounding away from the packed
         path's score term ``pc``); split-K where the row blocks alone would leave SMs idle
         (``prefill_splits``)."""
-        from kernels.paged_attention import triton_kernel
+        from deepwell.kernels.paged_attention import triton_kernel
 
         dev = qr.device
         lay = layer.layout
@@ -480,8 +480,8 @@ class TritonBackend:
         if not dequantize:
             return triton_kernel.paged_attention(qr, layer.data, lay, layer.scales, block_tables, context_lens, starts,
                                                  q_len, sm_scale, page_center=pc, **kw)
-        from kernels.kv_dequant import reference as dq_ref
-        from kernels.kv_dequant import triton_kernel as dq
+        from deepwell.kernels.kv_dequant import reference as dq_ref
+        from deepwell.kernels.kv_dequant import triton_kernel as dq
 
         tables = block_tables.contiguous()
         # K centered per page: the workspace holds the keys with their page offsets added back
@@ -513,9 +513,9 @@ def _workspace_centers(layer: KVCacheLayer, width: int) -> Tensor | None:
     pc = layer.page_center
     if pc is None:
         return None
-    from kernels.hadamard import triton_fn
-    from kernels.kv_dequant import reference as dq_ref
-    from kernels.page_center import workspace_centers
+    from deepwell.kernels.hadamard import triton_fn
+    from deepwell.kernels.kv_dequant import reference as dq_ref
+    from deepwell.kernels.page_center import workspace_centers
 
     c = workspace_centers(pc, width, layer.layout.hadamard_size, triton_fn.rotate)
     return dq_ref.center_values(layer.layout, layer.scales, c)
@@ -523,7 +523,7 @@ def _workspace_centers(layer: KVCacheLayer, width: int) -> Tensor | None:
 
 def _rotate_q(q: Tensor, layout: KVLayout) -> Tensor:
     """``reference.rotate_q`` as one Triton launch (bit-identical)."""
-    from kernels.hadamard import triton_fn
+    from deepwell.kernels.hadamard import triton_fn
 
     return triton_fn.rotate(q, layout.hadamard_size) if layout.hadamard else q
 

@@ -49,11 +49,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_append.reference import encode_rows, stored_rows
-from kernels.kv_formats import feedback as kfeedback
-from kernels.kv_formats import int8, nvfp4
-from kernels.kv_formats.e4m3 import E4M3_MAX, E4M3_MIN_NORMAL
-from kernels.kv_formats.layout import KVFormat, KVLayout, pow2_at_least
+from deepwell.kernels.kv_append.reference import encode_rows, stored_rows
+from deepwell.kernels.kv_formats import feedback as kfeedback
+from deepwell.kernels.kv_formats import int8, nvfp4
+from deepwell.kernels.kv_formats.e4m3 import E4M3_MAX, E4M3_MIN_NORMAL
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout, pow2_at_least
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cuda_arch import capability
+from deepwell.kernels.cuda_arch import capability
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

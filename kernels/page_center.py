@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.kv_formats.layout import PAGE_SIZE
+from deepwell.kernels.kv_formats.layout import PAGE_SIZE
 
 MID = PAGE_SIZE // 2
 
@@ -213,7 +213,7 @@ def workspace_centers(pc: PageCenter, width: int, hadamard: int,
     K by the Hadamard transform of size ``hadamard`` (``KVLayout.hadamard_size``; 0: not rotated;
     ``rotate(x, size)``: the reference ``fwht`` unless given a bit-identical one) -- what a
     dequantized workspace adds back to K so attention over it needs no page term."""
-    from kernels.hadamard.reference import fwht
+    from deepwell.kernels.hadamard.reference import fwht
 
     pos = torch.arange(width, dtype=torch.int64, device=pc.table.device).clamp(max=pc.table.shape[0] - 1) * PAGE_SIZE
     c = pc.offsets(pos)
@@ -223,7 +223,7 @@ def workspace_centers(pc: PageCenter, width: int, hadamard: int,
 def page_stationary(inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
     """bool ``[head_dim]``: the channels a page-centered ``mu`` may use (RoPE turns them by at
     most pi/4 over half a page; channels past the rotary dims always)."""
-    from kernels.calibration import stationary_channels
+    from deepwell.kernels.calibration import stationary_channels
 
     return stationary_channels(inv_freq, head_dim, MID)
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.cuda_arch import capability
+from deepwell.kernels.cuda_arch import capability
 
 ENV = "DEEPWELL_PDL"
 

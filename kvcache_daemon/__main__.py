@@ -1,4 +1,4 @@
-"""``python -m kvcache_daemon``: same as ``deepwell kvcache``."""
+"""``python -m deepwell.kvcache_daemon``: same as ``deepwell kvcache``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from . import cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcache_daemon", description=cli.DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m deepwell.kvcache_daemon", description=cli.DESCRIPTION)
     cli.configure(parser)
     args = parser.parse_args(argv)
     try:

@@ -3,8 +3,29 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+
+def _import_installed_kernels() -> None:
+    """pytest puts the checkout's root on ``sys.path`` (the tests import ``tests.*``), where
+    deepwell's ``kernels/`` folder would shadow Hugging Face's top-level ``kernels`` package
+    (transformers >= 5.25 imports it). deepwell itself imports only ``deepwell.kernels``, so
+    import the installed ``kernels`` first, from the path without the checkout, when there is one."""
+    root = Path(__file__).resolve().parents[1]
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root]
+    try:
+        import kernels  # noqa: F401 - cached in sys.modules for transformers
+    except ImportError:
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_import_installed_kernels()
 
 # gRPC's fork handlers restart its poller in a forked child, and Popen(close_fds=True) then
 # closes that poller's epoll descriptor before exec: the child aborts now and then

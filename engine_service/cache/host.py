@@ -42,9 +42,9 @@ from deepwell.kvcache.v1 import kvcache_pb2 as pb
 from deepwell.kvclient.arena import ArenaMap, as_extents
 from deepwell.kvclient.client import KVClient
 from deepwell.logs import get_logger
-from engine_service.cache.identity import EntryShape
-from engine_service.cache.types import Level
-from engine_service.kv.pool import Region
+from deepwell.engine_service.cache.identity import EntryShape
+from deepwell.engine_service.cache.types import Level
+from deepwell.engine_service.kv.pool import Region
 
 log = get_logger(__name__)
 

@@ -77,9 +77,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from deepwell.logs import get_logger
-from engine_service.block_manager import BlockManager, pages_for
-from engine_service.cache.index import Ledger, MatchIndex, Owner, common_prefix, is_prefix
-from engine_service.cache.types import (
+from deepwell.engine_service.block_manager import BlockManager, pages_for
+from deepwell.engine_service.cache.index import Ledger, MatchIndex, Owner, common_prefix, is_prefix
+from deepwell.engine_service.cache.types import (
     CHEAP_GAP,
     SHADOW_ENTRIES,
     CacheCounters,
@@ -91,7 +91,7 @@ from engine_service.cache.types import (
 )
 
 if TYPE_CHECKING:
-    from engine_service.cache.host import HostTier
+    from deepwell.engine_service.cache.host import HostTier
 
 log = get_logger(__name__)
 

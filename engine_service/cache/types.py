@@ -6,7 +6,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine_service.cache.index import Ledger, Owner
+from deepwell.engine_service.cache.index import Ledger, Owner
 
 
 class Level(Enum):

@@ -62,13 +62,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_service.layers.context import StepContext
-from engine_service.kv.float_pool import FloatLayerKV, KVPool
-from kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_error_energy, k_offset
-from kernels.hadamard.reference import fwht
-from kernels.kv_formats import feedback
-from kernels.kv_formats.layout import PAGE_LAYOUT_VERSION, KVLayout
-from kernels.page_center import PAGE_SIZE, PageCenter, max_pages_for, pre_rope_mean, rope_table
+from deepwell.engine_service.layers.context import StepContext
+from deepwell.engine_service.kv.float_pool import FloatLayerKV, KVPool
+from deepwell.kernels.calibration import ScaleCounter, ScaleCounts, calibrate, k_error_energy, k_offset
+from deepwell.kernels.hadamard.reference import fwht
+from deepwell.kernels.kv_formats import feedback
+from deepwell.kernels.kv_formats.layout import PAGE_LAYOUT_VERSION, KVLayout
+from deepwell.kernels.page_center import PAGE_SIZE, PageCenter, max_pages_for, pre_rope_mean, rope_table
 
 CALIBRATION_TEXT = '''The harbour was quiet that morning. Fishing boats rocked against the pier while gulls \
 argued over scraps, and the old lighthouse keeper wrote in his log: wind from the north-east, \

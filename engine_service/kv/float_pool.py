@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.layers.backend import ReferenceBackend
-from engine_service.layers.context import StepContext
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.context import StepContext
 
 KV_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,

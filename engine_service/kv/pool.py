@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from engine_service.layers.context import StepContext
+from deepwell.engine_service.layers.context import StepContext
 
 CHUNK_BYTES = 256 << 20  # staging per step of an export / import (at least one row)
 

@@ -43,12 +43,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine_service.layers.context import StepContext
-from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_backend
-from kernels.calibration import ScaleCounts, counted_per_row
-from kernels.kv_append.reference import SCALE_COUNT_KINDS, check_k_feedback, check_k_offset
-from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
-from kernels.page_center import PageCenter
+from deepwell.engine_service.layers.context import StepContext
+from deepwell.kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend, get_backend
+from deepwell.kernels.calibration import ScaleCounts, counted_per_row
+from deepwell.kernels.kv_append.reference import SCALE_COUNT_KINDS, check_k_feedback, check_k_offset
+from deepwell.kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout, check_global_scales
+from deepwell.kernels.page_center import PageCenter
 
 QUANT_FORMATS = ("fp8", "int8", "nvfp4")
 K_ROUNDING_MODES = ("auto", "nearest", "feedback")  # feedback: fp8 / nvfp4 only (kernels.kv_formats.feedback)

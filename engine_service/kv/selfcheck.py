@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine_service.kv.quant_pool import KVBackend, QuantKVPool, append_tokens, describe
-from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
+from deepwell.engine_service.kv.quant_pool import KVBackend, QuantKVPool, append_tokens, describe
+from deepwell.kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
 
 CHECK_TOKENS = 512  # the most sample tokens per layer (enough rows for the prefill workspace path)
 SUFFIX_TOKENS = 16  # the short chunk's tokens (read from the packed pages)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.kv.float_pool import KVLayout as FloatKVLayout
-from engine_service.kv.float_pool import resolve_kv_dtype
-from engine_service.kv.quant_pool import (
+from deepwell.engine_service.kv.float_pool import KVLayout as FloatKVLayout
+from deepwell.engine_service.kv.float_pool import resolve_kv_dtype
+from deepwell.engine_service.kv.quant_pool import (
     CENTER_K_MODES,
     QUANT_FORMATS,
     FEEDBACK_BY_DEFAULT,
@@ -34,7 +34,7 @@ from engine_service.kv.quant_pool import (
     quant_layout,
     resolve_hadamard,
 )
-from kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout
+from deepwell.kernels.kv_formats.layout import HEAD_DIMS, PAGE_SIZE, KVLayout
 
 
 @dataclass(frozen=True)

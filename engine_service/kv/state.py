@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.kv.pool import copy_rows, export_rows, import_rows, row_nbytes
+from deepwell.engine_service.kv.pool import copy_rows, export_rows, import_rows, row_nbytes
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,18 @@ from dataclasses import replace
 import torch
 
 from deepwell.logs import get_logger
-from engine_service.kv import quant_pool, selfcheck
-from engine_service.kv.calibration import KVCalibration, RecordingPool, calibrate_layers, rotation_sizes
-from engine_service.kv.float_pool import KVPool
-from engine_service.kv.pool import Region, copy_rows, export_rows, import_rows, row_nbytes
-from engine_service.kv.quant_pool import QuantKVPool, describe
-from engine_service.kv.selfcheck import KVKernelCheck
-from engine_service.kv.settings import KVSpec
-from engine_service.kv.state import StateLayout, StatePool
-from engine_service.layers.backend import ReferenceBackend
-from kernels.backend import ReferenceBackend as ReferenceKVBackend
-from kernels.calibration import ScaleCounts, stationary_channels
-from kernels.page_center import max_pages_for, page_stationary, rope_table
+from deepwell.engine_service.kv import quant_pool, selfcheck
+from deepwell.engine_service.kv.calibration import KVCalibration, RecordingPool, calibrate_layers, rotation_sizes
+from deepwell.engine_service.kv.float_pool import KVPool
+from deepwell.engine_service.kv.pool import Region, copy_rows, export_rows, import_rows, row_nbytes
+from deepwell.engine_service.kv.quant_pool import QuantKVPool, describe
+from deepwell.engine_service.kv.selfcheck import KVKernelCheck
+from deepwell.engine_service.kv.settings import KVSpec
+from deepwell.engine_service.kv.state import StateLayout, StatePool
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.kernels.backend import ReferenceBackend as ReferenceKVBackend
+from deepwell.kernels.calibration import ScaleCounts, stationary_channels
+from deepwell.kernels.page_center import max_pages_for, page_stationary, rope_table
 
 log = get_logger(__name__)
 

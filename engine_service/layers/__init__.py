@@ -1,4 +1,4 @@
-"""engine_service.layers — the model maths in plain torch, each layer in one place.
+"""deepwell.engine_service.layers — the model maths in plain torch, each layer in one place.
 
 ``backend.py`` holds the hot ops (norms, paged attention, causal conv, gated delta rule,
 MoE experts) behind one interface so ``kernels/`` can plug in Triton; the modules here

@@ -22,10 +22,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine_service.layers.backend import ReferenceBackend
-from engine_service.layers.context import StepContext
-from engine_service.layers.mlp import linear
-from engine_service.layers.norm import RMSNorm
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.context import StepContext
+from deepwell.engine_service.layers.mlp import linear
+from deepwell.engine_service.layers.norm import RMSNorm
 
 
 @dataclass(frozen=True)

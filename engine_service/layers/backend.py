@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.fused import references as fused_ref
+from deepwell.kernels.fused import references as fused_ref
 
 GDN_CHUNK = 64
 ATTN_SCORE_BYTES = 256 << 20  # fp32 score block budget of the reference attention

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from engine_service.layers.backend import ReferenceBackend, register_backend
-from kernels.fused.ops import FusedOps
-from kernels.gdn import fla_ops
+from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
+from deepwell.kernels.fused.ops import FusedOps
+from deepwell.kernels.gdn import fla_ops
 
 
 class CudaBackend(FusedOps, ReferenceBackend):

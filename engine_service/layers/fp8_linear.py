@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import fp8_gemm
+from deepwell.kernels import fp8_gemm
 
 BLOCK = (128, 128)
 

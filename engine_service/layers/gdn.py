@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine_service.layers.backend import ReferenceBackend
-from engine_service.layers.context import SeqInfo, StepContext
-from engine_service.layers.mlp import linear
-from engine_service.layers.norm import GatedRMSNorm
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.context import SeqInfo, StepContext
+from deepwell.engine_service.layers.mlp import linear
+from deepwell.engine_service.layers.norm import GatedRMSNorm
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from engine_service.layers.backend import ReferenceBackend
+    from deepwell.engine_service.layers.backend import ReferenceBackend
 
 
 def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
@@ -25,7 +25,7 @@ class SwiGLU(nn.Module):
                  backend: ReferenceBackend | None = None) -> None:
         super().__init__()
         if backend is None:
-            from engine_service.layers.backend import ReferenceBackend
+            from deepwell.engine_service.layers.backend import ReferenceBackend
 
             backend = ReferenceBackend()
         self.backend = backend

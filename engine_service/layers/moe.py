@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_service.layers.backend import ReferenceBackend
-from engine_service.layers.mlp import SwiGLU, linear
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.mlp import SwiGLU, linear
 
 
 class Experts(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.backend import ReferenceBackend
 
 
 class RMSNorm(nn.Module):

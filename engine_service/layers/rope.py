@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels.fused import references as fused_ref
+from deepwell.kernels.fused import references as fused_ref
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 

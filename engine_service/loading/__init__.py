@@ -1,4 +1,4 @@
-"""engine_service.loading — checkpoint formats -> ``ModelSource`` (see ``source.py``).
+"""deepwell.engine_service.loading — checkpoint formats -> ``ModelSource`` (see ``source.py``).
 
 ``open_model(path)``: a directory with ``config.json`` opens as Hugging Face safetensors
 (``hf.open_hf``); a ``.gguf`` file (or a directory holding exactly one ``.gguf`` and no
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine_service.loading.source import ModelSource
+from deepwell.engine_service.loading.source import ModelSource
 
 
 def open_model(path: str | Path, weights: bool = True) -> ModelSource:
@@ -21,17 +21,17 @@ def open_model(path: str | Path, weights: bool = True) -> ModelSource:
         raise ValueError(f"model path {p} does not exist")
     if p.is_file():
         if p.suffix == ".gguf":
-            from engine_service.loading.gguf import open_gguf
+            from deepwell.engine_service.loading.gguf import open_gguf
 
             return open_gguf(p)
         raise ValueError(f"{p} is not a model: expected a HF directory or a .gguf file")
     if (p / "config.json").is_file():
-        from engine_service.loading.hf import open_hf
+        from deepwell.engine_service.loading.hf import open_hf
 
         return open_hf(p, weights)
     ggufs = sorted(p.glob("*.gguf"))
     if len(ggufs) == 1:
-        from engine_service.loading.gguf import open_gguf
+        from deepwell.engine_service.loading.gguf import open_gguf
 
         return open_gguf(ggufs[0])
     if len(ggufs) > 1:

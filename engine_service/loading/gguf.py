@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from deepwell.logs import get_logger
-from engine_service.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo, f32_decimal
-from engine_service.loading.gguf_tokenizer import (
+from deepwell.engine_service.loading.gguf_file import GGUFFile, GGUFFormatError, GGUFTensorInfo, f32_decimal
+from deepwell.engine_service.loading.gguf_tokenizer import (
     GGUFTokenizerData,
     GGUFTokenizerError,
     chat_templates,
@@ -40,7 +40,7 @@ from engine_service.loading.gguf_tokenizer import (
     tokenizer_config_json,
     tokenizer_json,
 )
-from engine_service.loading.source import ModelSource, TensorStream
+from deepwell.engine_service.loading.source import ModelSource, TensorStream
 
 log = get_logger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine_service.loading.source import ModelSource, TensorStream
+from deepwell.engine_service.loading.source import ModelSource, TensorStream
 
 SIDE_FILES = (
     "config.json",
@@ -110,7 +110,7 @@ def open_hf(path: str | Path, weights: bool = True) -> ModelSource:
     def iter_tensors() -> TensorStream:
         stream = _stream(files)
         if quant_method == "fp8":
-            from engine_service.loading.fp8 import dequantize_stream
+            from deepwell.engine_service.loading.fp8 import dequantize_stream
 
             return dequantize_stream(stream, config)
         return stream

@@ -13,17 +13,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine_service.layers.attention import Attention
-from engine_service.layers.backend import ReferenceBackend
-from engine_service.layers.context import StepContext
-from engine_service.layers.gdn import GatedDeltaNet
-from engine_service.layers.mlp import SwiGLU, linear
-from engine_service.layers.moe import SparseMoE
-from engine_service.layers.norm import RMSNorm
-from engine_service.layers.rope import RotaryEmbedding
-from engine_service.kv.pool import PagePool
-from engine_service.kv.state import StatePool
-from engine_service.models.spec import FULL, ModelArgs
+from deepwell.engine_service.layers.attention import Attention
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.context import StepContext
+from deepwell.engine_service.layers.gdn import GatedDeltaNet
+from deepwell.engine_service.layers.mlp import SwiGLU, linear
+from deepwell.engine_service.layers.moe import SparseMoE
+from deepwell.engine_service.layers.norm import RMSNorm
+from deepwell.engine_service.layers.rope import RotaryEmbedding
+from deepwell.engine_service.kv.pool import PagePool
+from deepwell.engine_service.kv.state import StatePool
+from deepwell.engine_service.models.spec import FULL, ModelArgs
 
 
 def make_mlp(args: ModelArgs, use_moe: bool, backend: ReferenceBackend) -> nn.Module:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_service.layers.attention import AttentionSpec
-from engine_service.layers.rope import RopeSpec
-from engine_service.models.registry import Family, register
-from engine_service.models.spec import FULL, ModelArgs, cfg_get, check_silu
+from deepwell.engine_service.layers.attention import AttentionSpec
+from deepwell.engine_service.layers.rope import RopeSpec
+from deepwell.engine_service.models.registry import Family, register
+from deepwell.engine_service.models.spec import FULL, ModelArgs, cfg_get, check_silu
 
 
 def _dense_args(

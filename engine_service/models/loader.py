@@ -29,10 +29,10 @@ import torch
 
 from deepwell.logs import get_logger
 from deepwell.progress import Progress
-from engine_service.layers.backend import ReferenceBackend
-from engine_service.models.decoder import CausalLM
-from engine_service.models.registry import Family, resolve
-from engine_service.models.weights import WeightTargets, missing_error
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.models.decoder import CausalLM
+from deepwell.engine_service.models.registry import Family, resolve
+from deepwell.engine_service.models.weights import WeightTargets, missing_error
 
 log = get_logger(__name__)
 

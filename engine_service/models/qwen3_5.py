@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_service.layers.attention import AttentionSpec
-from engine_service.layers.gdn import GDNSpec
-from engine_service.layers.rope import RopeSpec
-from engine_service.models.registry import Family, register
-from engine_service.models.spec import FULL, LINEAR, ModelArgs, MoESpec, cfg_get, check_silu
+from deepwell.engine_service.layers.attention import AttentionSpec
+from deepwell.engine_service.layers.gdn import GDNSpec
+from deepwell.engine_service.layers.rope import RopeSpec
+from deepwell.engine_service.models.registry import Family, register
+from deepwell.engine_service.models.spec import FULL, LINEAR, ModelArgs, MoESpec, cfg_get, check_silu
 
 
 def hybrid_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:

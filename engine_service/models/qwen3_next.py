@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from engine_service.models.registry import Adapter, Family, register
-from engine_service.models.qwen3_5 import hybrid_args, moe_spec
-from engine_service.models.spec import ModelArgs, cfg_get
+from deepwell.engine_service.models.registry import Adapter, Family, register
+from deepwell.engine_service.models.qwen3_5 import hybrid_args, moe_spec
+from deepwell.engine_service.models.spec import ModelArgs, cfg_get
 
 
 def qwen3_next_args(cfg: dict[str, Any]) -> ModelArgs:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine_service.models.spec import ModelArgs
+from deepwell.engine_service.models.spec import ModelArgs
 
 Adapter = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
@@ -52,7 +52,7 @@ def _ensure_loaded() -> None:
     leaving the families that did load looking like the whole list."""
     global _LOADED
     if not _LOADED:
-        from engine_service.models import llama, qwen3_5, qwen3_next  # noqa: F401
+        from deepwell.engine_service.models import llama, qwen3_5, qwen3_next  # noqa: F401
 
         _LOADED = True
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine_service.layers.attention import AttentionSpec
-from engine_service.layers.gdn import GDNSpec
-from engine_service.layers.rope import RopeSpec
+from deepwell.engine_service.layers.attention import AttentionSpec
+from deepwell.engine_service.layers.gdn import GDNSpec
+from deepwell.engine_service.layers.rope import RopeSpec
 
 FULL = "full_attention"
 LINEAR = "linear_attention"

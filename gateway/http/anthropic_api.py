@@ -29,8 +29,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deepwell import logs
-from gateway import session
-from gateway.chat_types import (
+from deepwell.gateway import session
+from deepwell.gateway.chat_types import (
     ChatMessage,
     ChatRequest,
     ContentDelta,
@@ -44,9 +44,9 @@ from gateway.chat_types import (
     ToolCallStart,
     ToolDef,
 )
-from gateway.errors import GatewayError, invalid
-from gateway.http import schemas_anthropic as s
-from gateway.http.common import (
+from deepwell.gateway.errors import GatewayError, invalid
+from deepwell.gateway.http import schemas_anthropic as s
+from deepwell.gateway.http.common import (
     RequestContext,
     SSEResponse,
     anthropic_error_body,
@@ -54,11 +54,11 @@ from gateway.http.common import (
     sse,
     validate,
 )
-from gateway.pipeline import Finished, Generation, KeepAlive, Started
+from deepwell.gateway.pipeline import Finished, Generation, KeepAlive, Started
 
 PING = sse({"type": "ping"}, "ping")
 
-log = logs.get_logger("gateway.http.anthropic")
+log = logs.get_logger("deepwell.gateway.http.anthropic")
 
 STOP_REASON = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
                "tool_calls": "tool_use", "cancelled": "end_turn"}

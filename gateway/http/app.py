@@ -29,12 +29,12 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepwell import __version__, grpcx, logs
-from gateway.accounting import RequestLog
-from gateway.auth import ApiKeys
-from gateway.config import GatewayConfig
-from gateway.engine_client import EngineClient
-from gateway.errors import GatewayError
-from gateway.http import (
+from deepwell.gateway.accounting import RequestLog
+from deepwell.gateway.auth import ApiKeys
+from deepwell.gateway.config import GatewayConfig
+from deepwell.gateway.engine_client import EngineClient
+from deepwell.gateway.errors import GatewayError
+from deepwell.gateway.http import (
     anthropic_api,
     openai_api,
     openapi,
@@ -45,13 +45,13 @@ from gateway.http import (
     stats_api,
     status_page,
 )
-from gateway.http.common import api_for_path, context, error_response, read_json
-from gateway.http.middleware import RequestMetricsMiddleware
-from gateway.metrics import GatewayMetrics
-from gateway.pipeline import ChatService
-from gateway.routing import Router
+from deepwell.gateway.http.common import api_for_path, context, error_response, read_json
+from deepwell.gateway.http.middleware import RequestMetricsMiddleware
+from deepwell.gateway.metrics import GatewayMetrics
+from deepwell.gateway.pipeline import ChatService
+from deepwell.gateway.routing import Router
 
-log = logs.get_logger("gateway.http")
+log = logs.get_logger("deepwell.gateway.http")
 
 Handler = Callable[[Any, Request, Any, dict[str, Any]], Awaitable[Response]]
 

@@ -19,9 +19,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from gateway.auth import ApiKeys, AuthError
-from gateway.errors import ContextLengthError, GatewayError
-from gateway.surrogates import find_lone_surrogate, may_contain_surrogate
+from deepwell.gateway.auth import ApiKeys, AuthError
+from deepwell.gateway.errors import ContextLengthError, GatewayError
+from deepwell.gateway.surrogates import find_lone_surrogate, may_contain_surrogate
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"

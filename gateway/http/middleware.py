@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.metrics import CURRENT_REQUEST, GatewayMetrics, RequestSlot
+from deepwell.gateway.metrics import CURRENT_REQUEST, GatewayMetrics, RequestSlot
 
 ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions", "/v1/messages": "messages",
              "/v1/messages/count_tokens": "messages.count_tokens", "/v1/responses": "responses",

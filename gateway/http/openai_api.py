@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from gateway import session
-from gateway.chat_types import (
+from deepwell.gateway import session
+from deepwell.gateway.chat_types import (
     ChatMessage,
     ChatRequest,
     ContentDelta,
@@ -33,9 +33,9 @@ from gateway.chat_types import (
     ToolCallStart,
     ToolDef,
 )
-from gateway.errors import GatewayError, invalid
-from gateway.http import schemas_openai as s
-from gateway.http.common import (
+from deepwell.gateway.errors import GatewayError, invalid
+from deepwell.gateway.http import schemas_openai as s
+from deepwell.gateway.http.common import (
     KEEPALIVE_COMMENT,
     RequestContext,
     SSEResponse,
@@ -43,7 +43,7 @@ from gateway.http.common import (
     openai_error_body,
     sse,
 )
-from gateway.pipeline import Finished, Generation, KeepAlive, Started
+from deepwell.gateway.pipeline import Finished, Generation, KeepAlive, Started
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls",
           "cancelled": "stop", "error": "stop"}
@@ -152,7 +152,7 @@ def usage_json(f: Finished) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- chat
 async def chat_completions(app_state: Any, request: Request, ctx: RequestContext, data: dict[str, Any]) -> Response:
-    from gateway.http.common import validate
+    from deepwell.gateway.http.common import validate
 
     body: s.ChatCompletionRequest = validate(s.ChatCompletionRequest, data)
     if len(body.messages) > app_state.config.max_messages:
@@ -252,7 +252,7 @@ async def _chat_stream(gen: Generation, cid: str, created: int, model: str,
 
 # ---------------------------------------------------------------------------- completions
 async def completions(app_state: Any, request: Request, ctx: RequestContext, data: dict[str, Any]) -> Response:
-    from gateway.http.common import validate
+    from deepwell.gateway.http.common import validate
 
     body: s.CompletionRequest = validate(s.CompletionRequest, data)
     _common_unsupported(body)

@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from deepwell import logs
-from gateway import session
-from gateway.chat_types import (
+from deepwell.gateway import session
+from deepwell.gateway.chat_types import (
     ChatMessage,
     ChatRequest,
     ContentDelta,
@@ -42,8 +42,8 @@ from gateway.chat_types import (
     ToolCallStart,
     ToolDef,
 )
-from gateway.errors import GatewayError, invalid
-from gateway.http.common import (
+from deepwell.gateway.errors import GatewayError, invalid
+from deepwell.gateway.http.common import (
     KEEPALIVE_COMMENT,
     RequestContext,
     SSEResponse,
@@ -52,10 +52,10 @@ from gateway.http.common import (
     sse,
     validate,
 )
-from gateway.http.schemas_openai import Lenient
-from gateway.pipeline import Finished, Generation, KeepAlive, Started
+from deepwell.gateway.http.schemas_openai import Lenient
+from deepwell.gateway.pipeline import Finished, Generation, KeepAlive, Started
 
-log = logs.get_logger("gateway.http.responses")
+log = logs.get_logger("deepwell.gateway.http.responses")
 
 
 class ResponsesRequest(Lenient):

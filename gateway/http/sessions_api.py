@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deepwell.engine.v1 import engine_pb2
-from gateway.http.common import context
-from gateway.pipeline import ENGINE_FINISH, ENGINE_STOPPED
+from deepwell.gateway.http.common import context
+from deepwell.gateway.pipeline import ENGINE_FINISH, ENGINE_STOPPED
 
 PLACEMENTS = {engine_pb2.CACHE_PLACEMENT_NONE: "none", engine_pb2.CACHE_PLACEMENT_RESIDENT: "resident",
               engine_pb2.CACHE_PLACEMENT_HOST: "host", engine_pb2.CACHE_PLACEMENT_BOTH: "both"}

@@ -31,10 +31,10 @@ from google.protobuf.message import Message
 
 from deepwell import logs
 from deepwell.engine.v1 import engine_pb2
-from gateway.engine_client import RPC_TIMEOUT_S, EngineClient, EngineError, map_rpc_error
-from gateway.http.sessions_api import LEVELS, admin_denied
+from deepwell.gateway.engine_client import RPC_TIMEOUT_S, EngineClient, EngineError, map_rpc_error
+from deepwell.gateway.http.sessions_api import LEVELS, admin_denied
 
-log = logs.get_logger("gateway.http.stats")
+log = logs.get_logger("deepwell.gateway.http.stats")
 
 SUMMED = ("tokens_prefilled", "tokens_decoded", "requests_running", "requests_waiting", "requests_finished")
 

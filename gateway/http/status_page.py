@@ -23,7 +23,7 @@ from fastapi.responses import Response
 
 from deepwell import logs
 
-log = logs.get_logger("gateway.http.status")
+log = logs.get_logger("deepwell.gateway.http.status")
 
 PAGE_PATH = "/deepwell/status"
 # URL path -> (file under gateway/http/static, media type); the page refers to its assets relatively
@@ -45,7 +45,7 @@ class AssetMissing(RuntimeError):
 @cache
 def asset_bytes(name: str) -> bytes:
     try:
-        return (resources.files("gateway.http") / "static" / name).read_bytes()
+        return (resources.files("deepwell.gateway.http") / "static" / name).read_bytes()
     except OSError as exc:
         raise AssetMissing(f"status page file gateway/http/static/{name} is missing from the installed "
                            f"package ({exc}); reinstall deepwell") from None

@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from gateway.toolparse.base import COUNTERS, ParseCounters, ToolStreamParser, new_call_id
-from gateway.toolparse.hermes_json import HermesJsonParser
-from gateway.toolparse.qwen_xml import QwenXmlParser
+from deepwell.gateway.toolparse.base import COUNTERS, ParseCounters, ToolStreamParser, new_call_id
+from deepwell.gateway.toolparse.hermes_json import HermesJsonParser
+from deepwell.gateway.toolparse.qwen_xml import QwenXmlParser
 
 PARSERS: dict[str, type[ToolStreamParser]] = {
     QwenXmlParser.name: QwenXmlParser,

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from typing import Callable
 
-from gateway.chat_types import Event, ToolDef
+from deepwell.gateway.chat_types import Event, ToolDef
 
 
 class ParseCounters:

@@ -9,7 +9,7 @@ mode also accepts the XML body form. The scanning rules are in ``tagged.py``.
 
 from __future__ import annotations
 
-from gateway.toolparse.tagged import TaggedToolParser
+from deepwell.gateway.toolparse.tagged import TaggedToolParser
 
 
 class HermesJsonParser(TaggedToolParser):

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.chat_types import Event, ToolCallArgsDelta
-from gateway.toolparse.coerce import admits_string, coerce_json_arguments, coerce_json_value, param_schema
-from gateway.toolparse.grammar import AFTER_FUNC
+from deepwell.gateway.chat_types import Event, ToolCallArgsDelta
+from deepwell.gateway.toolparse.coerce import admits_string, coerce_json_arguments, coerce_json_value, param_schema
+from deepwell.gateway.toolparse.grammar import AFTER_FUNC
 
 _ARG_KEYS = ("arguments", "parameters")
 

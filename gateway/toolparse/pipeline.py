@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from gateway.chat_types import ContentDelta, Event, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolDef
-from gateway.reasoning import ReasoningSplitter
-from gateway.toolparse import get_parser
-from gateway.toolparse.base import COUNTERS, ToolStreamParser, new_call_id
+from deepwell.gateway.chat_types import ContentDelta, Event, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolDef
+from deepwell.gateway.reasoning import ReasoningSplitter
+from deepwell.gateway.toolparse import get_parser
+from deepwell.gateway.toolparse.base import COUNTERS, ToolStreamParser, new_call_id
 
 
 class OutputParser:

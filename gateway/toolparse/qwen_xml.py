@@ -7,7 +7,7 @@ family sometimes fall back to it). The scanning rules are in ``tagged.py``.
 
 from __future__ import annotations
 
-from gateway.toolparse.tagged import TaggedToolParser
+from deepwell.gateway.toolparse.tagged import TaggedToolParser
 
 
 class QwenXmlParser(TaggedToolParser):

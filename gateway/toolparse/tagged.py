@@ -42,9 +42,9 @@ import json
 from typing import Any
 
 from deepwell.logs import get_logger
-from gateway.chat_types import ContentDelta, Event, ToolCallArgsDelta, ToolCallEnd, ToolCallSpec, ToolCallStart, ToolParseFailure
-from gateway.toolparse.base import ToolStreamParser
-from gateway.toolparse.grammar import (
+from deepwell.gateway.chat_types import ContentDelta, Event, ToolCallArgsDelta, ToolCallEnd, ToolCallSpec, ToolCallStart, ToolParseFailure
+from deepwell.gateway.toolparse.base import ToolStreamParser
+from deepwell.gateway.toolparse.grammar import (
     AFTER_FUNC,
     CONTENT,
     FENCE_PREFIX_RE,
@@ -66,8 +66,8 @@ from gateway.toolparse.grammar import (
     is_prefix,
     match_tag,
 )
-from gateway.toolparse.json_body import JsonBodyMixin
-from gateway.toolparse.xml_body import XmlBodyMixin
+from deepwell.gateway.toolparse.json_body import JsonBodyMixin
+from deepwell.gateway.toolparse.xml_body import XmlBodyMixin
 
 log = get_logger(__name__)
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.chat_types import Event, ToolCallArgsDelta
-from gateway.toolparse.coerce import OMIT, coerce_text, is_streamable, param_schema
-from gateway.toolparse.grammar import (
+from deepwell.gateway.chat_types import Event, ToolCallArgsDelta
+from deepwell.gateway.toolparse.coerce import OMIT, coerce_text, is_streamable, param_schema
+from deepwell.gateway.toolparse.grammar import (
     AFTER_FUNC,
     FUNC_BODY,
     FUNC_CLOSE,

@@ -9,7 +9,7 @@ fp16 tensor-core products, fp32 accumulation). ``matmul`` picks the kernel for C
 (and, under ``TRITON_INTERPRET=1``, for CPU ones when asked) and the reference otherwise.
 """
 
-from kernels.fp8_gemm.reference import FP8_MAX, dequantize, quantize, w8a16_matmul as reference_matmul
-from kernels.fp8_gemm.triton_kernel import matmul
+from deepwell.kernels.fp8_gemm.reference import FP8_MAX, dequantize, quantize, w8a16_matmul as reference_matmul
+from deepwell.kernels.fp8_gemm.triton_kernel import matmul
 
 __all__ = ["FP8_MAX", "dequantize", "matmul", "quantize", "reference_matmul"]

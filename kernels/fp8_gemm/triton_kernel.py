@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.e4m3_unpack import INTERPRET, e4m3_f16, has_fp8_conversion
-from kernels.fp8_gemm import reference
-from kernels.fused.common import KIND, round_to
+from deepwell.kernels.e4m3_unpack import INTERPRET, e4m3_f16, has_fp8_conversion
+from deepwell.kernels.fp8_gemm import reference
+from deepwell.kernels.fused.common import KIND, round_to
 
 
 @triton.jit

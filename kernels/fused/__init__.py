@@ -14,11 +14,11 @@ where an fp32 transcendental or a reduction order differs by an ulp before a rou
 (tolerances in ``tests/kernels/test_fused_ops.py``).
 """
 
-from kernels.fused.activation import sigmoid_gate_mul, silu_and_mul, silu_mul
-from kernels.fused.gdn import gdn_gating
-from kernels.fused.norm import add_rms_norm, gated_rms_norm, rms_norm
-from kernels.fused.ops import FusedOps
-from kernels.fused.rotary import rope
+from deepwell.kernels.fused.activation import sigmoid_gate_mul, silu_and_mul, silu_mul
+from deepwell.kernels.fused.gdn import gdn_gating
+from deepwell.kernels.fused.norm import add_rms_norm, gated_rms_norm, rms_norm
+from deepwell.kernels.fused.ops import FusedOps
+from deepwell.kernels.fused.rotary import rope
 
 __all__ = [
     "FusedOps", "add_rms_norm", "gated_rms_norm", "gdn_gating", "rms_norm", "rope",

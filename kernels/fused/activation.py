@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.fused.common import INTERPRET, kind, launch_kwargs, round_to, rows, sigmoid_f32, silu_f32
+from deepwell.kernels import pdl
+from deepwell.kernels.fused.common import INTERPRET, kind, launch_kwargs, round_to, rows, sigmoid_f32, silu_f32
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Time the fused ops against their torch references on a CUDA device (Qwen3.5-27B sizes).
 
-    python -m kernels.fused.bench [--tokens 1 64 4096]
+    python -m deepwell.kernels.fused.bench [--tokens 1 64 4096]
 
 Prints, per op and token count, the fused kernel's and the reference's time (µs, CUDA events
 through ``triton.testing.do_bench``, median) and the fused kernel's bandwidth (GB/s: the bytes
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench
 
-from kernels.fused import activation, gdn, norm, references as ref, rotary
+from deepwell.kernels.fused import activation, gdn, norm, references as ref, rotary
 
 
 Case = tuple[str, Callable[[], object], Callable[[], object], int]

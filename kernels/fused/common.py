@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from deepwell.kernels import pdl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

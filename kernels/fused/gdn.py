@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.fused.common import exp_acc, kind, launch_kwargs, log1p_acc, round_to, row_tile, rows, sigmoid_f32
+from deepwell.kernels import pdl
+from deepwell.kernels.fused.common import exp_acc, kind, launch_kwargs, log1p_acc, round_to, row_tile, rows, sigmoid_f32
 
 
 @triton.jit

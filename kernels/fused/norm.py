@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.fused.common import kind, launch_kwargs, round_to, row_tile, rows, silu_f32
+from deepwell.kernels import pdl
+from deepwell.kernels.fused.common import kind, launch_kwargs, round_to, row_tile, rows, silu_f32
 
 
 @triton.jit

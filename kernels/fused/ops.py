@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fused import activation, gdn, norm, references, rotary
-from kernels.fused.common import INTERPRET, supported
+from deepwell.kernels.fused import activation, gdn, norm, references, rotary
+from deepwell.kernels.fused.common import INTERPRET, supported
 
 
 class FusedOps:

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.fused.common import INTERPRET, kind, launch_kwargs, round_to
+from deepwell.kernels import pdl
+from deepwell.kernels.fused.common import INTERPRET, kind, launch_kwargs, round_to
 
 
 @triton.jit

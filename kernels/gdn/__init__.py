@@ -13,7 +13,7 @@ by reference maths; the fused recurrent kernel under ``TRITON_INTERPRET=1`` wher
 installed; fla on CUDA vs the reference, ``-m gpu``).
 """
 
-from kernels.gdn.fla_ops import (
+from deepwell.kernels.gdn.fla_ops import (
     FlaEntryPoints,
     available,
     causal_conv1d_decode,

@@ -4,6 +4,6 @@
 sequence as a ``@triton.jit`` helper used inside the fused append kernel.
 """
 
-from kernels.hadamard.reference import fwht, matrix, scale
+from deepwell.kernels.hadamard.reference import fwht, matrix, scale
 
 __all__ = ["fwht", "matrix", "scale"]

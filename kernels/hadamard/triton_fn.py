@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.hadamard.reference import SUPPORTED_DIMS, scale
+from deepwell.kernels import pdl
+from deepwell.kernels.hadamard.reference import SUPPORTED_DIMS, scale
 
 
 @triton.jit

@@ -88,12 +88,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from kernels import pdl
-from kernels.cuda_arch import capability
-from kernels.hadamard.reference import scale as hadamard_scale
-from kernels.kv_append.triton_kernel import _count_scales, count_flags, e4m3_encode, e4m3_value, nvfp4_tree, scale_flags
-from kernels.kv_formats import nvfp4
-from kernels.kv_formats.layout import KVFormat, KVLayout
+from deepwell.kernels import pdl
+from deepwell.kernels.cuda_arch import capability
+from deepwell.kernels.hadamard.reference import scale as hadamard_scale
+from deepwell.kernels.kv_append.triton_kernel import _count_scales, count_flags, e4m3_encode, e4m3_value, nvfp4_tree, scale_flags
+from deepwell.kernels.kv_formats import nvfp4
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HEAD_DIMS = (64, 128, 256)  # d / 8 lanes per row must fit a warp

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_formats import feedback
-from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
+from deepwell.kernels.kv_formats import feedback
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
 
 
 def slots_from_positions(block_tables: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, page_size: int = 64) -> torch.Tensor:
@@ -157,7 +157,7 @@ def append(
         rows = stored_rows(x, layout, kv, k_offset)
         codes, scales = encode_rows(x, layout, kv, global_scales, rows=rows, k_feedback=k_feedback)
         if scale_counts is not None and layout.fmt is not KVFormat.BF16:
-            from kernels.calibration import head_counts
+            from deepwell.kernels.calibration import head_counts
 
             scale_counts[kv] += head_counts(layout, rows, global_scales[kv]).to(scale_counts.device)
         codes_r[page, kv, :, off] = codes

@@ -38,15 +38,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.hadamard.reference import scale as hadamard_scale
-from kernels.hadamard.triton_fn import fwht_rows
-from kernels.calibration import counted_per_row
-from kernels.kv_append.reference import check_k_feedback, check_k_offset, check_scale_counts
-from kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
-from kernels.kv_formats.int8 import INV_127, SCALE_MAX
-from kernels.kv_formats import nvfp4
-from kernels.kv_formats.nvfp4 import INV_6
+from deepwell.kernels import pdl
+from deepwell.kernels.hadamard.reference import scale as hadamard_scale
+from deepwell.kernels.hadamard.triton_fn import fwht_rows
+from deepwell.kernels.calibration import counted_per_row
+from deepwell.kernels.kv_append.reference import check_k_feedback, check_k_offset, check_scale_counts
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout, check_global_scales
+from deepwell.kernels.kv_formats.int8 import INV_127, SCALE_MAX
+from deepwell.kernels.kv_formats import nvfp4
+from deepwell.kernels.kv_formats.nvfp4 import INV_6
 
 FMT_ID = {KVFormat.BF16: 0, KVFormat.FP8: 1, KVFormat.INT8: 2, KVFormat.NVFP4: 3}
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -427,7 +427,7 @@ def _gluon_serves(layout: KVLayout, device: torch.device) -> bool:
     if layout.fmt not in (KVFormat.NVFP4, KVFormat.FP8) or INTERPRET or device.type != "cuda":
         return False
     try:
-        from kernels.kv_append import gluon_append
+        from deepwell.kernels.kv_append import gluon_append
     except ImportError:  # a Triton without Gluon
         return False
     return gluon_append.supported(layout) and gluon_append.available(device)
@@ -506,7 +506,7 @@ def append(
     if count is not None and (count.dtype != torch.int64 or not count.is_contiguous()):
         raise ValueError("scale_counts must be contiguous int64 [2, num_kv_heads, 3]")
     if kernel == "gluon":
-        from kernels.kv_append import gluon_append
+        from deepwell.kernels.kv_append import gluon_append
 
         # with K feedback four rows share one copy of the feedback matrices (H200: nvfp4 3.72
         # against 3.81 us at two warps, fp8 2.49 against 2.57); nearest rounding: one row per program

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_append.reference import _regions, _scale_index
-from kernels.kv_formats.layout import KVFormat, KVLayout
+from deepwell.kernels.kv_append.reference import _regions, _scale_index
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout
 
 VALUE_SHIFT = 2.0**-14  # workspace value = nvfp4 / fp8 value / g * VALUE_SHIFT
 FORMATS = (KVFormat.NVFP4, KVFormat.FP8, KVFormat.INT8)

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
-from kernels.kv_dequant import reference
-from kernels.kv_formats.layout import KVFormat, KVLayout
+from deepwell.kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
+from deepwell.kernels.kv_dequant import reference
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout
 
 VALUE_SHIFT = tl.constexpr(reference.VALUE_SHIFT)
 

@@ -11,7 +11,7 @@
   other codes of the same format, chosen for the queries that will read them.
 """
 
-from kernels.kv_formats.layout import (
+from deepwell.kernels.kv_formats.layout import (
     CODECS,
     PAGE_SIZE,
     KVFormat,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_formats import e4m3
-from kernels.kv_formats.feedback import round_blocks
+from deepwell.kernels.kv_formats import e4m3
+from deepwell.kernels.kv_formats.feedback import round_blocks
 
 
 def code_bytes(d: int) -> int:

@@ -36,8 +36,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.hadamard.reference import fwht
-from kernels.kv_formats import bf16, fp8, int8, nvfp4
+from deepwell.kernels.hadamard.reference import fwht
+from deepwell.kernels.kv_formats import bf16, fp8, int8, nvfp4
 
 PAGE_SIZE = 64
 HEAD_DIMS = (64, 128, 256)

@@ -83,8 +83,8 @@ import functools
 
 import torch
 
-from kernels.kv_formats import e4m3
-from kernels.kv_formats.feedback import round_blocks
+from deepwell.kernels.kv_formats import e4m3
+from deepwell.kernels.kv_formats.feedback import round_blocks
 
 BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

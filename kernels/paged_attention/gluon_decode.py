@@ -72,12 +72,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from kernels import pdl
-from kernels.cuda_arch import capability
-from kernels.kv_formats import int8
-from kernels.kv_formats.layout import KVFormat, KVLayout
-from kernels.paged_attention import nvfp4_ptx
-from kernels.paged_attention.reference import check_inputs
+from deepwell.kernels import pdl
+from deepwell.kernels.cuda_arch import capability
+from deepwell.kernels.kv_formats import int8
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout
+from deepwell.kernels.paged_attention import nvfp4_ptx
+from deepwell.kernels.paged_attention.reference import check_inputs
 
 LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -791,7 +791,7 @@ def paged_decode(
     table's width): the cache holds K centered per page, and each page's ``q . c_P`` in log2
     units (``paged_attention.page_bias.page_bias`` with ``scale = sm_scale * log2(e)``) is
     added to its scores."""
-    from kernels.paged_attention.triton_kernel import merge_splits
+    from deepwell.kernels.paged_attention.triton_kernel import merge_splits
 
     check_inputs(q, cache, layout, global_scales, block_tables, context_lens, None, None)
     total, hq, d = q.shape

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.page_center import PageCenter
+from deepwell.kernels import pdl
+from deepwell.kernels.page_center import PageCenter
 
 BLOCK_PAGES = 64
 DOT_PRECISION = "tf32x3"  # three tf32 tensor-core products (fp32-accurate); "ieee": fp32 FMAs, 2-5x slower (H200)

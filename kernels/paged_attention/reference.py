@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_append.reference import gather
-from kernels.kv_formats.layout import KVLayout
-from kernels.page_center import PageCenter
+from deepwell.kernels.kv_append.reference import gather
+from deepwell.kernels.kv_formats.layout import KVLayout
+from deepwell.kernels.page_center import PageCenter
 
 
 def rotate_q(q: torch.Tensor, layout: KVLayout) -> torch.Tensor:

@@ -66,13 +66,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-from kernels.cuda_arch import capability
-from kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
-from kernels.kv_append.triton_kernel import FMT_ID
-from kernels.kv_formats.layout import KVFormat, KVLayout
-from kernels.paged_attention import nvfp4_ptx
-from kernels.paged_attention.reference import check_inputs
+from deepwell.kernels import pdl
+from deepwell.kernels.cuda_arch import capability
+from deepwell.kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
+from deepwell.kernels.kv_append.triton_kernel import FMT_ID
+from deepwell.kernels.kv_formats.layout import KVFormat, KVLayout
+from deepwell.kernels.paged_attention import nvfp4_ptx
+from deepwell.kernels.paged_attention.reference import check_inputs
 
 LOG2E = 1.4426950408889634
 # The interpreter keeps 16-bit floats as raw bits in dot/multiply, so it computes in fp32.

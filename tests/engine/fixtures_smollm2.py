@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from engine_service.default_model import ensure_default_model
+from deepwell.engine_service.default_model import ensure_default_model
 
 
 @functools.cache
@@ -38,7 +38,7 @@ def smollm2_gguf_path() -> Path:
 @functools.cache
 def smollm2_source() -> Any:
     """``open_model(smollm2_gguf_path())``, opened once per session (treat as read-only)."""
-    from engine_service.loading import open_model
+    from deepwell.engine_service.loading import open_model
 
     return open_model(smollm2_gguf_path())
 

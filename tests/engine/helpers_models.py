@@ -161,7 +161,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 def run_chunks(runner: Any, ids: list[int], chunks: list[int], table: list[int], slot: int = 0,
                start: int = 0) -> list[torch.Tensor]:
     """Feed ``ids`` through one sequence in the given chunk sizes; logits after each chunk."""
-    from engine_service.runner_api import ForwardBatch, SeqSlice
+    from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
 
     out = []
     pos = start

@@ -1,6 +1,6 @@
 """Start the real engine process for a test and always stop it.
 
-``engine_process(run_dir, args)`` runs ``python -m engine_service --listen 127.0.0.1:0
+``engine_process(run_dir, args)`` runs ``python -m deepwell.engine_service --listen 127.0.0.1:0
 --port-file ... --metrics-port 0 <args>`` with stderr in ``run_dir/stderr.log`` (a file, not
 a pipe: logs can never block the engine), waits for its "engine listening on" line and
 yields ``(grpc address, metrics url)``; on exit it sends SIGTERM and kills it after 30 s.
@@ -21,7 +21,7 @@ def engine_process(run_dir: Path, args: list[str]) -> Iterator[tuple[str, str]]:
     port_file = run_dir / "port"
     stderr = open(run_dir / "stderr.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_service", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
+        [sys.executable, "-m", "deepwell.engine_service", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
          "--metrics-port", "0", *args],
         stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:

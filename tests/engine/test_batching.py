@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_service.engine import AdmittedEvent, EngineCore, EngineLimits, FinishedEvent, InvalidRequest, TokensEvent
-from engine_service.sampling import SamplingParams
-from engine_service.scheduler import Finish, QueueFull
+from deepwell.engine_service.engine import AdmittedEvent, EngineCore, EngineLimits, FinishedEvent, InvalidRequest, TokensEvent
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.scheduler import Finish, QueueFull
 from tests.engine.test_scheduler_fakerunner import FakeRunner, greedy_reference
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -325,7 +325,7 @@ def _wait_finished(col: Collector) -> FinishedEvent:
 
 
 def test_engine_thread_serves_survives_a_scheduler_bug_and_stops() -> None:
-    from engine_service.engine import Engine
+    from deepwell.engine_service.engine import Engine
 
     runner = FakeRunner()
     c = core(runner)

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_service.engine import EngineCore, EngineLimits, TokensEvent
-from engine_service.loading import open_model
-from engine_service.runner import build_runner
-from engine_service.sampling import SamplingParams
+from deepwell.engine_service.engine import EngineCore, EngineLimits, TokensEvent
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.runner import build_runner
+from deepwell.engine_service.sampling import SamplingParams
 
 SPECS = [(1, 37, 8, 0), (2, 9, 10, 0), (3, 70, 6, 1), (4, 21, 9, 4)]  # seed, prompt len, max tokens, arrival step
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_service.block_manager import BlockManager, OutOfPages, OutOfSlots, pages_for
+from deepwell.engine_service.block_manager import BlockManager, OutOfPages, OutOfSlots, pages_for
 
 
 def test_pages_for() -> None:

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fused import ops as fused_ops
+from deepwell.kernels.fused import ops as fused_ops
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 (set by tests/conftest.py on CPU) or a GPU")
 
 
 def _logits(path: Path, backend: str, calls: list[str] | None = None) -> torch.Tensor:
-    from engine_service.loading import open_model
-    from engine_service.runner import build_runner
-    from engine_service.runner_api import ForwardBatch, SeqSlice
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import build_runner
+    from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
     from tests.engine.helpers_models import prompt, run_chunks
 
     r = build_runner(open_model(path), device="cpu", dtype=torch.float32, page_size=8, backend=backend)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_service import default_model as dm
+from deepwell.engine_service import default_model as dm
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 41  # a stand-in for the .gguf bytes
 

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine_service.loading.fp8 import (
+from deepwell.engine_service.loading.fp8 import (
     FP8Error,
     block_size,
     dequantize_stream,

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_service.config import EngineConfig
-from engine_service.layers.fp8_linear import FP8Linear, quantize_linears
-from engine_service.loading import open_model
-from engine_service.runner import build_runner
-from kernels import fp8_gemm
+from deepwell.engine_service.config import EngineConfig
+from deepwell.engine_service.layers.fp8_linear import FP8Linear, quantize_linears
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.runner import build_runner
+from deepwell.kernels import fp8_gemm
 from tests.engine.helpers_models import one_torch_thread, prompt, run_chunks, save_tiny
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)

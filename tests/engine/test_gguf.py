@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_service.loading.gguf import GGUFError, hf_tensor_name, open_gguf, unpermute_qk
+from deepwell.engine_service.loading.gguf import GGUFError, hf_tensor_name, open_gguf, unpermute_qk
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import pytest
 
-from engine_service.loading.gguf import read_metadata
-from engine_service.loading.gguf_file import GGUFFile, GGUFFormatError
+from deepwell.engine_service.loading.gguf import read_metadata
+from deepwell.engine_service.loading.gguf_file import GGUFFile, GGUFFormatError
 from tests.engine.fixtures_smollm2 import smollm2_gguf_path
 
 

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from engine_service.loading.gguf import GGUFError, open_gguf
-from engine_service.loading.gguf_file import GGUFFile
-from engine_service.loading.gguf_tokenizer import (
+from deepwell.engine_service.loading.gguf import GGUFError, open_gguf
+from deepwell.engine_service.loading.gguf_file import GGUFFile
+from deepwell.engine_service.loading.gguf_tokenizer import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,
@@ -83,7 +83,7 @@ def llama_cpp_spm(v: Vocab, text: str) -> list[int]:
 
 
 def _pieces_from_byte_level(tokens: list[str], limit: int) -> list[str]:
-    from engine_service.loading.gguf_tokenizer import _byte_alphabet
+    from deepwell.engine_service.loading.gguf_tokenizer import _byte_alphabet
 
     to_byte = {c: b for b, c in _byte_alphabet().items()}
     seen: set[str] = set()
@@ -202,7 +202,7 @@ def test_tokenizer_only_file_is_not_a_model(spm):
 
 
 def test_unsupported_tokenizers_are_refused():
-    from engine_service.loading.gguf_tokenizer import GGUFTokenizerError
+    from deepwell.engine_service.loading.gguf_tokenizer import GGUFTokenizerError
 
     def data(model: str, scores: list[float]) -> GGUFTokenizerData:
         return GGUFTokenizerData(

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 
 from deepwell.kvclient.client import KVClient
-from engine_service.cache.host import HostTier
-from engine_service.engine import EngineCore, EngineLimits
-from engine_service.sampling import SamplingParams
-from engine_service.scheduler import Finish
+from deepwell.engine_service.cache.host import HostTier
+from deepwell.engine_service.engine import EngineCore, EngineLimits
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.scheduler import Finish
 from tests.engine.test_batching import Collector
 from tests.engine.test_scheduler_fakerunner import FakeRunner, greedy_reference
 from tests.kvcache.kvtest_helpers import Daemon, wait_until
@@ -110,7 +110,7 @@ def test_pressure_spills_before_it_evicts(daemon: Daemon) -> None:
 def test_a_restarted_engine_resumes_from_the_host(daemon: Daemon) -> None:
     """SIGTERM-like shutdown spills what the device held; a new engine process (here: a new
     core and client with the same fingerprint) restores the session's next turn."""
-    from engine_service.engine import Engine
+    from deepwell.engine_service.engine import Engine
 
     old = Node(daemon)
     p1 = _prompt(4, 26)
@@ -195,7 +195,7 @@ def test_daemon_down_means_misses_and_the_engine_serves_on(daemon: Daemon) -> No
 
 
 def test_fingerprint_names_everything_the_bytes_depend_on(tmp_path) -> None:
-    from engine_service.cache.identity import EntryShape, model_fingerprint, revision
+    from deepwell.engine_service.cache.identity import EntryShape, model_fingerprint, revision
 
     (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
     base = dict(model_id="m", revision=revision(tmp_path), config={"hidden_size": 64}, dtype="torch.bfloat16",

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_service.config import EngineConfig
-from engine_service.engine import EngineCore, EngineLimits, TokensEvent
-from engine_service.kv.quant_pool import KVSettingsError, QuantKVPool
-from engine_service.kv.settings import KVSettings, resolve
-from engine_service.loading import open_model
-from engine_service.runner import build_runner
-from engine_service.sampling import SamplingParams
+from deepwell.engine_service.config import EngineConfig
+from deepwell.engine_service.engine import EngineCore, EngineLimits, TokensEvent
+from deepwell.engine_service.kv.quant_pool import KVSettingsError, QuantKVPool
+from deepwell.engine_service.kv.settings import KVSettings, resolve
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.runner import build_runner
+from deepwell.engine_service.sampling import SamplingParams
 from tests.engine.helpers_models import one_torch_thread, prompt, run_chunks
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_service.kv.float_pool import KVLayout as FloatLayout
-from engine_service.kv.float_pool import KVPool
-from engine_service.kv.pool import copy_rows, export_rows, import_rows, row_nbytes
-from engine_service.kv.quant_pool import QuantKVPool, quant_layout
-from engine_service.kv.state import StateLayout, StatePool
+from deepwell.engine_service.kv.float_pool import KVLayout as FloatLayout
+from deepwell.engine_service.kv.float_pool import KVPool
+from deepwell.engine_service.kv.pool import copy_rows, export_rows, import_rows, row_nbytes
+from deepwell.engine_service.kv.quant_pool import QuantKVPool, quant_layout
+from deepwell.engine_service.kv.state import StateLayout, StatePool
 
 CPU = torch.device("cpu")
 
@@ -61,7 +61,7 @@ def test_movers_refuse_bad_buffers_and_overlaps() -> None:
 def test_region_over_uneven_extents_and_prefix_import(monkeypatch: pytest.MonkeyPatch) -> None:
     """A region split in uneven arena extents holds the same bytes as one buffer; rows move in
     small staging chunks; a prefix of the pages is a prefix of the bytes."""
-    import engine_service.kv.pool as pool
+    import deepwell.engine_service.kv.pool as pool
 
     monkeypatch.setattr(pool, "CHUNK_BYTES", 1000)  # several chunks per export
     src, dst = _pools()["float"], _pools()["float"]

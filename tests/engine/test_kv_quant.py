@@ -32,17 +32,17 @@ import torch
 from tokenizers import Tokenizer
 
 from deepwell import configs
-from engine_service.cli import calibrate_kv, configure, size_pools
-from engine_service.config import ENV_PREFIX, EngineConfig
-from engine_service.kv.calibration import CALIBRATION_TEXT, RANDOM_IDS, KVCalibration, calibration_token_ids
-from engine_service.kv.quant_pool import KVSettingsError, QuantKVPool
-from engine_service.kv.settings import KVSettings
-from engine_service.loading import open_model
-from engine_service.kv.float_pool import KVLayout as FloatLayout
-from engine_service.metrics import EngineMetrics
-from engine_service.runner import TorchModelRunner, build_runner
-from engine_service.runner_api import ForwardBatch, SeqSlice
-from kernels.kv_formats.layout import KVLayout
+from deepwell.engine_service.cli import calibrate_kv, configure, size_pools
+from deepwell.engine_service.config import ENV_PREFIX, EngineConfig
+from deepwell.engine_service.kv.calibration import CALIBRATION_TEXT, RANDOM_IDS, KVCalibration, calibration_token_ids
+from deepwell.engine_service.kv.quant_pool import KVSettingsError, QuantKVPool
+from deepwell.engine_service.kv.settings import KVSettings
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.kv.float_pool import KVLayout as FloatLayout
+from deepwell.engine_service.metrics import EngineMetrics
+from deepwell.engine_service.runner import TorchModelRunner, build_runner
+from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
+from deepwell.kernels.kv_formats.layout import KVLayout
 from tests.engine.fixtures_smollm2 import smollm2_gguf_path, smollm2_source
 from tests.engine.helpers_process import engine_process
 from tests.engine.helpers_models import one_torch_thread, rel_err
@@ -255,7 +255,7 @@ def test_bytes_per_page_are_the_true_quantized_bytes(smol) -> None:
     q = QuantKVPool.page_bytes(KVLayout.make("nvfp4", 4, 256), 16)
     f = FloatLayout(16, 4, 256, 64, torch.bfloat16).bytes_per_page
     assert (q, f) == (16 * 2 * 4 * 64 * 144, 16 * 2 * 4 * 64 * 512)
-    from engine_service.runner_api import MemorySpec
+    from deepwell.engine_service.runner_api import MemorySpec
 
     pages = [size_pools(EngineConfig(cpu_kv_gib=1.0, max_concurrency=64), MemorySpec(64, b, 0, 16, 0), 1 << 20, CPU)[0]
              for b in (q, f)]
@@ -322,8 +322,8 @@ def test_calibrated_scales_are_powers_of_two(smol, kv: str) -> None:
     assert cal.k.saturated == cal.v.saturated == 0
     # K centering per page by default (test_k_centering_per_page); with one fixed offset
     # (--kv-center-k on): offsets on the channels RoPE barely turns over the model's context
-    from engine_service.layers.rope import inv_freq_and_scale
-    from kernels.calibration import stationary_channels
+    from deepwell.engine_service.layers.rope import inv_freq_and_scale
+    from deepwell.kernels.calibration import stationary_channels
 
     assert r.kv_spec.center_page and cal.page_means is not None and cal.k_offsets is None
     if kv != "nvfp4":  # the fixed offset's calibration is the same code for both formats
@@ -383,9 +383,9 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     offset's: the slow test below; first token 0.035 / 0.043, with nearest rounding mean 0.0149
     / 0.0111 — a handful of tokens is noise both ways; a cache without the offsets added back is
     far off)."""
-    from engine_service.layers.rope import inv_freq_and_scale
-    from kernels.calibration import stationary_channels
-    from kernels.page_center import page_stationary
+    from deepwell.engine_service.layers.rope import inv_freq_and_scale
+    from deepwell.kernels.calibration import stationary_channels
+    from deepwell.kernels.page_center import page_stationary
 
     base, tok = smol
     ids, ref_tokens, ref_logits = fp32_reference
@@ -419,7 +419,7 @@ def test_k_centering_per_page(smol, fp32_reference) -> None:
     # calibration starts with it): PROMPT starts with it too, so position 0's stored residual is
     # zero at the first layer (K there depends on the token alone) and small at the others (V
     # of position 0 is quantized, so its later layers' K moves a little against the sink key)
-    from kernels.paged_attention.reference import gather
+    from deepwell.kernels.paged_attention.reference import gather
 
     assert ids[0] == tok.token_to_id("<|im_start|>")
     assert cal.sink_keys is not None and len(cal.sink_keys) == 30 and cal.sink_keys[0].shape == (3, 64)
@@ -521,7 +521,7 @@ def test_served_block_scales_are_counted(smol, kv: str) -> None:
     """Every stored K/V row's block scales (fp8: elements, int8: token scales) are counted (the
     kernels' tests check the numbers against the calibration's definitions); the metric
     follows the totals."""
-    from kernels.calibration import ScaleCounts
+    from deepwell.kernels.calibration import ScaleCounts
 
     base, tok = smol
     r = quant_runner(base, kv)
@@ -628,7 +628,7 @@ def test_calibration_leaves_no_trace(smol) -> None:
 def test_the_sink_token_is_chatmls_first_token_else_bos() -> None:
     import json
 
-    from engine_service.kv.calibration import sink_token_id
+    from deepwell.engine_service.kv.calibration import sink_token_id
 
     tj = json.dumps({"added_tokens": [{"id": 0, "content": "<|endoftext|>"}, {"id": 7, "content": "<|im_start|>"}]})
     assert sink_token_id(tj.encode(), 3, 100) == 7
@@ -686,7 +686,7 @@ def _mixed_steps(runner: TorchModelRunner) -> tuple[list[torch.Tensor], list[tor
 
 def _triton_matches_reference(tmp_path: Path, device: str, dtype: torch.dtype, tol: float, kv: str = "nvfp4",
                               head_dim: int = 64) -> None:
-    from kernels.backend import ReferenceBackend, TritonBackend
+    from deepwell.kernels.backend import ReferenceBackend, TritonBackend
 
     save_hybrid(tmp_path, head_dim)
     results = []

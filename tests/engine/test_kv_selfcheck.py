@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from deepwell import configs
-from engine_service.kv.quant_pool import QuantKVPool
-from engine_service.kv.selfcheck import KVKernelCheckError, check_pool, synthetic_samples
-from engine_service.metrics import EngineMetrics
-from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
-from kernels.calibration import calibrate
-from kernels.kv_formats.feedback import from_block_covariance
-from kernels.kv_formats.layout import KVLayout
-from kernels.page_center import rope_table
+from deepwell.engine_service.kv.quant_pool import QuantKVPool
+from deepwell.engine_service.kv.selfcheck import KVKernelCheckError, check_pool, synthetic_samples
+from deepwell.engine_service.metrics import EngineMetrics
+from deepwell.kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
+from deepwell.kernels.calibration import calibrate
+from deepwell.kernels.kv_formats.feedback import from_block_covariance
+from deepwell.kernels.kv_formats.layout import KVLayout
+from deepwell.kernels.page_center import rope_table
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="needs the Triton interpreter (CPU)")
@@ -184,9 +184,9 @@ def test_runner_checks_its_kernels_after_calibration(tmp_path: Path) -> None:
     """The engine's own path: the tiny hybrid model calibrated on this device, its pool on the
     Triton backend (interpreter), checked on the calibration's K/V; on the reference backend
     (CPU) there is nothing to compare."""
-    from engine_service.kv.calibration import calibration_token_ids
-    from engine_service.loading import open_model
-    from engine_service.runner import build_runner
+    from deepwell.engine_service.kv.calibration import calibration_token_ids
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import build_runner
     from tests.engine.test_kv_quant import save_hybrid
 
     save_hybrid(tmp_path)
@@ -202,14 +202,14 @@ def test_runner_checks_its_kernels_after_calibration(tmp_path: Path) -> None:
 
 
 def test_build_core_turns_a_failed_check_into_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine_service import cli
+    from deepwell.engine_service import cli
 
     class Runner:
         def check_kv_kernels(self) -> None:
             raise KVKernelCheckError("layer 0 (nvfp4): the triton append stored 1 of 9 bytes other than the reference")
 
     monkeypatch.setattr(cli, "calibrate_kv", lambda *a, **kw: None)
-    monkeypatch.setattr("engine_service.engine.EngineCore", lambda *a, **kw: type("Core", (), {"max_context": 64})())
+    monkeypatch.setattr("deepwell.engine_service.engine.EngineCore", lambda *a, **kw: type("Core", (), {"max_context": 64})())
     monkeypatch.setattr(cli, "size_pools", lambda *a: (4, 0))
     spec = type("Spec", (), {})()
     runner = Runner()

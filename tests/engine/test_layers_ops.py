@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_service.layers import backend
-from engine_service.layers.backend import ReferenceBackend, get_backend, register_backend
+from deepwell.engine_service.layers import backend
+from deepwell.engine_service.layers.backend import ReferenceBackend, get_backend, register_backend
 from tests.engine.helpers_models import one_torch_thread
 
 B = ReferenceBackend()

@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3_5TextConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine_service.layers.rope import RopeSpec, RotaryEmbedding, apply_rope, inv_freq_and_scale
+from deepwell.engine_service.layers.rope import RopeSpec, RotaryEmbedding, apply_rope, inv_freq_and_scale
 from tests.engine.helpers_models import one_torch_thread
 
 HEAD_DIM = 256

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_service.loading import open_model
-from engine_service.models import supported
-from engine_service.runner import build_runner
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.models import supported
+from deepwell.engine_service.runner import build_runner
 from tests.engine.helpers_models import (
     TINY,
     hf_logits,

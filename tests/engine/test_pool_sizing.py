@@ -11,9 +11,9 @@ import torch
 from structlog.testing import capture_logs
 
 from deepwell import configs
-from engine_service.cli import size_pools
-from engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB, EngineConfig
-from engine_service.runner_api import MemorySpec
+from deepwell.engine_service.cli import size_pools
+from deepwell.engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB, EngineConfig
+from deepwell.engine_service.runner_api import MemorySpec
 
 CPU = torch.device("cpu")
 # SmolLM2-135M: 30 layers x 3 KV heads x d=64, K and V: 46,080 bytes per token in fp32, 6,480 in nvfp4

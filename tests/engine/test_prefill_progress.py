@@ -8,10 +8,10 @@ from unittest import mock
 
 from structlog.testing import capture_logs
 
-from engine_service.engine import EngineCore, EngineLimits, StepObserver
-from engine_service.metrics import EngineMetrics
-from engine_service.progress import PrefillProgress
-from engine_service.sampling import SamplingParams
+from deepwell.engine_service.engine import EngineCore, EngineLimits, StepObserver
+from deepwell.engine_service.metrics import EngineMetrics
+from deepwell.engine_service.progress import PrefillProgress
+from deepwell.engine_service.sampling import SamplingParams
 from tests.engine.test_scheduler_fakerunner import FakeRunner
 
 

@@ -14,10 +14,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_service.cache.types import Kind
-from engine_service.engine import EngineCore, EngineLimits
-from engine_service.sampling import SamplingParams
-from engine_service.scheduler import Finish
+from deepwell.engine_service.cache.types import Kind
+from deepwell.engine_service.engine import EngineCore, EngineLimits
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.scheduler import Finish
 from tests.engine.test_batching import Collector, drained
 from tests.engine.test_scheduler_fakerunner import FakeRunner, greedy_reference
 
@@ -216,7 +216,7 @@ def test_pressure_evicts_and_still_reuses() -> None:
 
 
 def _done(col: Collector) -> bool:
-    from engine_service.engine import FinishedEvent
+    from deepwell.engine_service.engine import FinishedEvent
 
     return any(isinstance(e, FinishedEvent) for e in col.events)
 

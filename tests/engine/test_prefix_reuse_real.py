@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_service.engine import EngineCore, EngineLimits, FinishedEvent, TokensEvent
-from engine_service.kv.settings import KVSettings
-from engine_service.loading import open_model
-from engine_service.runner import TorchModelRunner, build_runner
-from engine_service.sampling import SamplingParams
+from deepwell.engine_service.engine import EngineCore, EngineLimits, FinishedEvent, TokensEvent
+from deepwell.engine_service.kv.settings import KVSettings
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.runner import TorchModelRunner, build_runner
+from deepwell.engine_service.sampling import SamplingParams
 from tests.engine.helpers_models import one_torch_thread  # noqa: F401 - fixture
 
 PAGES = 24
@@ -65,7 +65,7 @@ class Engines:
                         for _ in range(2)]
         self.cached, self.cold = (self._core(r, cache) for r, cache in zip(self.runners, (True, False), strict=True))
         if kv == "nvfp4":
-            from engine_service.kv.calibration import calibration_token_ids
+            from deepwell.engine_service.kv.calibration import calibration_token_ids
 
             src, dst = self.runners
             src.calibrate_kv(calibration_token_ids(None, src.vocab_size)[0][:256], source="random_ids")
@@ -84,7 +84,7 @@ class Engines:
         self.client = None
         if daemon is not None:
             from deepwell.kvclient.client import KVClient
-            from engine_service.cache.host import HostTier
+            from deepwell.engine_service.cache.host import HostTier
 
             self.client = KVClient(daemon.address, "test", rpc_timeout_s=5.0)  # type: ignore[attr-defined]
             assert self.client.start(10.0)

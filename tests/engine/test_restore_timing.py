@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_service.sampling import SamplingParams
-from engine_service.service import event_to_proto
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.service import event_to_proto
 from tests.engine.test_batching import Collector
 from tests.engine.test_host_cache import Node, _prompt
 from tests.kvcache.kvtest_helpers import Daemon

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from deepwell.configs import ConfigError
-from engine_service.config import EngineConfig
-from engine_service.layers.rope import RopeSpec
-from engine_service.rope_scaling import DEFAULT_MODEL_YARN, Yarn, for_model, parse, with_yarn
+from deepwell.engine_service.config import EngineConfig
+from deepwell.engine_service.layers.rope import RopeSpec
+from deepwell.engine_service.rope_scaling import DEFAULT_MODEL_YARN, Yarn, for_model, parse, with_yarn
 
 LLAMA = {"model_type": "llama", "max_position_embeddings": 8192, "head_dim": 64,
          "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}
@@ -61,7 +61,7 @@ def test_a_yarn_checkpoint_keeps_its_original_and_a_vlm_its_text_config() -> Non
 def test_extended_smollm2_answers_short_prompts_as_before() -> None:
     from tokenizers import Tokenizer
 
-    from engine_service.runner import build_runner
+    from deepwell.engine_service.runner import build_runner
     from tests.engine.fixtures_smollm2 import smollm2_source
     from tests.engine.test_smollm2 import PAGES, our_greedy
 

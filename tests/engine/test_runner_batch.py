@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_service.loading import open_model
-from engine_service.runner import TorchModelRunner, build_runner
-from engine_service.runner_api import ForwardBatch, SeqSlice
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.runner import TorchModelRunner, build_runner
+from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
 from tests.engine.helpers_models import (
     hf_logits,
     one_torch_thread,

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine_service.loading import open_model
-from engine_service.models import build_model
-from engine_service.runner import TorchModelRunner, build_runner
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.models import build_model
+from deepwell.engine_service.runner import TorchModelRunner, build_runner
 from tests.engine.helpers_models import one_torch_thread, prompt, run_chunks, save_tiny
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -86,7 +86,7 @@ def test_vlm_layout_skips_vision_and_loads_mtp(tiny: dict[str, Path], tmp_path: 
 
 
 def test_vlm_top_level_tie_word_embeddings_wins() -> None:
-    from engine_service.models.registry import text_config
+    from deepwell.engine_service.models.registry import text_config
 
     cfg = {"model_type": "qwen3_5", "tie_word_embeddings": True,
            "text_config": {"model_type": "qwen3_5_text", "tie_word_embeddings": False}}
@@ -243,9 +243,9 @@ def test_fp8_checkpoints_go_through_the_fp8_dequantizer(
             seen.append(name)
             yield name, t
 
-    fake = types.ModuleType("engine_service.loading.fp8")
+    fake = types.ModuleType("deepwell.engine_service.loading.fp8")
     fake.dequantize_stream = dequantize_stream  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine_service.loading.fp8", fake)
+    monkeypatch.setitem(sys.modules, "deepwell.engine_service.loading.fp8", fake)
     assert torch.equal(_logits(dst), _logits(src))
     assert "model.embed_tokens.weight" in seen
     cfg["quantization_config"] = {"quant_method": "awq"}
@@ -297,9 +297,9 @@ def test_real_size_configs_match_hf_parameter_names_and_shapes(name: str) -> Non
     config lands on one of our parameters with the same shape, and vice versa."""
     import transformers
 
-    from engine_service.models.loader import normalize_name
-    from engine_service.models.registry import resolve
-    from engine_service.models.weights import WeightTargets
+    from deepwell.engine_service.models.loader import normalize_name
+    from deepwell.engine_service.models.registry import resolve
+    from deepwell.engine_service.models.weights import WeightTargets
 
     cfg_cls, model_cls, vlm, text = REAL_SIZE[name]
     kwargs = {"text_config": dict(text), "vision_config": {"depth": 1}} if vlm else dict(text)
@@ -333,7 +333,7 @@ def test_loading_streams_one_tensor_at_a_time(tiny: dict[str, Path]) -> None:
     tensors have no reference cycles, so refcounting frees them at once)."""
     import weakref
 
-    from engine_service.models import load_weights
+    from deepwell.engine_service.models import load_weights
 
     src = open_model(tiny["qwen3_next"])  # exercises the de-interleaving adapter too
     model, family, tc = build_model(src.config)
@@ -357,9 +357,9 @@ def test_gguf_paths_dispatch_to_the_gguf_loader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     opened: list[Path] = []
-    fake = types.ModuleType("engine_service.loading.gguf")
+    fake = types.ModuleType("deepwell.engine_service.loading.gguf")
     fake.open_gguf = lambda p: opened.append(Path(p)) or "source"  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engine_service.loading.gguf", fake)
+    monkeypatch.setitem(sys.modules, "deepwell.engine_service.loading.gguf", fake)
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
     assert open_model(f) == "source"
@@ -376,9 +376,9 @@ def test_random_weights_need_no_weight_files(tmp_path) -> None:
 
     import torch
 
-    from engine_service.loading import open_model
-    from engine_service.runner import build_runner
-    from engine_service.runner_api import ForwardBatch, SeqSlice
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import build_runner
+    from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
     from tests.engine.helpers_models import TINY
 
     _, _, _, kwargs = TINY["qwen3_5"]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine_service.sampling import SampleRow, Sampler, SamplingParams, make_generator
+from deepwell.engine_service.sampling import SampleRow, Sampler, SamplingParams, make_generator
 
 CPU = torch.device("cpu")
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine_service.block_manager import BlockManager
-from engine_service.cache.resident import PrefixCache
-from engine_service.cache.types import Kind
-from engine_service.sampling import SamplingParams
-from engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Status
+from deepwell.engine_service.block_manager import BlockManager
+from deepwell.engine_service.cache.resident import PrefixCache
+from deepwell.engine_service.cache.types import Kind
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.scheduler import Finish, QueueFull, Request, Scheduler, SchedulerLimits, Status
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
+from deepwell.engine_service.runner_api import ForwardBatch, MemorySpec, SeqSlice
 
 _MOD = (1 << 61) - 1
 
@@ -129,14 +129,14 @@ class FakeRunner:
         return num_pages * self.page_size * 8 + (16 if with_state and self.hybrid else 0)
 
     def export_kv(self, pages: Sequence[int], slot: int, out) -> None:
-        from engine_service.kv.pool import export_rows
+        from deepwell.engine_service.kv.pool import export_rows
 
         export_rows([self.pages], pages, out)
         if slot >= 0 and self.hybrid:
             export_rows([self.state], [slot], out, start=len(pages) * self.page_size * 8)
 
     def import_kv(self, pages: Sequence[int], slot: int, position: int, src, entry_pages: int) -> None:
-        from engine_service.kv.pool import import_rows
+        from deepwell.engine_service.kv.pool import import_rows
 
         import_rows([self.pages], pages, src)
         if slot >= 0 and self.hybrid:

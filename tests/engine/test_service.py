@@ -1,4 +1,4 @@
-"""The real engine process (``python -m engine_service``) on a tiny hybrid model, over gRPC."""
+"""The real engine process (``python -m deepwell.engine_service``) on a tiny hybrid model, over gRPC."""
 
 from __future__ import annotations
 
@@ -151,8 +151,8 @@ async def test_deadline_frees_memory() -> None:
     cannot finish before its 1 s deadline, so the deadline always wins."""
     import time
 
-    from engine_service.engine import Engine, EngineCore, EngineLimits
-    from engine_service.service import SERVICE_NAME, EngineService
+    from deepwell.engine_service.engine import Engine, EngineCore, EngineLimits
+    from deepwell.engine_service.service import SERVICE_NAME, EngineService
     from tests.engine.test_scheduler_fakerunner import FakeRunner
 
     class SlowRunner(FakeRunner):
@@ -259,7 +259,7 @@ async def test_health_and_metrics(engine) -> None:
 
 def test_sigterm_shuts_down_cleanly(model_dir: Path, tmp_path: Path) -> None:
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "engine_service", "--model", str(model_dir), "--listen",
+    proc = subprocess.Popen([sys.executable, "-m", "deepwell.engine_service", "--model", str(model_dir), "--listen",
                              "127.0.0.1:0", "--port-file", str(port_file), "--metrics-port", "-1"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -274,7 +274,7 @@ def test_sigterm_shuts_down_cleanly(model_dir: Path, tmp_path: Path) -> None:
 
 
 def test_bad_config_exits_2() -> None:
-    r = subprocess.run([sys.executable, "-m", "engine_service", "--token-budget", "0"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "deepwell.engine_service", "--token-budget", "0"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "invalid token_budget=0: must be >= 1" in r.stderr, r.stderr
 
@@ -282,8 +282,8 @@ def test_bad_config_exits_2() -> None:
 async def test_full_queue_is_resource_exhausted() -> None:
     """In-process server over a FakeRunner whose step thread is not started: nothing is ever
     admitted, so the waiting queue fills deterministically."""
-    from engine_service.engine import Engine, EngineCore, EngineLimits
-    from engine_service.service import SERVICE_NAME, EngineService
+    from deepwell.engine_service.engine import Engine, EngineCore, EngineLimits
+    from deepwell.engine_service.service import SERVICE_NAME, EngineService
     from tests.engine.test_scheduler_fakerunner import FakeRunner
 
     core = EngineCore(FakeRunner(vocab=VOCAB), EngineLimits(16, 2, 2, 16, 2, 64))
@@ -320,13 +320,13 @@ async def test_full_queue_is_resource_exhausted() -> None:
 
 @pytest.mark.slow  # loads SmolLM2 (about a minute on 2 busy cores)
 def test_default_model_answers_paris_over_grpc(tmp_path: Path) -> None:
-    """``python -m engine_service`` without --model serves SmolLM2; a client that has only the
+    """``python -m deepwell.engine_service`` without --model serves SmolLM2; a client that has only the
     gRPC API (ModelInfo + ReadModelFile) renders the chat template, tokenizes, and generates."""
     import jinja2
     from tokenizers import Tokenizer
 
     port_file = tmp_path / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "engine_service", "--listen", "127.0.0.1:0", "--port-file",
+    proc = subprocess.Popen([sys.executable, "-m", "deepwell.engine_service", "--listen", "127.0.0.1:0", "--port-file",
                              str(port_file), "--metrics-port", "-1", "--log-level", "warning", "--cpu-threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 

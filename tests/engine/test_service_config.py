@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from deepwell import configs
-from engine_service.cli import configure, size_pools
-from engine_service.config import ENV_PREFIX, EngineConfig
-from engine_service.runner_api import MemorySpec
+from deepwell.engine_service.cli import configure, size_pools
+from deepwell.engine_service.config import ENV_PREFIX, EngineConfig
+from deepwell.engine_service.runner_api import MemorySpec
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> EngineConfig:
@@ -58,8 +58,8 @@ def test_size_pools() -> None:
 
 
 def test_model_defaults_from_generation_config() -> None:
-    from engine_service.sampling import SamplingParams
-    from engine_service.service import default_sampling, eos_ids_of, params_from_proto, special_token_text
+    from deepwell.engine_service.sampling import SamplingParams
+    from deepwell.engine_service.service import default_sampling, eos_ids_of, params_from_proto, special_token_text
     from deepwell.engine.v1 import engine_pb2
 
     d = default_sampling({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})

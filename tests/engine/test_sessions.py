@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from engine_service.cache.index import Ledger, Owner
-from engine_service.cache.types import Entry, Kind
-from engine_service.engine import EngineCore, EngineLimits
-from engine_service.sampling import SamplingParams
-from engine_service.sessions import SessionLedger, Turn, collect, live_host_entries
+from deepwell.engine_service.cache.index import Ledger, Owner
+from deepwell.engine_service.cache.types import Entry, Kind
+from deepwell.engine_service.engine import EngineCore, EngineLimits
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.sessions import SessionLedger, Turn, collect, live_host_entries
 from tests.engine.test_batching import Collector
 from tests.engine.test_scheduler_fakerunner import FakeRunner
 from tests.kvcache.kvtest_helpers import Daemon

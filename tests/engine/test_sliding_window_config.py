@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_service.models.llama import qwen2_args, qwen3_args, sliding_window_layers
-from engine_service.models.spec import FULL
+from deepwell.engine_service.models.llama import qwen2_args, qwen3_args, sliding_window_layers
+from deepwell.engine_service.models.spec import FULL
 
 LAYERS = 4
 

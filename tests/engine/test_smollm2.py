@@ -12,8 +12,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from engine_service.runner import build_runner
-from engine_service.runner_api import ForwardBatch, SeqSlice
+from deepwell.engine_service.runner import build_runner
+from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
 from tests.engine.fixtures_smollm2 import hf_smollm2_model, release_hf_smollm2_model, smollm2_source
 
 PAGE = 64

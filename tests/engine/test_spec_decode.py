@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_service.engine import EngineCore, EngineLimits, TokensEvent
-from engine_service.loading import open_model
-from engine_service.models import build_model
-from engine_service.runner import build_runner
-from engine_service.sampling import SampleRow, Sampler, SamplingParams, make_generator
+from deepwell.engine_service.engine import EngineCore, EngineLimits, TokensEvent
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.models import build_model
+from deepwell.engine_service.runner import build_runner
+from deepwell.engine_service.sampling import SampleRow, Sampler, SamplingParams, make_generator
 from tests.engine.helpers_models import save_tiny
 
 SPECS = [(1, 37, 12, 0), (2, 9, 15, 0), (3, 70, 9, 1), (4, 21, 14, 3)]  # seed, prompt len, max tokens, arrival
@@ -300,7 +300,7 @@ def test_speculative_tokens_without_mtp_refuses_to_start(tmp_path: Path) -> None
     import sys
 
     save_tiny("qwen3_5", tmp_path)
-    r = subprocess.run([sys.executable, "-m", "engine_service", "--model", str(tmp_path), "--speculative-tokens",
+    r = subprocess.run([sys.executable, "-m", "deepwell.engine_service", "--model", str(tmp_path), "--speculative-tokens",
                         "2", "--num-pages", "16", "--metrics-port", "-1"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "no MTP weights" in r.stderr

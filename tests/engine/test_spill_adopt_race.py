@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from engine_service.block_manager import BlockManager
-from engine_service.cache.resident import PrefixCache
-from engine_service.sampling import SamplingParams
-from engine_service.scheduler import Request, Scheduler, SchedulerLimits, Status
+from deepwell.engine_service.block_manager import BlockManager
+from deepwell.engine_service.cache.resident import PrefixCache
+from deepwell.engine_service.sampling import SamplingParams
+from deepwell.engine_service.scheduler import Request, Scheduler, SchedulerLimits, Status
 
 
 class LateFuture(Future):

@@ -148,9 +148,9 @@ def test_dashboard_metrics_are_declared_by_the_metrics_modules() -> None:
     """Fast and static: a fresh registry of each service declares every name the dashboard uses."""
     from prometheus_client import generate_latest
 
-    from engine_service.metrics import EngineMetrics
-    from gateway.metrics import GatewayMetrics
-    from kvcache_daemon.metrics import Metrics
+    from deepwell.engine_service.metrics import EngineMetrics
+    from deepwell.gateway.metrics import GatewayMetrics
+    from deepwell.kvcache_daemon.metrics import Metrics
 
     declared = set()
     for registry in (EngineMetrics("m").registry, Metrics().registry, GatewayMetrics().registry):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from benchmarks import gpu_e2e
-from engine_service.loading import open_model
-from engine_service.sampling import SamplingParams
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.sampling import SamplingParams
 
 
 def _positive(x: Any) -> bool:

@@ -92,7 +92,7 @@ def test_engine_refuses_to_start_on_a_readable_token_file(tmp_path: Path) -> Non
     token = tmp_path / "token"
     generate_token_file(token)
     token.chmod(0o640)
-    proc = subprocess.run([sys.executable, "-m", "engine_service", "--internal-token-file", str(token),
+    proc = subprocess.run([sys.executable, "-m", "deepwell.engine_service", "--internal-token-file", str(token),
                            "--listen", "127.0.0.1:0", "--metrics-port", "-1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
@@ -117,11 +117,11 @@ def test_daemon_refuses_clients_without_the_token(token_file: Path) -> None:
             assert client.wait_attached(10.0)
         with grpcx.sync_channel(daemon.address, read_token_file(token_file)) as ch:
             assert kpbg.KVCacheStub(ch).Stats(kpb.StatsRequest(), timeout=5).epoch
-        stats = subprocess.run([sys.executable, "-m", "kvcache_daemon", "--internal-token-file", str(token_file),
+        stats = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon", "--internal-token-file", str(token_file),
                                 "stats", "--address", daemon.address, "--json"], capture_output=True, text=True,
                                timeout=60)
         assert stats.returncode == 0, stats.stderr
-        bare = subprocess.run([sys.executable, "-m", "kvcache_daemon", "stats", "--address", daemon.address],
+        bare = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon", "stats", "--address", daemon.address],
                               capture_output=True, text=True, timeout=60,
                               env={k: v for k, v in os.environ.items() if "TOKEN" not in k})
         assert bare.returncode == 1 and "UNAUTHENTICATED" in bare.stderr

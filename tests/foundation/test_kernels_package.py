@@ -1,8 +1,8 @@
-"""The engine refuses to start beside a foreign top-level ``kernels`` package.
+"""deepwell's packages live under the ``deepwell`` namespace, so a foreign top-level ``kernels``
+package (Hugging Face's distribution, a dependency of transformers >= 5.25) coexists with it.
 
-Hugging Face's ``kernels`` distribution (a dependency of transformers >= 5.25) installs a
-package of the same name as this project's ``kernels/``; whichever comes first on ``sys.path``
-wins, so the engine checks that it got deepwell's and says what to do otherwise.
+Both are imported in one process with a fake top-level ``kernels`` first on ``sys.path``; the
+engine still gets deepwell's kernels and the other package stays what it is.
 """
 
 from __future__ import annotations
@@ -15,25 +15,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _import_engine(extra_path: Path | None, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    paths = [str(ROOT)] if extra_path is None else [str(extra_path), str(ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return subprocess.run([sys.executable, "-c", "import engine_service, kernels; print(kernels.__file__)"],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-
-
-def test_engine_imports_with_deepwells_kernels(tmp_path: Path) -> None:
-    proc = _import_engine(None, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert Path(proc.stdout.strip()).resolve() == ROOT / "kernels" / "__init__.py"
-
-
-def test_engine_refuses_a_foreign_kernels_package(tmp_path: Path) -> None:
+def test_a_foreign_top_level_kernels_package_coexists(tmp_path: Path) -> None:
     fake = tmp_path / "site"
     (fake / "kernels").mkdir(parents=True)
-    (fake / "kernels" / "__init__.py").write_text('"""Not deepwell\'s kernels."""\n')
-    proc = _import_engine(fake, tmp_path)
-    assert proc.returncode != 0
-    assert "is not deepwell's" in proc.stderr
-    assert "pip uninstall kernels" in proc.stderr
+    (fake / "kernels" / "__init__.py").write_text('"""Not deepwell\'s kernels."""\nFOREIGN = True\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(ROOT)]))
+    code = ("import kernels, deepwell.engine_service.runner, deepwell.kernels.backend as b; "
+            "print(kernels.FOREIGN, kernels.__file__); print(b.__file__)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    foreign, ours = proc.stdout.strip().splitlines()
+    assert foreign == f"True {fake / 'kernels' / '__init__.py'}"
+    assert Path(ours).resolve() == ROOT / "kernels" / "backend.py"
+
+
+def test_no_generic_top_level_package_is_installed() -> None:
+    """What setup.py installs: only ``deepwell`` and its subpackages."""
+    proc = subprocess.run([sys.executable, "-c", "import runpy, setuptools; "
+                           "setuptools.setup = lambda **kw: print(sorted(kw['packages'])); "
+                           "runpy.run_path('setup.py')"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    packages = eval(proc.stdout)  # noqa: S307 - our own printed list
+    assert packages and all(p == "deepwell" or p.startswith("deepwell.") for p in packages)
+    for name in ("deepwell.kernels", "deepwell.kernels.fused", "deepwell.engine_service.kv", "deepwell.gateway.http",
+                 "deepwell.gateway.v1", "deepwell.kvcache_daemon"):
+        assert name in packages

@@ -1,4 +1,4 @@
-"""The committed stubs under deepwell/*/v1 are exactly what protoc makes of protos/."""
+"""The committed stubs (deepwell/*/v1, gateway/v1) are exactly what protoc makes of protos/."""
 
 from __future__ import annotations
 
@@ -11,16 +11,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+GEN = runpy.run_path(str(REPO / "protos" / "generate.py"))
+
+
 def _generate(out: Path) -> list[Path]:
-    module = runpy.run_path(str(REPO / "protos" / "generate.py"))
-    return module["generate"](out)
+    return GEN["generate"](out)
 
 
 def test_generated_stubs_match_protos(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools comes with the dev extra")
     fresh = _generate(tmp_path)
     assert fresh, "protoc produced nothing"
-    committed = sorted(p.relative_to(REPO) for p in (REPO / "deepwell").rglob("*_pb2*.py*"))
+    committed = GEN["committed_stubs"](REPO)
     assert committed == fresh, "stub files differ from the .proto set: run python protos/generate.py"
     for rel in fresh:
         assert (tmp_path / rel).read_bytes() == (REPO / rel).read_bytes(), (
@@ -46,5 +48,5 @@ def test_services_are_versioned(module: str, service: str) -> None:
 def test_every_proto_has_a_stub() -> None:
     for proto in (REPO / "protos").rglob("*.proto"):
         rel = proto.relative_to(REPO / "protos").with_suffix("")
-        stub = REPO / rel.parent / f"{rel.name}_pb2.py"
+        stub = REPO / GEN["repo_path"](str(rel.parent / f"{rel.name}_pb2.py"))
         assert stub.exists(), f"no stub for {proto}: run python protos/generate.py"

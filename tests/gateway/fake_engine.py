@@ -282,7 +282,7 @@ class _Servicer(engine_pb2_grpc.EngineServicer):
 # ---------------------------------------------------------------------- gateway process
 @dataclass
 class GatewayProcess:
-    """A live ``python -m gateway`` subprocess on free ports (HTTP + gRPC Chat)."""
+    """A live ``python -m deepwell.gateway`` subprocess on free ports (HTTP + gRPC Chat)."""
 
     proc: object
     http_port: int
@@ -348,7 +348,7 @@ def start_gateway(engines: list[str], tmp_dir: str, *extra: str, wait_healthy: b
     port_file = Path(tmp_dir) / f"gw-port-{uuid.uuid4().hex[:6]}"
     log_path = str(Path(tmp_dir) / f"gw-{uuid.uuid4().hex[:6]}.log")
     grpc_port = free_port()
-    cmd = [sys.executable, "-m", "gateway", "--port", "0", "--port-file", str(port_file),
+    cmd = [sys.executable, "-m", "deepwell.gateway", "--port", "0", "--port-file", str(port_file),
            "--engines", ",".join(engines), "--grpc-listen", f"127.0.0.1:{grpc_port}",
            "--health-interval-s", "0.2", *extra]
     env = {**os.environ, "DEEPWELL_LOG_JSON": "1"}

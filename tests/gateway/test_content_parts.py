@@ -4,12 +4,12 @@ blocks, tool_result blocks, mid-conversation system messages) and Responses."""
 
 from __future__ import annotations
 
-from gateway.chat_types import ChatMessage, ContentPart
-from gateway.http import anthropic_api, openai_api, responses_api
-from gateway.http import schemas_anthropic as sa
-from gateway.http import schemas_openai as so
-from gateway.http.common import RequestContext
-from gateway.prompting import message_dicts
+from deepwell.gateway.chat_types import ChatMessage, ContentPart
+from deepwell.gateway.http import anthropic_api, openai_api, responses_api
+from deepwell.gateway.http import schemas_anthropic as sa
+from deepwell.gateway.http import schemas_openai as so
+from deepwell.gateway.http.common import RequestContext
+from deepwell.gateway.prompting import message_dicts
 
 CTX = RequestContext(request_id="r", tenant="default", headers={})
 PARTS = ["Hello", " wor", "ld\n", "!"]  # parts carry their own spacing; nothing is added between them

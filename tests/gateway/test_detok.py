@@ -7,7 +7,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.detok import IncrementalDetokenizer
+from deepwell.gateway.detok import IncrementalDetokenizer
 from tests.gateway.test_prompting import tokenizer
 
 SAMPLES = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.detok import IncrementalDetokenizer
+from deepwell.gateway.detok import IncrementalDetokenizer
 from tests.gateway.fake_engine import load_tokenizer
 from tests.gateway.test_prompting import tokenizer as smollm2_tokenizer
 

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from deepwell.configs import ConfigError, from_args
-from gateway.accounting import RequestLog, RequestRecord
-from gateway.auth import ApiKeys, AuthError
-from gateway.config import GatewayConfig
-from gateway.engine_client import build_bundle
+from deepwell.gateway.accounting import RequestLog, RequestRecord
+from deepwell.gateway.auth import ApiKeys, AuthError
+from deepwell.gateway.config import GatewayConfig
+from deepwell.gateway.engine_client import build_bundle
 from tests.gateway.fake_engine import FakeEngine
 
 

@@ -166,8 +166,8 @@ def test_unhandled_exception_is_counted_as_500_for_every_endpoint(monkeypatch):
     """In process: a gateway bug (any exception) is a 500 in the API's shape, counted."""
     from fastapi.testclient import TestClient
 
-    from gateway.config import GatewayConfig
-    from gateway.http import anthropic_api, app as app_module, openai_api, responses_api
+    from deepwell.gateway.config import GatewayConfig
+    from deepwell.gateway.http import anthropic_api, app as app_module, openai_api, responses_api
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected bug")
@@ -227,8 +227,8 @@ def test_max_output_tokens_streaming_and_smaller_requests(env):
 
 def test_max_output_tokens_config():
     from deepwell.configs import ConfigError
-    from gateway.config import GatewayConfig
-    from gateway.pipeline import effective_max_tokens
+    from deepwell.gateway.config import GatewayConfig
+    from deepwell.gateway.pipeline import effective_max_tokens
 
     assert GatewayConfig().max_output_tokens == 32768
     for bad in ({"max_output_tokens": -1}, {"max_output_tokens": 2**32},

@@ -9,9 +9,9 @@ import pathlib
 
 import pytest
 
-from gateway.chat_types import ChatMessage, ChatRequest, ContentPart, InvalidRequest, ToolCallSpec, ToolDef
-from gateway.prompting import build_prompt, message_dicts, strip_billing_header
-from gateway.templates import ChatTemplate
+from deepwell.gateway.chat_types import ChatMessage, ChatRequest, ContentPart, InvalidRequest, ToolCallSpec, ToolDef
+from deepwell.gateway.prompting import build_prompt, message_dicts, strip_billing_header
+from deepwell.gateway.templates import ChatTemplate
 
 HERE = pathlib.Path(__file__).parent / "templates"
 WEATHER = ToolDef("get_weather", "Weather", {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}})
@@ -22,8 +22,8 @@ WRITE = ToolDef("write_file", "Write", {"type": "object", "properties": {"path":
 def tokenizer():
     import gguf
 
-    from engine_service.loading.gguf import read_metadata
-    from engine_service.loading.gguf_tokenizer import GGUFTokenizerData, build_tokenizer
+    from deepwell.engine_service.loading.gguf import read_metadata
+    from deepwell.engine_service.loading.gguf_tokenizer import GGUFTokenizerData, build_tokenizer
     from tests.engine.fixtures_smollm2 import smollm2_gguf_path
 
     meta = read_metadata(gguf.GGUFReader(str(smollm2_gguf_path())))
@@ -217,7 +217,7 @@ def test_bad_requests_are_invalid_request() -> None:
 
 @pytest.mark.parametrize("name", ["qwen3_5_xml", "qwen3_hermes", "smollm2"])
 def test_fast_boundary_equals_full_encode(name: str) -> None:
-    from gateway.prompting import _base_token_count, template_kwargs
+    from deepwell.gateway.prompting import _base_token_count, template_kwargs
 
     tpl = template(name)
     for history in agent_turns():

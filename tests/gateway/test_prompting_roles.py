@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from gateway.chat_types import ChatMessage, ChatRequest, ToolCallSpec
-from gateway.prompting import GENERIC_TOOLS_HEADER, build_prompt, generic_tool_messages
-from gateway.templates import ChatTemplate, TemplateError
+from deepwell.gateway.chat_types import ChatMessage, ChatRequest, ToolCallSpec
+from deepwell.gateway.prompting import GENERIC_TOOLS_HEADER, build_prompt, generic_tool_messages
+from deepwell.gateway.templates import ChatTemplate, TemplateError
 from tests.gateway.test_prompting import WEATHER, WRITE, agent_turns, template, tokenizer
 
 STRICT_SYSTEM = (  # refuses system messages anywhere but first, and unknown roles (as many real templates do)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_types import ContentDelta, ReasoningDelta
-from gateway.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from deepwell.gateway.chat_types import ContentDelta, ReasoningDelta
+from deepwell.gateway.reasoning import ReasoningSplitter, prompt_opens_reasoning
 
 
 def split(text_chunks: list[str], start: bool) -> tuple[str, str, bool]:

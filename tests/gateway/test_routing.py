@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from gateway.routing import NoHealthyEngine, Router, rank
-from gateway.session import namespaced, raw_session_id, session_key
+from deepwell.gateway.routing import NoHealthyEngine, Router, rank
+from deepwell.gateway.session import namespaced, raw_session_id, session_key
 from tests.gateway.fake_engine import FakeEngine, start_gateway
 
 

@@ -1,6 +1,6 @@
 """End to end: the official SDKs -> live gateway -> real engine (SmolLM2-135M on CPU).
 
-The engine process is started from ``python -m engine_service`` with the embedded SmolLM2
+The engine process is started from ``python -m deepwell.engine_service`` with the embedded SmolLM2
 GGUF (fetched once per machine by ``tests.engine.fixtures_smollm2``). Greedy decoding, so
 the answers are deterministic; asserts check structure and the tool-call round trip, not
 the model's prose.
@@ -44,7 +44,7 @@ def real_engine(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engine")
     port_file = tmp / "port"
     log = open(tmp / "engine.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine_service", "--model", str(model), "--listen",
+    proc = subprocess.Popen([sys.executable, "-m", "deepwell.engine_service", "--model", str(model), "--listen",
                              "127.0.0.1:0", "--port-file", str(port_file), "--metrics-port", "-1",
                              "--max-context", str(MAX_CONTEXT),
                              # 182 pages (5.7 full contexts): zeroing the default 2 GiB pool took ~23 s

@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from deepwell.configs import ConfigError
 from deepwell.engine.v1 import engine_pb2
-from gateway.config import GatewayConfig
-from gateway.http.app import create_app
+from deepwell.gateway.config import GatewayConfig
+from deepwell.gateway.http.app import create_app
 from tests.gateway import fake_engine
 from tests.gateway.fake_engine import FakeEngine
 

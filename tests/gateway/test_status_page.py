@@ -24,9 +24,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deepwell.engine.v1 import engine_pb2
-from gateway.config import GatewayConfig
-from gateway.http import status_page
-from gateway.http.app import create_app
+from deepwell.gateway.config import GatewayConfig
+from deepwell.gateway.http import status_page
+from deepwell.gateway.http.app import create_app
 from tests.gateway import fake_engine
 from tests.gateway.fake_engine import CHATML_TOOLS_TEMPLATE, FakeEngine, free_port
 
@@ -84,8 +84,8 @@ def test_assets_ship_as_package_data() -> None:
     """Every served file exists beside the module and is listed in pyproject's package data."""
     static = Path(status_page.__file__).parent / "static"
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-    data = re.search(r'^"gateway\.http" = \[(.*)\]$', pyproject, re.M)
-    assert data, "pyproject.toml lacks [tool.setuptools.package-data] for gateway.http"
+    data = re.search(r'^"deepwell\.gateway\.http" = \[(.*)\]$', pyproject, re.M)
+    assert data, "pyproject.toml lacks [tool.setuptools.package-data] for deepwell.gateway.http"
     patterns = json.loads(f"[{data.group(1)}]")
     for name, _ in status_page.ASSETS.values():
         assert (static / name).is_file()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.stops import StopMatcher
+from deepwell.gateway.stops import StopMatcher
 
 
 def run(stops: list[str], chunks: list[str]) -> tuple[list[str], str | None]:

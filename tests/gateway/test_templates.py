@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from gateway.templates import ChatTemplate, TemplateError
+from deepwell.gateway.templates import ChatTemplate, TemplateError
 
 HERE = pathlib.Path(__file__).parent / "templates"
 

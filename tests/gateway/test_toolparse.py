@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_types import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolParseFailure
-from gateway.toolparse import COUNTERS, PARSERS, get_parser, parser_for_template
-from gateway.toolparse.pipeline import OutputParser
+from deepwell.gateway.chat_types import ContentDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolParseFailure
+from deepwell.gateway.toolparse import COUNTERS, PARSERS, get_parser, parser_for_template
+from deepwell.gateway.toolparse.pipeline import OutputParser
 from tests.gateway import toolparse_corpus as corpus
 
 MODES = [(name, tolerant) for name in sorted(PARSERS) for tolerant in (True, False)]
@@ -218,7 +218,7 @@ ROUNDTRIP_ARGS = [
 def test_template_rendered_calls_parse_back(template: str, parser: str, args: dict) -> None:
     """What the model's own template writes for an assistant tool call is what the
     parser reads back, with schema-typed arguments (the XML form is text only)."""
-    from gateway.templates import ChatTemplate
+    from deepwell.gateway.templates import ChatTemplate
 
     src = (pathlib.Path(__file__).parent / "templates" / f"{template}.jinja").read_text()
     calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}},
@@ -240,7 +240,7 @@ def test_template_rendered_calls_parse_back(template: str, parser: str, args: di
 def test_results_do_not_depend_on_the_scan_window(window: int, monkeypatch) -> None:
     """Steps see a bounded window of pending text and retry with a larger one when they
     must wait; a tiny window exercises every retry path."""
-    from gateway.toolparse import tagged
+    from deepwell.gateway.toolparse import tagged
 
     expected = {
         (c.name, n, t): corpus.fold(run(n, t, [c.text], c.finish_reason)) for c in corpus.CASES for n, t in MODES
@@ -256,7 +256,7 @@ def test_results_do_not_depend_on_the_scan_window(window: int, monkeypatch) -> N
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(parts=st.lists(st.sampled_from(FRAGMENTS), max_size=30), mode=st.sampled_from(MODES), data=st.data())
 def test_fuzz_small_window(parts, mode, data, monkeypatch) -> None:
-    from gateway.toolparse import tagged
+    from deepwell.gateway.toolparse import tagged
 
     text = "".join(parts)
     name, tolerant = mode

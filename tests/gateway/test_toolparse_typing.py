@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_types import ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolDef, ToolParseFailure
-from gateway.toolparse import PARSERS, get_parser
+from deepwell.gateway.chat_types import ToolCallArgsDelta, ToolCallEnd, ToolCallStart, ToolDef, ToolParseFailure
+from deepwell.gateway.toolparse import PARSERS, get_parser
 from tests.gateway.toolparse_corpus import fold
 
 TYPED = ToolDef("typed", "all the types", {

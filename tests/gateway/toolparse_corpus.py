@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.chat_types import ToolDef
+from deepwell.gateway.chat_types import ToolDef
 
 WEATHER = ToolDef(
     "get_weather",
@@ -352,7 +352,7 @@ THINK_CASES: list[tuple[str, str, bool, Expected, str]] = [
 
 def fold(events: list) -> dict[str, Any]:
     """The folded result of an event stream (what the conformance suite compares)."""
-    from gateway.chat_types import ContentDelta, ReasoningDelta, ToolCallEnd, ToolParseFailure
+    from deepwell.gateway.chat_types import ContentDelta, ReasoningDelta, ToolCallEnd, ToolParseFailure
 
     return {
         "content": "".join(e.text for e in events if isinstance(e, ContentDelta)),

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.kv_append import reference as append_ref
-from kernels.kv_formats import KVLayout
+from deepwell.kernels.kv_append import reference as append_ref
+from deepwell.kernels.kv_formats import KVLayout
 
 POISON = 0xA5
 

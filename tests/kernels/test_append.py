@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_append import reference as ref
-from kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4
+from deepwell.kernels.kv_append import reference as ref
+from deepwell.kernels.kv_formats import KVLayout, e4m3, feedback, nvfp4
 from tests.kernels.helpers import POISON, fragmented_tables
 
 FORMATS = ["bf16", "fp8", "int8", "nvfp4"]
@@ -102,7 +102,7 @@ def _random_feedback(h: int, d: int, gen: torch.Generator) -> torch.Tensor:
 def _parity(fmt: str, d: int, hadamard: bool | int, n: int, seed: int, device: str, k_offset: bool = False,
             k_feedback: bool = False, block_t: int | None = None, impl: str = "auto", num_warps: int | None = None,
             zero_rows: int = 0) -> None:
-    from kernels.kv_append import triton_kernel
+    from deepwell.kernels.kv_append import triton_kernel
 
     lay = KVLayout.make(fmt, 3, d, hadamard)
     gen = torch.Generator().manual_seed(seed)
@@ -133,7 +133,7 @@ def _parity(fmt: str, d: int, hadamard: bool | int, n: int, seed: int, device: s
     diff = (c_tri.cpu() != c_ref).nonzero()
     assert diff.numel() == 0, f"{len(diff)} bytes differ, first at {diff[:5].tolist()}"
     if fmt != "bf16":  # block-scale health counts: the reference's numbers exactly
-        from kernels.calibration import count_scales
+        from deepwell.kernels.calibration import count_scales
 
         kept = slots >= 0
         want = count_scales(lay, ref.stored_rows(k[kept], lay, 0, off), v[kept], scales) if not lay.hadamard else None
@@ -253,7 +253,7 @@ def test_k_offset_is_subtracted_from_k_only():
     ref.append(plain, lay, k, v, slots, g)
     assert not torch.equal(plain[:, 0], with_off[:, 0]) and torch.equal(plain[:, 1], with_off[:, 1])
     gk, _ = ref.gather(with_off, lay, torch.tensor([0, 1]), 2, g)
-    from kernels.hadamard import fwht
+    from deepwell.kernels.hadamard import fwht
 
     assert float((gk - fwht(k[:2] - mu)).norm() / fwht(k[:2] - mu).norm()) < 0.2  # nvfp4 error, not the 4.0 shift
     for bad, why in ((torch.zeros(2, 32), "must be contiguous float32"), (torch.zeros(2, 64, dtype=torch.float64), "float32"),
@@ -263,7 +263,7 @@ def test_k_offset_is_subtracted_from_k_only():
 
 
 def test_edge_rows_hit_edge_cases():
-    from kernels.calibration import count_scales
+    from deepwell.kernels.calibration import count_scales
 
     lay = KVLayout.make("nvfp4", 1, 64, False)
     x = _edge_rows(400, 64, torch.Generator().manual_seed(3)).view(400, 1, 64)
@@ -332,7 +332,7 @@ def test_gluon_fp8_append_counts_any_program_size(fed):
 
 
 def test_append_impl_is_checked():
-    from kernels.kv_append import triton_kernel
+    from deepwell.kernels.kv_append import triton_kernel
 
     lay = KVLayout.make("fp8", 1, 64)
     k = torch.zeros(1, 1, 64)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
-from kernels.kv_append import reference as append_ref
-from kernels.kv_formats import KVLayout
-from kernels.paged_attention import reference as attn_ref
+from deepwell.kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
+from deepwell.kernels.kv_append import reference as append_ref
+from deepwell.kernels.kv_formats import KVLayout
+from deepwell.kernels.paged_attention import reference as attn_ref
 from tests.kernels.helpers import build_case, rel_l2
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -17,7 +17,7 @@ FORMATS = ["bf16", "fp8", "int8", "nvfp4"]
 
 
 def _run(case, q, q_lens, splits, block_m=None, **kw):
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import triton_kernel
 
     starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)[:-1]), dtype=torch.int32, device=q.device)
     lens = torch.tensor(q_lens, dtype=torch.int32, device=q.device)
@@ -97,7 +97,7 @@ def test_int8_values_past_the_scale_limit_saturate_instead_of_overflowing():
     saturated, so V's scale times the probabilities stays inside fp16 on the GPU (it overflowed
     to inf before the limit; the interpreter computes them in fp32): the outputs match the
     fp64 oracle over what the cache holds."""
-    from kernels.kv_formats import int8
+    from deepwell.kernels.kv_formats import int8
 
     case = build_case(KVLayout.make("int8", 2, 64), [70, 5], seed=3, device=DEV, magnitude=1000.0)
     v_scales = case.cache[:, 1, :, case.layout.scale_offset:].contiguous().view(torch.float32)
@@ -135,7 +135,7 @@ def test_split_merge_matches_its_definition(total, hq):
     """``merge_splits`` (a program per 32 head-dim values below 1024 (token, head) rows, a
     program per row from 1024 on) = sum_s 2**(lse_s - max) o_s / sum_s 2**(lse_s - max), in
     fp64; a split without keys (lse -inf) weighs nothing, a row with none at all is zeros."""
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import triton_kernel
 
     splits, d = 5, 64
     gen = torch.Generator().manual_seed(3)
@@ -254,7 +254,7 @@ def test_bad_attention_inputs_are_rejected_before_any_launch():
     """Both paths check shapes, dtypes and devices from metadata (no device sync, so also while
     capturing a CUDA graph): an int64 block table or a short ``context_lens`` would otherwise
     be read as wrong pages or out of bounds."""
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import triton_kernel
 
     lay = KVLayout.make("nvfp4", 2, 64)
     cache = lay.allocate(4, DEV)
@@ -327,8 +327,8 @@ def test_gluon_splits_fill_whole_waves_from_the_batch_shape_only():
 def test_prefill_row_metadata_is_right_cached_and_aligned():
     """``work_items`` / ``_seq_rows`` (every layer of a step asks the same): right values, one
     cached copy per shape, and on CUDA one non-blocking copy whose lists start on 16 bytes."""
-    from kernels.backend import _seq_rows
-    from kernels.paged_attention import triton_kernel as tk
+    from deepwell.kernels.backend import _seq_rows
+    from deepwell.kernels.paged_attention import triton_kernel as tk
 
     seqs, rows = tk.work_items([3, 0, 5], 2, 4, "cpu")  # 6 and 10 query rows in blocks of 4
     assert seqs.tolist() == [0, 0, 2, 2, 2] and rows.tolist() == [0, 4, 0, 4, 8]

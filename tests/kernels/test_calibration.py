@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.calibration import (ScaleCounter, calibrate, count_rows, count_scales, head_counts, k_error_energy,
+from deepwell.kernels.calibration import (ScaleCounter, calibrate, count_rows, count_scales, head_counts, k_error_energy,
                                  k_offset, stationary_channels)
-from kernels.hadamard import fwht
-from kernels.kv_formats import KVLayout
+from deepwell.kernels.hadamard import fwht
+from deepwell.kernels.kv_formats import KVLayout
 
 
 def _is_pow2(t: torch.Tensor) -> bool:
@@ -120,7 +120,7 @@ def test_k_offset_is_the_masked_mean():
 def _attend_shifted_keys(fmt: str, center: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference-backend decode over keys with a large shared component, and the exact
     fp64 attention over the original (unquantized) K/V."""
-    from kernels.backend import KVCacheLayer, ReferenceBackend
+    from deepwell.kernels.backend import KVCacheLayer, ReferenceBackend
 
     gen = torch.Generator().manual_seed(4)
     n, h, hq, d = 200, 2, 4, 64
@@ -169,8 +169,8 @@ def test_k_error_energy_is_the_stored_keys_error(fmt: str, rotate: bool | int) -
     appended to a paged cache (row 0 without feedback, the rest with it, as the engine stores
     nvfp4's position 0) and read back, minus the rows in the stored basis; with the block
     products the identity it is the plain squared error, with others the quadratic form."""
-    from kernels.kv_append import reference as append_ref
-    from kernels.kv_formats import feedback
+    from deepwell.kernels.kv_append import reference as append_ref
+    from deepwell.kernels.kv_formats import feedback
 
     gen = torch.Generator().manual_seed(11)
     n, h, d = 70, 2, 64

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backend import KVCacheLayer, TritonBackend
-from kernels.kv_append import reference as append_ref
-from kernels.kv_dequant import reference as dq_ref
-from kernels.kv_dequant import triton_kernel as dq_tk
-from kernels.kv_formats import KVLayout
-from kernels.paged_attention import triton_kernel as attn_tk
-from kernels.paged_attention.reference import rotate_q
+from deepwell.kernels.backend import KVCacheLayer, TritonBackend
+from deepwell.kernels.kv_append import reference as append_ref
+from deepwell.kernels.kv_dequant import reference as dq_ref
+from deepwell.kernels.kv_dequant import triton_kernel as dq_tk
+from deepwell.kernels.kv_formats import KVLayout
+from deepwell.kernels.paged_attention import triton_kernel as attn_tk
+from deepwell.kernels.paged_attention.reference import rotate_q
 from tests.kernels.helpers import build_case, rel_l2
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,9 +88,9 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     # causal pages 5-6 straddle a boundary), the partial results folded together; the
     # second sequence's table row is as wide (over the budget) but its 2 pages fit one workspace;
     # both equal the packed pages' prefill and the fp64 oracle
-    import kernels.backend
+    import deepwell.kernels.backend as kernels_backend
 
-    monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 2)
+    monkeypatch.setattr(kernels_backend, "PREFILL_SEGMENT_MIN_PAGES", 2)
     layout = KVLayout.make("nvfp4", 2, 64)
     case = build_case(layout, [400, 70], seed=8, device=DEV)
     ql = [40, 30]
@@ -122,8 +122,8 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     # an 8-token chunk (one row block per KV head) over 10 pages on a GPU of four SMs: each
     # segment's keys are split as well (splits of one page allowed here; the budget holds a
     # running partial and one per split, and three pages)
-    monkeypatch.setattr(kernels.backend, "_sm_count", lambda device: 4)
-    monkeypatch.setattr(kernels.backend, "PREFILL_SPLIT_MIN_PAGES", 1)
+    monkeypatch.setattr(kernels_backend, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(kernels_backend, "PREFILL_SPLIT_MIN_PAGES", 1)
     short = build_case(layout, [640], seed=10, device=DEV)
     q8 = torch.randn(8, 6, 64, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16).to(DEV)
     layer8 = KVCacheLayer(layout, short.cache, short.scales)
@@ -139,7 +139,7 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
     assert rel_l2(got8.cpu(), want8.cpu()) <= SEGMENTS_VS_ONE_PASS
     # segments of fewer pages than the minimum are refused (the caller then reads the packed
     # pages), before anything is written
-    monkeypatch.setattr(kernels.backend, "PREFILL_SEGMENT_MIN_PAGES", 4)
+    monkeypatch.setattr(kernels_backend, "PREFILL_SEGMENT_MIN_PAGES", 4)
     untouched = torch.full((ql[0], 6, 64), float("nan"), device=DEV)
     assert not be._prefill_segments(rotate_q(q[: ql[0]], layout), layer, case.block_tables[:1], case.context_lens[:1],
                                     0.125, untouched, be._workspace_budget(q.device))
@@ -174,9 +174,9 @@ def test_partial_outputs_fold_into_the_whole_attention():
 def test_short_chunk_over_a_long_prefix_is_split(min_rows, monkeypatch):
     # one row block per KV head would leave the GPU idle: the backend splits the prefix (on
     # CPU it plans for one SM, so pretend to have eight)
-    import kernels.backend
+    import deepwell.kernels.backend as kernels_backend
 
-    monkeypatch.setattr(kernels.backend, "_sm_count", lambda device: 8)
+    monkeypatch.setattr(kernels_backend, "_sm_count", lambda device: 8)
     layout = KVLayout.make("nvfp4", 2, 64)
     case = build_case(layout, [1100], seed=6, device=DEV)
     q = torch.randn(8, 6, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
@@ -195,8 +195,8 @@ def test_short_chunk_over_a_long_prefix_is_split(min_rows, monkeypatch):
 
 
 def test_the_workspace_threshold_is_per_format():
-    from kernels.backend import PREFILL_DEQUANT_MIN_ROWS
-    from kernels.kv_formats.layout import KVFormat
+    from deepwell.kernels.backend import PREFILL_DEQUANT_MIN_ROWS
+    from deepwell.kernels.kv_formats.layout import KVFormat
 
     nv, f8, i8, bf = (KVLayout.make(f, 4, 256) for f in ("nvfp4", "fp8", "int8", "bf16"))
     be = TritonBackend()

@@ -10,12 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import KVCacheLayer
-from kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
-from kernels.kv_dequant import reference as dq_ref
-from kernels.kv_dequant import triton_kernel as dq_tk
-from kernels.kv_formats import KVLayout
-from kernels.paged_attention import triton_kernel as attn_tk
+from deepwell.kernels.backend import KVCacheLayer
+from deepwell.kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
+from deepwell.kernels.kv_dequant import reference as dq_ref
+from deepwell.kernels.kv_dequant import triton_kernel as dq_tk
+from deepwell.kernels.kv_formats import KVLayout
+from deepwell.kernels.paged_attention import triton_kernel as attn_tk
 from tests.kernels.helpers import build_case
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,8 +64,8 @@ def test_the_hardware_path_is_taken_where_triton_has_the_type():
 
 
 def test_the_unpacking_ptx_is_skipped_where_triton_cannot_build_it():
-    from kernels.e4m3_unpack import fp8_conversion_for
-    from kernels.paged_attention.triton_kernel import unpack_asm_for
+    from deepwell.kernels.e4m3_unpack import fp8_conversion_for
+    from deepwell.kernels.paged_attention.triton_kernel import unpack_asm_for
 
     assert [fp8_conversion_for(c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0))] == [
         False, False, True, True, True, True]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.hadamard import fwht, matrix
-from kernels.kv_formats import KVLayout, bf16, e4m3, fp8, int8, nvfp4
+from deepwell.kernels.hadamard import fwht, matrix
+from deepwell.kernels.kv_formats import KVLayout, bf16, e4m3, fp8, int8, nvfp4
 
 ALL_E4M3 = torch.arange(0, 127, dtype=torch.int32).to(torch.uint8)  # non-negative finite codes
 
@@ -327,7 +327,7 @@ def test_int8_scale_saturates_where_the_decode_kernels_need_it():
     """Token scales stop at SCALE_MAX = 15 (fp16 probabilities x scale x 2**12 < 65504): a row
     whose amax passes 127 * 15 keeps its smaller values and clamps the larger ones; the
     calibration counts it as saturated, a row just below does not."""
-    from kernels.calibration import count_scales
+    from deepwell.kernels.calibration import count_scales
 
     top = 127 * int8.SCALE_MAX  # 1905
     x = torch.zeros(3, 64)
@@ -366,7 +366,7 @@ def test_layout_sizes():
 def test_nvfp4_v_scales_are_block_major_in_slot_order():
     """V's block scale of token i, block b sits at byte 64 b + scale_slot(i) of the region; the
     slots of the tokens one decode thread holds (same bits 1-2) are 16 consecutive bytes."""
-    from kernels.kv_formats.layout import scale_slot
+    from deepwell.kernels.kv_formats.layout import scale_slot
 
     rows = torch.arange(64)
     assert sorted(scale_slot(rows).tolist()) == list(range(64))
@@ -428,7 +428,7 @@ def _run_ptx(src: str, regs: dict[str, int]) -> dict[str, int]:
 def test_nvfp4_ptx_unpack_matches_the_codec():
     """The GPU kernels' PTX (``paged_attention.nvfp4_ptx``), evaluated bit by bit on every code
     byte value: each fp16 lane is the codec's value times 2**-14 (low elements, then high)."""
-    from kernels.paged_attention import nvfp4_ptx
+    from deepwell.kernels.paged_attention import nvfp4_ptx
 
     codes = torch.arange(256, dtype=torch.uint8).view(16, 16)  # rows of d = 32: every byte value once
     want = nvfp4.decode(codes, torch.full((16, 2), 56, dtype=torch.uint8), torch.ones(16)) * 2.0**-14

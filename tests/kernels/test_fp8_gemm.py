@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from kernels import fp8_gemm
-from kernels.fp8_gemm import reference
+from deepwell.kernels import fp8_gemm
+from deepwell.kernels.fp8_gemm import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 

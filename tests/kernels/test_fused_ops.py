@@ -20,14 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_service.layers.attention import Attention, AttentionSpec
-from engine_service.layers.backend import ReferenceBackend
-from engine_service.layers.context import SeqInfo, StepContext
-from engine_service.layers.gdn import GatedDeltaNet, GDNSpec
-from engine_service.layers.mlp import SwiGLU
-from engine_service.layers.rope import RopeSpec, RotaryEmbedding, apply_rope
-from kernels.fused import FusedOps, references as ref
-from kernels.fused import activation, gdn, norm, rotary
+from deepwell.engine_service.layers.attention import Attention, AttentionSpec
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.context import SeqInfo, StepContext
+from deepwell.engine_service.layers.gdn import GatedDeltaNet, GDNSpec
+from deepwell.engine_service.layers.mlp import SwiGLU
+from deepwell.engine_service.layers.rope import RopeSpec, RotaryEmbedding, apply_rope
+from deepwell.kernels.fused import FusedOps, references as ref
+from deepwell.kernels.fused import activation, gdn, norm, rotary
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

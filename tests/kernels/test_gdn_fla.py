@@ -31,10 +31,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_service.layers import cuda_backend
-from engine_service.layers.backend import ReferenceBackend, get_backend
-from engine_service.layers.cuda_backend import CudaBackend, default_backend
-from kernels.gdn import fla_ops
+from deepwell.engine_service.layers import cuda_backend
+from deepwell.engine_service.layers.backend import ReferenceBackend, get_backend
+from deepwell.engine_service.layers.cuda_backend import CudaBackend, default_backend
+from deepwell.kernels.gdn import fla_ops
 
 REF = ReferenceBackend()
 ROOT = Path(__file__).resolve().parents[2]
@@ -305,8 +305,8 @@ def test_conv_varlen_reads_and_writes_its_slots(fake: FakeFla) -> None:
 def _layer_step(backend, seed: int = 0, device: str = "cpu"):
     """One GDN layer step over a batch of two prefill slices and two decode rows (interleaved),
     states in a pool of 5 slots: returns (output, conv pool, recurrent pool)."""
-    from engine_service.layers.context import DecodeGroup, SeqInfo, StepContext
-    from engine_service.layers.gdn import GatedDeltaNet, GDNSpec
+    from deepwell.engine_service.layers.context import DecodeGroup, SeqInfo, StepContext
+    from deepwell.engine_service.layers.gdn import GatedDeltaNet, GDNSpec
 
     spec = GDNSpec(hidden=32, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, conv_kernel=4)
     torch.manual_seed(seed)
@@ -390,8 +390,8 @@ def test_engine_imports_without_touching_fla() -> None:
 
 
 def test_build_runner_backend_on_cpu(tmp_path: Path) -> None:
-    from engine_service.loading import open_model
-    from engine_service.runner import build_runner
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import build_runner
     from tests.engine.helpers_models import prompt, run_chunks, save_tiny
 
     save_tiny("qwen3_5", tmp_path)
@@ -593,9 +593,9 @@ def _layer_step_cuda(backend=None):
 def _tiny_logits(path: Path, backend: str, dtype: torch.dtype) -> torch.Tensor:
     """Logits of a tiny qwen3_5 on CUDA: one prompt as one prefill, as chunks of 7 and token by
     token, then a mixed step (one sequence decodes while another prefills 40 tokens)."""
-    from engine_service.loading import open_model
-    from engine_service.runner import build_runner
-    from engine_service.runner_api import ForwardBatch, SeqSlice
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import build_runner
+    from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
     from tests.engine.helpers_models import prompt, run_chunks
 
     r = build_runner(open_model(path), device="cuda", dtype=dtype, page_size=16, backend=backend)
@@ -619,8 +619,8 @@ def test_gpu_tiny_qwen35_cuda_backend_equals_reference(tmp_path: Path) -> None:
     """fp32: the "cuda" backend's logits == the reference's within TF32 rounding. bf16: both
     against the reference in fp32, the "cuda" backend's error at most twice the reference's
     own bf16 error (bf16 logits of a tiny random model differ by a few % from ulp flips alone)."""
-    from engine_service.loading import open_model
-    from engine_service.runner import build_runner
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import build_runner
     from tests.engine.helpers_models import save_tiny
 
     save_tiny("qwen3_5", tmp_path)

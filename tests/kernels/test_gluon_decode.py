@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backend import KVCacheLayer, TritonBackend
-from kernels.kv_formats import KVLayout
-from kernels.kv_formats.layout import KVFormat
-from kernels.paged_attention import gluon_decode as gd
-from kernels.paged_attention import reference as attn_ref
+from deepwell.kernels.backend import KVCacheLayer, TritonBackend
+from deepwell.kernels.kv_formats import KVLayout
+from deepwell.kernels.kv_formats.layout import KVFormat
+from deepwell.kernels.paged_attention import gluon_decode as gd
+from deepwell.kernels.paged_attention import reference as attn_ref
 from tests.kernels.helpers import build_case, rel_l2
 
 
@@ -36,7 +36,7 @@ def test_v_scales_view_reads_the_block_major_slots(nb):
     """``_v_scales_view``: byte offset ``o`` of a half's scale region maps to [key, block] as
     the XOR of its set bits' bases; every (key, block) is read from byte ``64 block +
     scale_slot(key)``, where the append and the reference write it."""
-    from kernels.kv_formats.layout import scale_slot
+    from deepwell.kernels.kv_formats.layout import scale_slot
 
     bases = gd._v_scales_view(nb).offset_bases
     seen = {}
@@ -167,7 +167,7 @@ def test_gluon_matches_fp64_and_splits_agree(fmt, d, hq, h, ctx, t):
 def test_int8_rows_past_the_scale_limit_stay_finite(t):
     """int8 V rows beyond 127 * SCALE_MAX are stored saturated, so the fp16 probabilities times
     V's token scale (times 2**12) stay finite (inf before the limit, V magnitudes >= 2032)."""
-    from kernels.kv_formats import int8
+    from deepwell.kernels.kv_formats import int8
 
     case = build_case(KVLayout.make("int8", 4, 256), [700, 65, 1 + t], seed=9 + t, device="cuda", magnitude=3000.0)
     v_scales = case.cache[:, 1, :, case.layout.scale_offset:].contiguous().view(torch.float32)
@@ -227,7 +227,7 @@ def test_bytes_past_the_context_do_not_change_the_output(fmt, t):
     """Rows past the context are never read into a result, whatever they hold: 0xFF makes
     nvfp4's E4M3 block scales, fp8's codes and int8's fp32 token scales NaN (the kernels mask
     V's scales / codes on the last page, and K's rows only reach their own, masked, scores)."""
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import triton_kernel
 
     ctx = [70, 65, 1 + t, 130, 64 + t - 1, 4]
     case = build_case(KVLayout.make(fmt, 4, 256), ctx, seed=5 + t, device="cuda")
@@ -259,7 +259,7 @@ def test_bytes_past_the_context_do_not_change_the_output(fmt, t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(monkeypatch, fmt):
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import triton_kernel
 
     layout = KVLayout.make(fmt, 4, 256)
     case = build_case(layout, [700, 65, 1], seed=3, device="cuda")
@@ -272,7 +272,7 @@ def test_backend_decode_takes_the_gluon_path_and_agrees_with_the_triton_kernel(m
     got = be.decode_attention(q, layer, case.block_tables, case.context_lens, sm_scale=0.0625,
                               out=torch.empty(3, 24, 256, dtype=torch.float32, device="cuda"))
     assert calls == [1]
-    from kernels.paged_attention.reference import rotate_q
+    from deepwell.kernels.paged_attention.reference import rotate_q
 
     want = triton_kernel.paged_attention(rotate_q(q, layout), case.cache, layout, case.scales, case.block_tables,
                                          case.context_lens, None, None, 0.0625, uniform_t=1,

@@ -8,8 +8,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from kernels.kv_append import gluon_append
-from kernels.kv_formats import e4m3
+from deepwell.kernels.kv_append import gluon_append
+from deepwell.kernels.kv_formats import e4m3
 
 
 @gluon.jit

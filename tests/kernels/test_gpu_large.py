@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_formats import KVLayout
+from deepwell.kernels.kv_formats import KVLayout
 from tests.kernels.helpers import build_case, rel_l2
 from tests.kernels.test_attention import _run
 
@@ -41,7 +41,7 @@ def test_large_context_decode(fmt, ctx, t):
 
 
 def _oracle_gpu(case, q, starts, lens):
-    from kernels.paged_attention import reference as attn_ref
+    from deepwell.kernels.paged_attention import reference as attn_ref
 
     return attn_ref.paged_attention(
         q, case.cache, case.layout, case.scales, case.block_tables, case.context_lens, starts, lens,
@@ -73,8 +73,8 @@ def test_chunked_prefill_and_decode_write_identical_bytes(fmt):
     """Triton append of one 4,100-token sequence (fragmented pages) in prefill chunks of 2048
     and of 512, and token by token as decode steps, leaves identical cache bytes, equal to
     the reference append's."""
-    from kernels.kv_append import reference as append_ref
-    from kernels.kv_append import triton_kernel as append_tk
+    from deepwell.kernels.kv_append import reference as append_ref
+    from deepwell.kernels.kv_append import triton_kernel as append_tk
     from tests.kernels.helpers import POISON, fragmented_tables, random_scales
 
     lay = KVLayout.make(fmt, 4, 256)

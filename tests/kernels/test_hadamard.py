@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.hadamard import fwht, matrix
-from kernels.hadamard import triton_fn
+from deepwell.kernels.hadamard import fwht, matrix
+from deepwell.kernels.hadamard import triton_fn
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

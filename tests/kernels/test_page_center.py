@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
-from kernels.calibration import stationary_channels
-from kernels.kv_append import reference as append_ref
-from kernels.kv_formats import KVLayout
-from kernels.page_center import PageCenter, page_stationary, pre_rope_mean, rope_table
+from deepwell.kernels.backend import KVCacheLayer, ReferenceBackend, TritonBackend
+from deepwell.kernels.calibration import stationary_channels
+from deepwell.kernels.kv_append import reference as append_ref
+from deepwell.kernels.kv_formats import KVLayout
+from deepwell.kernels.page_center import PageCenter, page_stationary, pre_rope_mean, rope_table
 from tests.kernels.helpers import POISON, fragmented_tables, rel_l2
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,7 +133,7 @@ def test_append_with_page_offsets_writes_the_bytes_of_appending_k_minus_them(fmt
     append_ref.append(b, lay, (k.float() - pc.offsets(pos)), v, slots, scales)
     assert torch.equal(a, b)
     # and the per-token offset through the Triton kernel (interpreter on CPU)
-    from kernels.kv_append import triton_kernel
+    from deepwell.kernels.kv_append import triton_kernel
 
     c = torch.full_like(a, POISON).to(DEV)
     triton_kernel.append(c, lay, k.to(DEV), v.to(DEV), slots.to(DEV), scales.to(DEV), pc.offsets(pos).to(DEV))
@@ -146,7 +146,7 @@ def test_append_with_page_offsets_writes_the_bytes_of_appending_k_minus_them(fmt
 @pytest.mark.parametrize("fed", [False, True])
 def test_gluon_and_triton_appends_with_page_offsets_full_size(fmt, d, fed):
     # both GPU kernels (the Gluon one on Hopper) with one offset per token, K feedback or not
-    from kernels.kv_append import triton_kernel
+    from deepwell.kernels.kv_append import triton_kernel
     from tests.kernels.test_append import _edge_rows, _random_feedback
 
     lay = KVLayout.make(fmt, 4, d)
@@ -202,8 +202,8 @@ def _paged(fmt: str, hkv: int, d: int, rotary: int, ctx_lens: list[int], seed: i
                                                  pytest.param("bf16", 128, 4, 2, 32, marks=pytest.mark.slow),
                                                  pytest.param("int8", 64, 4, 2, 64, marks=pytest.mark.slow)])
 def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
-    from kernels.paged_attention import reference as attn_ref
-    from kernels.paged_attention import triton_kernel
+    from deepwell.kernels.paged_attention import reference as attn_ref
+    from deepwell.kernels.paged_attention import triton_kernel
 
     ctx_lens = [4, 65, 130]
     layer, tables, lens, _, _ = _paged(fmt, hkv, d, rotary, ctx_lens, seed=8)
@@ -227,7 +227,7 @@ def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
             if splits == 1:
                 continue
             # decode / verify with the terms precomputed per page (page_bias, true units), split
-            from kernels.page_center import page_bias
+            from deepwell.kernels.page_center import page_bias
 
             cols = 1 << (ql * (hq // hkv) - 1).bit_length()
             pb = page_bias(layer.page_center, q, ql, cols, tables.shape[1], 1.0).to(DEV)
@@ -243,7 +243,7 @@ def test_triton_attention_adds_each_pages_offset_back(fmt, d, hq, hkv, rotary):
 
 
 def test_page_centered_bf16_cache_attends_like_the_original_keys():
-    from kernels.paged_attention import reference as attn_ref
+    from deepwell.kernels.paged_attention import reference as attn_ref
 
     ctx_lens = [70, 200]
     layer, tables, lens, ks, vs = _paged("bf16", 2, 64, 64, ctx_lens, seed=10, hadamard=False)
@@ -283,7 +283,7 @@ def test_backends_agree_on_page_centered_layers():
 
 
 def test_page_bias_is_the_page_dependent_part_of_q_dot_c_per_column():
-    from kernels.page_center import page_bias
+    from deepwell.kernels.page_center import page_bias
 
     pc = _center(2, 128, 64, 6, seed=30, device="cpu")
     gen = torch.Generator().manual_seed(31)
@@ -305,8 +305,8 @@ def test_page_bias_is_the_page_dependent_part_of_q_dot_c_per_column():
 
 @pytest.mark.parametrize("hkv,g,d,rotary,t,cols", [(3, 3, 64, 64, 1, 16), (4, 6, 256, 64, 4, 32), (2, 1, 128, 32, 2, 8)])
 def test_page_bias_kernel_equals_the_reference(hkv, g, d, rotary, t, cols):
-    from kernels.page_center import page_bias
-    from kernels.paged_attention import page_bias as pb_triton
+    from deepwell.kernels.page_center import page_bias
+    from deepwell.kernels.paged_attention import page_bias as pb_triton
 
     pc = _center(hkv, d, rotary, 30, seed=32 + d)
     gen = torch.Generator().manual_seed(33)
@@ -322,9 +322,9 @@ def test_page_bias_kernel_equals_the_reference(hkv, g, d, rotary, t, cols):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_a_page_centered_workspace_holds_the_keys_with_their_offsets_back(fmt):
-    from kernels.kv_dequant import reference as dq_ref
-    from kernels.kv_dequant import triton_kernel as dq_tk
-    from kernels.page_center import workspace_centers
+    from deepwell.kernels.kv_dequant import reference as dq_ref
+    from deepwell.kernels.kv_dequant import triton_kernel as dq_tk
+    from deepwell.kernels.page_center import workspace_centers
 
     ctx_lens = [130, 20, 0]
     layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=34)
@@ -354,7 +354,7 @@ def test_prefill_over_a_page_centered_workspace_matches_the_reference(fmt, rot):
     # the backend's long-chunk path (forced here by a threshold of one row): the workspace holds
     # K with each page's offset back (rotated like K: rot 16, per 16-element block), the
     # attention over it adds no term
-    from kernels.paged_attention import reference as attn_ref
+    from deepwell.kernels.paged_attention import reference as attn_ref
 
     ctx_lens = [150, 70]
     layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=35, hadamard=rot)
@@ -378,8 +378,8 @@ def test_prefill_over_a_page_centered_workspace_matches_the_reference(fmt, rot):
 def test_gluon_decode_adds_each_pages_offset_back(fmt, t):
     # the 27B head layout (24 query heads, 4 KV heads, d = 256, 64 rotary dims), fragmented
     # tables, contexts around page boundaries; the Gluon kernel where Hopper runs it
-    from kernels.paged_attention import gluon_decode
-    from kernels.paged_attention import reference as attn_ref
+    from deepwell.kernels.paged_attention import gluon_decode
+    from deepwell.kernels.paged_attention import reference as attn_ref
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -414,7 +414,7 @@ def test_gluon_decode_adds_each_pages_offset_back(fmt, t):
 
 
 def test_a_sink_centers_page_0_and_its_term_is_q_dot_sink_adj():
-    from kernels.page_center import page_bias, workspace_centers
+    from deepwell.kernels.page_center import page_bias, workspace_centers
 
     pc = _center(2, 128, 64, 6, seed=40, device="cpu", sink=True)
     pos = torch.tensor([0, 5, 63, 64, 300])
@@ -447,7 +447,7 @@ def test_a_sink_centers_page_0_and_its_term_is_q_dot_sink_adj():
 
 
 def test_a_sink_centered_bf16_cache_attends_like_the_original_keys():
-    from kernels.paged_attention import reference as attn_ref
+    from deepwell.kernels.paged_attention import reference as attn_ref
 
     ctx_lens = [70, 200]
     layer, tables, lens, ks, vs = _paged("bf16", 2, 64, 64, ctx_lens, seed=42, hadamard=False, sink=True)
@@ -465,8 +465,8 @@ def test_a_sink_centered_bf16_cache_attends_like_the_original_keys():
 
 @pytest.mark.parametrize("hkv,g,d,rotary,t,cols", [(3, 3, 64, 64, 1, 16), (2, 1, 128, 32, 2, 8)])
 def test_page_bias_kernel_with_a_sink_equals_the_reference(hkv, g, d, rotary, t, cols):
-    from kernels.page_center import page_bias
-    from kernels.paged_attention import page_bias as pb_triton
+    from deepwell.kernels.page_center import page_bias
+    from deepwell.kernels.paged_attention import page_bias as pb_triton
 
     pc = _center(hkv, d, rotary, 30, seed=44 + d, sink=True)
     gen = torch.Generator().manual_seed(45)
@@ -480,7 +480,7 @@ def test_page_bias_kernel_with_a_sink_equals_the_reference(hkv, g, d, rotary, t,
 def test_backends_agree_on_sink_centered_layers(fmt):
     # reference decode against the Triton backend's decode (page_bias), short prefill (the
     # packed pages' extended terms) and long prefill (the workspace's centers)
-    from kernels.paged_attention import reference as attn_ref
+    from deepwell.kernels.paged_attention import reference as attn_ref
 
     ctx_lens = [40, 129]
     layer, tables, lens, _, _ = _paged(fmt, 2, 64, 64, ctx_lens, seed=46, sink=True)

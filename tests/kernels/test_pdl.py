@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import pdl
-from kernels.backend import KVCacheLayer, TritonBackend, slots_from_positions
-from kernels.kv_formats import KVLayout
+from deepwell.kernels import pdl
+from deepwell.kernels.backend import KVCacheLayer, TritonBackend, slots_from_positions
+from deepwell.kernels.kv_formats import KVLayout
 from tests.kernels.helpers import build_case
 
 

@@ -66,11 +66,11 @@ def test_quality_orderings():
 def test_feedback_span_screening_option():
     """``fbspan=8`` (screening) derives feedback matrices that push errors only within 8-element
     halves of each block; it needs ``round=feedback`` and a span of 4, 8 or 16."""
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)
     import torch
 
     from benchmarks.kv_quality import block_diagonal, parse_config
-    from kernels.kv_formats import feedback
+    from deepwell.kernels.kv_formats import feedback
 
     assert parse_config("nvfp4+H:round=feedback:fbspan=8").fbspan == 8
     for bad in ("nvfp4+H:fbspan=8", "nvfp4+H:round=feedback:fbspan=3"):
@@ -122,11 +122,11 @@ def test_page_centering_screening_option():
     """``center=page`` (screening): keys turned by RoPE from a shared pre-RoPE mean lose it on
     the channels that turn by at most pi/4 over half a page, whatever their position, while
     a fixed offset would double it where RoPE has turned it around."""
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)
     import torch
 
     from benchmarks.kv_quality import parse_config, rope_turn
-    from kernels.calibration import stationary_channels
+    from deepwell.kernels.calibration import stationary_channels
 
     assert parse_config("nvfp4+H:center=page").center == "page"
     gen = torch.Generator().manual_seed(0)
@@ -151,7 +151,7 @@ def test_rotation_chosen_per_layer_screening_option():
     """``hsel=1`` (screening) keeps K unrotated where the queries look only at a block the
     rotation would flood with a large channel's error, and rotates keys whose blocks each hold
     one spike (the small values round to zero unrotated), under isotropic queries."""
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)
     import torch
 
     from benchmarks.kv_quality import parse_config, prefer_rotation

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # kvtest_helpers
 
 from kvtest_helpers import Daemon, make_core  # noqa: E402
 
-from kvcache_daemon.core import Core
+from deepwell.kvcache_daemon.core import Core
 
 
 @pytest.fixture

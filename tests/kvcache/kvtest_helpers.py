@@ -79,7 +79,7 @@ def read_extents(buf: memoryview, extents, n: int) -> bytes:
 
 
 def make_core(arena_mib: int = 16, granule: int = MiB, budget_mib: int | None = None, **kw):
-    from kvcache_daemon.core import Core
+    from deepwell.kvcache_daemon.core import Core
 
     size = arena_mib * MiB
     return Core(epoch=7, arena=memoryview(bytearray(size)), arena_bytes=size, granule_bytes=granule,
@@ -88,7 +88,7 @@ def make_core(arena_mib: int = 16, granule: int = MiB, budget_mib: int | None = 
 
 def put(core, cid: str, tokens, size: int, seed: int, **idkw):
     """Reserve, write ``pattern(seed, size)``, commit; returns (entry handle, extents)."""
-    from kvcache_daemon.model import Committed, Reserved
+    from deepwell.kvcache_daemon.model import Committed, Reserved
 
     r = core.reserve(cid, "", identity(tokens, **idkw), layout(size, idkw.get("requires_state", True)), tokens)
     assert isinstance(r, Reserved), r
@@ -100,7 +100,7 @@ def put(core, cid: str, tokens, size: int, seed: int, **idkw):
 
 @dataclass
 class Daemon:
-    """A real ``python -m kvcache_daemon`` process on a private socket and arena directory."""
+    """A real ``python -m deepwell.kvcache_daemon`` process on a private socket and arena directory."""
 
     arena_bytes: int = 64 * MiB
     granule_bytes: int = 1 * MiB
@@ -127,7 +127,7 @@ class Daemon:
         return os.path.join(self.shm_dir, "arena")
 
     def start(self, timeout_s: float = 30.0) -> Daemon:
-        args = [sys.executable, "-m", "kvcache_daemon", "--address", self.address, "--arena-path", self.arena_path,
+        args = [sys.executable, "-m", "deepwell.kvcache_daemon", "--address", self.address, "--arena-path", self.arena_path,
                 "--arena-bytes", str(self.arena_bytes), "--granule-bytes", str(self.granule_bytes),
                 "--grace-s", str(self.grace_s), "--log-level", "info",
                 "--persist" if self.persist else "--no-persist", *self.extra]

@@ -7,8 +7,8 @@ import pytest
 from kvtest_helpers import MiB, identity, layout, make_core, pattern, put, read_extents, toks, write_extents
 
 from deepwell.kvcache.v1 import kvcache_pb2 as pb
-from kvcache_daemon.allocator import GranuleAllocator
-from kvcache_daemon.model import (EXHAUSTED, INCOMPLETE, NOT_FOUND, QUOTA, STALE, UNKNOWN_CLIENT, BadRequest,
+from deepwell.kvcache_daemon.allocator import GranuleAllocator
+from deepwell.kvcache_daemon.model import (EXHAUSTED, INCOMPLETE, NOT_FOUND, QUOTA, STALE, UNKNOWN_CLIENT, BadRequest,
                                   Committed, Done, Failure, Match, Reserved, Taken)
 
 

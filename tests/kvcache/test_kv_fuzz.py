@@ -16,8 +16,8 @@ from kvtest_helpers import identity, layout, pattern, read_extents, write_extent
 
 from deepwell.kvcache.v1 import kvcache_pb2 as pb
 
-from kvcache_daemon.core import Core
-from kvcache_daemon.model import (EXHAUSTED, INCOMPLETE, QUOTA, Committed, Done, Failure, Match, Reserved, State,
+from deepwell.kvcache_daemon.core import Core
+from deepwell.kvcache_daemon.model import (EXHAUSTED, INCOMPLETE, QUOTA, Committed, Done, Failure, Match, Reserved, State,
                                   Taken)
 
 G = 64 * 1024  # small granules keep every step's byte checks cheap

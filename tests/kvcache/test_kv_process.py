@@ -56,7 +56,7 @@ def stats(client: KVClient) -> pb.StatsReply:
 
 def test_daemon_never_imports_torch():
     code = ("import sys, kvcache_daemon.server, kvcache_daemon.cli, kvcache_daemon.__main__, deepwell.kvclient;"
-            "bad = [m for m in ('torch', 'triton', 'engine_service', 'gateway') if m in sys.modules];"
+            "bad = [m for m in ('torch', 'triton', 'deepwell.engine_service', 'deepwell.gateway') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
 
@@ -83,7 +83,7 @@ def test_roundtrip_stats_cli_metrics_and_bad_input(daemon_factory, client_factor
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     got = json.loads(out)
     assert (got["entries"], int(got["committed_bytes"]), int(got["hits"])) == (1, 3 * MiB, 1)
-    text = subprocess.run([sys.executable, "-m", "kvcache_daemon", "stats", "--address", d.address],
+    text = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon", "stats", "--address", d.address],
                           cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "committed_bytes: 3145728" in text and "client client_id=" in text
     # malformed requests: INVALID_ARGUMENT with a reason; the daemon keeps serving
@@ -270,12 +270,12 @@ def test_cli_reports_bad_config_and_arena_errors(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid arena_bytes=5" in bad.stderr
     env = {**os.environ, "DEEPWELL_KVCACHE_GRACE_S": "0"}
-    bad = subprocess.run([sys.executable, "-m", "kvcache_daemon"], cwd=REPO, env=env, capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon"], cwd=REPO, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "invalid grace_s=0.0" in bad.stderr
-    nodir = subprocess.run([sys.executable, "-m", "kvcache_daemon", "--arena-path", str(tmp_path / "no" / "arena"),
+    nodir = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon", "--arena-path", str(tmp_path / "no" / "arena"),
                             "--address", f"unix://{tmp_path}/s.sock"], cwd=REPO, capture_output=True, text=True)
     assert nodir.returncode == 1 and "does not exist" in nodir.stderr
-    huge = subprocess.run([sys.executable, "-m", "kvcache_daemon", "--arena-path", str(tmp_path / "arena"),
+    huge = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon", "--arena-path", str(tmp_path / "arena"),
                            "--arena-bytes", str(1 << 50), "--address", f"unix://{tmp_path}/s.sock"], cwd=REPO,
                           capture_output=True, text=True)
     assert huge.returncode == 1 and "free" in huge.stderr and not (tmp_path / "arena").exists()
@@ -283,12 +283,12 @@ def test_cli_reports_bad_config_and_arena_errors(tmp_path):
 
 def test_second_daemon_on_a_live_arena_refuses(daemon_factory, tmp_path):
     d = daemon_factory().start()
-    clash = subprocess.run([sys.executable, "-m", "kvcache_daemon", "--arena-path", d.arena_path, "--arena-bytes",
+    clash = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon", "--arena-path", d.arena_path, "--arena-bytes",
                             str(d.arena_bytes), "--granule-bytes", str(d.granule_bytes),
                             "--address", f"unix://{tmp_path}/other.sock"],
                            cwd=REPO, capture_output=True, text=True, timeout=60)
     assert clash.returncode == 1 and "in use by another running daemon" in clash.stderr
-    clash = subprocess.run([sys.executable, "-m", "kvcache_daemon", "--arena-path", str(tmp_path / "arena"),
+    clash = subprocess.run([sys.executable, "-m", "deepwell.kvcache_daemon", "--arena-path", str(tmp_path / "arena"),
                             "--arena-bytes", str(d.arena_bytes), "--address", d.address],
                            cwd=REPO, capture_output=True, text=True, timeout=60)
     assert clash.returncode == 1 and "served by another running process" in clash.stderr
