@@ -25,6 +25,7 @@ Same code on CPU and CUDA; nothing here assumes a device.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -257,8 +258,8 @@ class TorchModelRunner:
             ids = [t for d in inputs for t in d.tokens]
             live = [i for i, d in enumerate(inputs) if d.num_drafts > 0]
             out = self._mtp_step(ids, seqs, h)
-            ends = torch.tensor([sum(len(d.tokens) for d in inputs[: i + 1]) - 1 for i in live], dtype=torch.long,
-                                device=dev)
+            last_rows = list(itertools.accumulate(len(d.tokens) for d in inputs))  # each input's last row + 1
+            ends = torch.tensor([last_rows[i] - 1 for i in live], dtype=torch.long, device=dev)
             for step in range(max((inputs[i].num_drafts for i in live), default=0)):
                 if not live:
                     break
