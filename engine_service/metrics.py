@@ -141,6 +141,8 @@ class EngineMetrics(StepObserver):
         self.spec_per_round = Histogram("deepwell_engine_spec_accepted_per_round", "Speculative decoding: draft "
                                         "tokens accepted per verify step of one request", labels,
                                         buckets=tuple(range(16)), registry=r)
+        for metric in (self.spec_drafted, self.spec_accepted, self.spec_per_round):
+            metric.labels(model)  # exported (at 0) from the start, speculating or not: the dashboard's series
         self.model = model
         self._server: Any = None
 
