@@ -262,7 +262,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Stats(self, request: engine_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineStats:
         s = self.engine.snapshot()
-        return engine_pb2.EngineStats(
+        host = await asyncio.get_running_loop().run_in_executor(None, self._host_stats)
+        return engine_pb2.EngineStats(host=host,
             requests_running=s.requests_running, requests_waiting=s.requests_waiting,
             kv_pages_used=s.kv_pages_used, kv_pages_total=s.kv_pages_total,
             state_slots_used=s.state_slots_used, state_slots_total=s.state_slots_total,
@@ -271,6 +272,20 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             cached_total=cache_hits(s.cache.hit_tokens) if s.cache is not None else engine_pb2.CacheHits(),
             uptime_s=s.uptime_s, device=self.device, cache_entries=s.cache_entries, cache_pages=s.cache_pages,
             cache_state_slots=s.cache_slots)
+
+    def _host_stats(self) -> engine_pb2.HostTierStats | None:
+        """The daemon's arena figures (one Stats RPC, bounded by the client's timeout), None without
+        a host tier or when the daemon does not answer."""
+        cache = self.core.cache
+        host = cache.host if cache is not None else None
+        if host is None or not host.available:
+            return None
+        res = host.client.stats()
+        if not res.ok or res.reply is None:
+            return None
+        r = res.reply
+        return engine_pb2.HostTierStats(arena_bytes=r.arena_bytes, budget_bytes=r.budget_bytes,
+                                        committed_bytes=r.committed_bytes, entries=r.entries, evictions=r.evictions)
 
     async def Sessions(self, request: engine_pb2.SessionsRequest,
                        context: grpc.aio.ServicerContext) -> engine_pb2.SessionsReply:

@@ -147,6 +147,18 @@ def test_stats_on_one_screen(stack: Stack) -> None:
     assert "gateway" not in only.stdout
 
 
+def test_engine_stats_carry_the_daemons_arena(stack: Stack) -> None:
+    """The status page's host-tier box: each engine's Stats (through /v1/deepwell/stats) holds the
+    daemon's arena figures, read by the engine from the daemon."""
+    import urllib.request
+
+    req = urllib.request.Request(stack.url + "/v1/deepwell/stats", headers={"authorization": f"Bearer {ADMIN}"})
+    body = json.loads(urllib.request.urlopen(req, timeout=30).read())
+    (engine,) = body["engines"]
+    host = engine["stats"]["host"]
+    assert host["arena_bytes"] == 16 << 20 and host["entries"] >= 1 and 0 < host["committed_bytes"] <= 16 << 20
+
+
 def test_metrics_parsing() -> None:
     text = ('# HELP x y\nx_total{a="1",b="q\\"z"} 3.0\nx_total{a="2"} 4\ny 1e3\nbad line\n'
             'h_seconds_sum 0.5\nh_seconds_count 2\n')

@@ -284,7 +284,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total", "tokens_prefilled", "tokens_decoded", "requests_finished", "cached_total", "uptime_s", "device", "cache_entries", "cache_pages", "cache_state_slots")
+    __slots__ = ("requests_running", "requests_waiting", "kv_pages_used", "kv_pages_total", "state_slots_used", "state_slots_total", "tokens_prefilled", "tokens_decoded", "requests_finished", "cached_total", "uptime_s", "device", "cache_entries", "cache_pages", "cache_state_slots", "host")
     REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,7 @@ class EngineStats(_message.Message):
     CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     CACHE_PAGES_FIELD_NUMBER: _ClassVar[int]
     CACHE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     requests_running: int
     requests_waiting: int
     kv_pages_used: int
@@ -315,7 +316,22 @@ class EngineStats(_message.Message):
     cache_entries: int
     cache_pages: int
     cache_state_slots: int
-    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tokens_prefilled: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., cached_total: _Optional[_Union[CacheHits, _Mapping]] = ..., uptime_s: _Optional[float] = ..., device: _Optional[str] = ..., cache_entries: _Optional[int] = ..., cache_pages: _Optional[int] = ..., cache_state_slots: _Optional[int] = ...) -> None: ...
+    host: HostTierStats
+    def __init__(self, requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., tokens_prefilled: _Optional[int] = ..., tokens_decoded: _Optional[int] = ..., requests_finished: _Optional[int] = ..., cached_total: _Optional[_Union[CacheHits, _Mapping]] = ..., uptime_s: _Optional[float] = ..., device: _Optional[str] = ..., cache_entries: _Optional[int] = ..., cache_pages: _Optional[int] = ..., cache_state_slots: _Optional[int] = ..., host: _Optional[_Union[HostTierStats, _Mapping]] = ...) -> None: ...
+
+class HostTierStats(_message.Message):
+    __slots__ = ("arena_bytes", "budget_bytes", "committed_bytes", "entries", "evictions")
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    arena_bytes: int
+    budget_bytes: int
+    committed_bytes: int
+    entries: int
+    evictions: int
+    def __init__(self, arena_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., committed_bytes: _Optional[int] = ..., entries: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class SessionsRequest(_message.Message):
     __slots__ = ("tenant", "limit")

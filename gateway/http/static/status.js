@@ -241,7 +241,7 @@
   }
 
   function hostFields(s) {
-    return Object.entries(s).filter(([name]) => HOST_FIELD.test(name));
+    return Object.entries(s).filter(([name, value]) => HOST_FIELD.test(name) && value !== null);
   }
   function kvList(entries) {
     const dl = document.createElement("dl");
@@ -276,8 +276,8 @@
       const command = document.createElement("code");
       command.textContent = "deepwell stats --daemon-address ADDR";
       if (stats) {
-        note.append("The engines' Stats do not report the daemon's arena (bytes used / total, entries); ",
-          command, " reads them from the daemon.");
+        note.append("No host tier reported: the engines run without --kv-daemon, or the daemon does not answer (",
+          command, " asks it directly).");
       } else {
         note.textContent = "No engine stats (see the errors above).";
       }
