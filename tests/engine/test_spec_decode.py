@@ -203,6 +203,7 @@ def test_quantized_kv_with_speculation(mtp_model64: Path) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(900)  # the first run compiles every kernel the tiny model's shapes need
 @pytest.mark.parametrize("kv_dtype", ["auto", "nvfp4"])
 def test_cuda_backend_speculation_equals_plain(mtp_model64: Path, kv_dtype: str) -> None:
     """On CUDA (fla-core's recurrent kernel for verify and commit, the Triton KV kernels), fp32."""
