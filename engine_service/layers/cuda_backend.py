@@ -8,8 +8,8 @@ residual sums and RoPE; ``tests/kernels/test_fused_ops.py``). For CUDA tensors, 
 imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``kernels.gdn`` (fla):
 
 - ``gated_delta_rule``: fla's chunked kernels for a prefill chunk (T > 1), the fused recurrent
-  kernel for T == 1 and for ``gated_delta_rule_recurrent`` (speculative verify steps and their
-  commit, any T); ``gated_delta_rule_decode``: the fused recurrent kernel over the B decode
+  kernel for T == 1 and with ``recurrent`` (``gated_delta_rule_recurrent``: speculative verify
+  steps and their commit, any T); ``gated_delta_rule_decode``: the fused recurrent kernel over the B decode
   sequences at once (batch form, one token each);
 - ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its
   update kernel (decode), the engine's ``[C, K-1]`` conv state carried through fla's
@@ -57,24 +57,12 @@ class CudaBackend(FusedOps, ReferenceBackend):
         g: torch.Tensor,
         beta: torch.Tensor,
         state: torch.Tensor,
+        recurrent: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._fla(q, state):
-            return super().gated_delta_rule(q, k, v, g, beta, state)
-        o, final = fla_ops.gated_delta_rule_varlen(q, k, v, g, beta, state.unsqueeze(0), chunked=q.shape[0] > 1)
-        return o.float(), final[0]
-
-    def gated_delta_rule_recurrent(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._fla(q, state):
-            return super().gated_delta_rule_recurrent(q, k, v, g, beta, state)
-        o, final = fla_ops.gated_delta_rule_varlen(q, k, v, g, beta, state.unsqueeze(0), chunked=False)
+            return super().gated_delta_rule(q, k, v, g, beta, state, recurrent)
+        chunked = q.shape[0] > 1 and not recurrent
+        o, final = fla_ops.gated_delta_rule_varlen(q, k, v, g, beta, state.unsqueeze(0), chunked=chunked)
         return o.float(), final[0]
 
     def gated_delta_rule_decode(
