@@ -367,12 +367,12 @@ class Engine:
                             f"state slots of {spec.bytes_per_state_slot / 2**20:.0f} MiB")
         return int(a.cpu_kv_gib * GiB), f"--cpu-kv-gib {a.cpu_kv_gib}"
 
-    def open(self, kv: str, max_context: int, max_conc: int) -> EngineCore:
+    def open(self, kv: str, max_context: int, max_conc: int, graphs: str = "auto") -> EngineCore:
         self.close()
         a = self.args
         cfg = EngineConfig(kv_dtype=kv, page_size=PAGE_SIZE, memory_fraction=a.memory_fraction,
                            cpu_kv_gib=a.cpu_kv_gib, max_concurrency=max_conc, token_budget=a.token_budget,
-                           queue_size=QUEUE, max_context=max_context, prefix_cache="off")
+                           queue_size=QUEUE, max_context=max_context, prefix_cache="off", cuda_graphs=graphs)
         self.core = build_core(cfg, self.source, self.runner(kv))
         return self.core
 
@@ -676,6 +676,7 @@ class Bench:
         self.big_batch = max(args.batches) if t else 32
         self.at_8k = args.prefill_tokens[0] if t else 8192
         self.cold_min = 0 if t else 414_000
+        self.graphs = args.cuda_graphs[0]  # the engine's --cuda-graphs for the figures being run
 
     # -- denominators ------------------------------------------------------------------
     def denominators(self) -> None:
@@ -739,7 +740,9 @@ class Bench:
             try:
                 self.resident(eng, wl)
                 for kv in a.kv_dtypes:
-                    self.per_kv(eng, wl, kv)
+                    for g in a.cuda_graphs:  # one label per mode when several are compared
+                        self.graphs = g
+                        self.per_kv(eng, wl if len(a.cuda_graphs) == 1 else f"{wl}/graphs-{g}", kv)
             finally:
                 eng.drop()
                 del eng
@@ -829,7 +832,7 @@ class Bench:
         a, rep = self.args, self.rep
         t0 = time.perf_counter()
         try:
-            core = eng.open(kv, max_context, slots)
+            core = eng.open(kv, max_context, slots, self.graphs)
         except Exception as exc:  # noqa: BLE001
             rep.error(f"building the engine for {wl}-w {kv}-kv", exc)
             return
@@ -837,7 +840,9 @@ class Bench:
         rep.line(f"engine {wl}-w {kv}-kv: {core.blocks.num_pages:,} pages x {PAGE_SIZE} ({kv_bpt / 1024:.2f} KiB/token "
                  f"over {spec.num_attention_layers} attention layers), {core.blocks.num_state_slots} state slots of "
                  f"{spec.bytes_per_state_slot / 2**20:.1f} MiB, served context {core.max_context:,}, token budget "
-                 f"{a.token_budget}; built (calibration and kernel check included) in {time.perf_counter() - t0:.1f} s")
+                 f"{a.token_budget}; built (calibration, kernel check and graph capture included) in "
+                 f"{time.perf_counter() - t0:.1f} s; cuda graphs "
+                 + (str(core.runner.graphs.describe()) if getattr(core.runner, "graphs", None) is not None else "off"))
         try:
             for j in jobs:
                 if j.kind == "decode":
@@ -912,8 +917,9 @@ class Bench:
 
     def profile_one(self, core: EngineCore, eng: Engine, wl: str, kv: str, spec: Any, b: int, ctx: int) -> None:
         rep = self.rep
-        rep.line(f"profile: one decode step, {wl}-w {kv}-kv batch={b} ctx={ctx} (cuda graphs: the engine has none; "
-                 "eager step)")
+        graphed = core.runner.graphs is not None
+        rep.line(f"profile: one decode step, {wl}-w {kv}-kv batch={b} ctx={ctx} (cuda graphs: "
+                 f"{'on: ' + str(core.runner.graphs.describe()) if graphed else 'off, eager step'})")
         r = self.decode_one(core, eng, wl, kv, b, ctx, spec, profile=True)
         if r is None or "profile" not in r:
             return
@@ -931,7 +937,7 @@ class Bench:
             rep.line(f"    {i:2d}. {k['total_us'] / 1e3:8.3f} ms  x{k['count']:<4d} {k['name'][:110]}")
         rep.line(f"    kernel launches in the step: {p['launch_calls']}")
         rep.target(f"{wl}-w {kv}-kv GPU busy in a decode step (torch profiler)", p["gpu_busy"], T_GPU_BUSY, "%",
-                   note="the target is with CUDA graphs on; the engine has none")
+                   note="" if graphed else "the target is with CUDA graphs on; this step ran eagerly")
 
     def prefill_one(self, core: EngineCore, eng: Engine, wl: str, kv: str, t: int) -> None:
         rep, st = self.rep, eng.stats
@@ -1076,6 +1082,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="contexts above this are filled directly, not prefilled (default 8192; tiny 128)")
     ap.add_argument("--prefill-tokens", nargs="+", type=int, default=None, help="default 8192 65536 (tiny 256 512)")
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per engine step (default 8192; tiny 256)")
+    ap.add_argument("--cuda-graphs", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="the engine's --cuda-graphs; several (e.g. on off) run every figure once per mode")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--prefill-414k", action="store_true", help="cold prefill of --cold-tokens (long)")

@@ -69,7 +69,7 @@ def resolve_dtype(name: str, device: Any) -> Any:
 
 
 def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
-               free_bytes: int | None = None) -> tuple[int, int]:
+               free_bytes: int | None = None, reserve_bytes: int = 0) -> tuple[int, int]:
     """(num_pages, num_state_slots) for ``cfg`` and the runner's ``MemorySpec``.
 
     From memory (``num_pages = 0``): never more pages than ``contexts`` full served contexts
@@ -80,7 +80,8 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
     CPU pool is host RAM, zeroed at start, and sized to what is served rather than to a fixed
     figure (SmolLM2-135M in fp32 at its served 32k: 1.4 GiB; in nvfp4: 0.2 GiB). The pages and
     the pool's bytes are logged (``kv_pool_sized``) with what the same budget would hold in each
-    KV dtype. On CUDA a budget that cannot hold one full served context is a ``ConfigError``
+    KV dtype; ``reserve_bytes`` (the CUDA graphs' estimate) comes off a CUDA budget first. On CUDA a
+    budget that cannot hold one full served context is a ``ConfigError``
     naming the numbers and the fixes; on CPU the served context shrinks to the pool, with a
     warning."""
     from deepwell.engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB
@@ -98,9 +99,10 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
             import torch
 
             free_bytes, _total = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * cfg.memory_fraction) - slots * spec.bytes_per_state_slot
+        budget = int(free_bytes * cfg.memory_fraction) - slots * spec.bytes_per_state_slot - reserve_bytes
         where = (f"--memory-fraction {cfg.memory_fraction} of {free_bytes / 2**30:.1f} GiB free after the weights"
-                 + (f", less {slots} state slots of {spec.bytes_per_state_slot / 2**20:.1f} MiB" if slots else ""))
+                 + (f", less {slots} state slots of {spec.bytes_per_state_slot / 2**20:.1f} MiB" if slots else "")
+                 + (f", less {reserve_bytes / 2**20:.0f} MiB for the CUDA graphs" if reserve_bytes else ""))
     elif cfg.cpu_kv_gib:
         budget = int(cfg.cpu_kv_gib * (1 << 30))
         where = f"--cpu-kv-gib {cfg.cpu_kv_gib}"
@@ -144,8 +146,14 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     from deepwell.engine_service.engine import EngineCore, EngineLimits
     from deepwell.engine_service.service import default_sampling, eos_ids_of
 
+    from deepwell.engine_service.graphs import reserve_bytes
+
     spec = runner.memory_spec()
-    pages, slots = size_pools(cfg, spec, runner.max_context, runner.device)
+    graph_batch = graph_plan(cfg, runner)
+    reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype) if graph_batch else 0
+    pages, slots = size_pools(cfg, spec, runner.max_context, runner.device, reserve_bytes=reserve)
+    if graph_batch:
+        runner.plan_graphs(graph_batch)
     limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,
                           token_budget=cfg.token_budget, queue_size=cfg.queue_size, chunk_tokens=cfg.chunk_tokens,
                           max_context=cfg.max_context or runner.max_context, prefix_cache=cfg.prefix_cache == "on",
@@ -161,7 +169,55 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
             check()
         except KVKernelCheckError as exc:
             raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r} on this device: {exc}") from None
+    if graph_batch:
+        capture_graphs(cfg, runner)
     return core
+
+
+def graph_plan(cfg: EngineConfig, runner: Any) -> int:
+    """The largest decode batch to capture as a CUDA graph (``engine_service.graphs``), or 0:
+    ``cuda_graphs`` off, auto where they do not apply (logged: ``cuda_graphs_off``), or ``on``
+    where they cannot (``ConfigError`` with the reason)."""
+    from deepwell.engine_service.graphs import MAX_GRAPH_BATCH
+
+    if cfg.cuda_graphs == "off":
+        return 0
+    why = None
+    if getattr(runner.device, "type", "cpu") != "cuda":
+        why = f"the device is {runner.device}, not CUDA"
+    elif not hasattr(runner, "plan_graphs"):
+        why = "this runner cannot capture graphs"
+    else:
+        why = runner.graphs_unsupported()
+    if why is not None:
+        if cfg.cuda_graphs == "on":
+            raise configs.ConfigError(f"invalid cuda_graphs='on': {why}; use auto or off")
+        if getattr(runner.device, "type", "cpu") == "cuda":
+            _log().info("cuda_graphs_off", reason=why)
+        return 0
+    return min(cfg.max_concurrency, MAX_GRAPH_BATCH)
+
+
+def capture_graphs(cfg: EngineConfig, runner: Any) -> None:
+    """Capture the decode graphs and check them against the eager step; a failure turns them
+    off (auto: logged, ``cuda_graphs_off``) or refuses to start (on: ``ConfigError``)."""
+    from deepwell.engine_service.graphs import CHECK_TOLERANCE
+
+    try:
+        graphs = runner.capture_graphs()
+        diff, scale = graphs.check()
+        if not diff <= CHECK_TOLERANCE * max(scale, 1.0):
+            raise RuntimeError(f"the replayed step's logits differ from the eager step's by {diff:.3g} "
+                               f"(largest logit {scale:.3g})")
+    except Exception as exc:  # capture errors come from CUDA, Triton or a kernel's host sync
+        runner.graphs = None
+        reason = f"{type(exc).__name__}: {exc}"
+        if cfg.cuda_graphs == "on":
+            raise configs.ConfigError(f"invalid cuda_graphs='on': capturing the decode graphs failed ({reason}); "
+                                      "use auto or off") from None
+        _log().warning("cuda_graphs_off", reason=f"capture failed, decoding eagerly: {reason}")
+        return
+    _log().info("cuda_graphs", **graphs.describe(), check_max_abs_diff=diff)
 
 
 def speculative_tokens(cfg: EngineConfig, runner: Any) -> int:

@@ -32,6 +32,12 @@ applied at start-up (``engine_service.cli``):
 - ``speculative_tokens`` (MTP): -1 drafts ``DEFAULT_SPECULATIVE_TOKENS`` tokens per decode step
   where the checkpoint has MTP weights (and none elsewhere); a positive value for a checkpoint
   without them refuses to start. The MTP layer's KV is one more layer of every KV page.
+- ``cuda_graphs`` (``engine_service.graphs``): decode steps replayed as CUDA graphs, one per
+  batch bucket up to ``min(max_concurrency, MAX_GRAPH_BATCH)``. The KV pool's budget is what is
+  free after the weights less the graphs' estimate (``graph_reserve_bytes``); the graphs are
+  captured after the pool and the KV calibration, and checked bit for bit against the eager step.
+  ``auto``: on where they apply (CUDA, a paged KV cache, no MoE); a failed capture or check then
+  logs ``cuda_graphs_off`` with the reason and decodes eagerly, where ``on`` refuses to start.
 - ``kv_dtype`` fp8 / int8 / nvfp4 is the ``kernels/`` paged cache (``engine_service.kv.quant_pool``):
   it needs ``page_size`` 64 (checked here) and a model head_dim of 64, 128 or 256 (checked
   when the runner is built); a page then costs its true quantized bytes, so the same
@@ -67,8 +73,9 @@ KV_DTYPES = FLOAT_KV_DTYPES + QUANT_KV_DTYPES
 KV_HADAMARD = ("auto", "on", "off", "layer")
 KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv.quant_pool.CENTER_K_MODES
 KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv.quant_pool.K_ROUNDING_MODES
-KV_PAGED = ("auto", "on", "off")
-WEIGHT_DTYPES = ("auto", "fp8")  # engine_service.kv.settings.PAGED_MODES
+KV_PAGED = ("auto", "on", "off")  # engine_service.kv.settings.PAGED_MODES
+CUDA_GRAPHS = ("auto", "on", "off")
+WEIGHT_DTYPES = ("auto", "fp8")
 CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv.quant_pool.SCALED_FORMATS
 QUANT_PAGE_SIZE = 64
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -130,6 +137,11 @@ class EngineConfig:
                                                             "reference attention (off); auto: on on CUDA where the "
                                                             "model fits the kernels (page 64, head_dim 64/128/256)",
                                                     "choices": KV_PAGED})
+    cuda_graphs: str = field(default="auto", metadata={
+        "help": "decode steps as CUDA graphs, one per batch bucket (1, 2, 4, ... up to --max-concurrency, at most "
+                "128), captured at start-up after the KV pool: on, off, or auto (on for a CUDA device with a paged "
+                "KV cache and no MoE layers; a capture that fails then logs why and decodes eagerly)",
+        "choices": CUDA_GRAPHS})
     page_size: int = field(default=64, metadata={"help": "tokens per KV page"})
     num_pages: int = field(default=0, metadata={"help": "KV pages in the pool (0 = size from memory)"})
     memory_fraction: float = field(default=0.9, metadata={"help": "CUDA: fraction of free memory after the "
@@ -210,6 +222,9 @@ class EngineConfig:
         c(self.kv_k_rounding != "feedback" or self.kv_dtype in CALIBRATED_KV_DTYPES, "kv_k_rounding",
           self.kv_k_rounding, f"applies to calibrated kv dtypes ({', '.join(CALIBRATED_KV_DTYPES)}) only, not "
           f"kv_dtype={self.kv_dtype}; use auto or nearest")
+        c(self.cuda_graphs in CUDA_GRAPHS, "cuda_graphs", self.cuda_graphs, f"must be one of {', '.join(CUDA_GRAPHS)}")
+        c(self.cuda_graphs != "on" or self.device != "cpu", "cuda_graphs", self.cuda_graphs,
+          "needs a CUDA device, not device=cpu; use auto or off")
         c(1 <= self.page_size <= 4096, "page_size", self.page_size, "must be in 1..4096")
         c(self.kv_paged in KV_PAGED, "kv_paged", self.kv_paged, f"must be one of {', '.join(KV_PAGED)}")
         c(self.kv_paged != "on" or self.kv_dtype in ("auto", "bf16"), "kv_paged", self.kv_paged,

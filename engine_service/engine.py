@@ -369,7 +369,8 @@ class EngineCore:
             seqs.append(SeqSlice(state_slot=self.blocks.state_slot(req.request_id), block_table=tuple(table),
                                  start=s.start, num_tokens=s.num_tokens, need_logits=s.need_logits,
                                  verify=s.verify))
-        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.runner.device), seqs=seqs)
+        # host ids: the runner checks them without a device sync and moves them itself
+        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long), seqs=seqs)
 
     def _run(self, plan: StepPlan, batch: ForwardBatch) -> tuple[dict[str, list[Sampled]], dict[str, list[int]]]:
         """Restores, model forward, checkpoint images, sampling (a verify slice: acceptance and

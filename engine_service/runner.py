@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from deepwell.logs import get_logger
+from deepwell.engine_service.graphs import DecodeGraphs, Scratch, validate_decode
 from deepwell.engine_service.kv.calibration import KVCalibration, RecordingPool
 from deepwell.engine_service.kv.float_pool import KVPool
 from deepwell.engine_service.kv.pool import Region
@@ -98,6 +99,9 @@ class TorchModelRunner:
         self._last_hidden: torch.Tensor | None = None  # the last forward's hidden states (MTP drafting)
         self._verify: VerifyRecord | None = None  # the last forward's verify slices, until accepted
         self._verify_start: dict[int, int] = {}
+        self._graph_batch = 0  # > 0 once plan_graphs(): allocate() adds the scratch page and slot
+        self._scratch = Scratch(-1, -1)
+        self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (capture_graphs)
 
     # -- runner_api.ModelRunner ------------------------------------------------------
     @property
@@ -148,9 +152,52 @@ class TorchModelRunner:
         )
 
     def allocate(self, num_pages: int, num_state_slots: int) -> None:
-        self.kv_store.allocate(num_pages, num_state_slots)
+        """The pools: ``num_pages`` pages and ``num_state_slots`` slots for the scheduler, plus,
+        after ``plan_graphs``, one scratch page and slot of its own (the graphs' padded rows)."""
+        extra = 1 if self._graph_batch else 0
+        has_kv = bool(self.kv_spec.float_layout.num_layers)
+        slots = num_state_slots + (extra if self.state_layout is not None else 0)
+        self.kv_store.allocate(num_pages + (extra if has_kv else 0), slots)
         if self.state_layout is not None:
-            self._slot_pos = [0] * num_state_slots
+            self._slot_pos = [0] * slots
+        if extra:
+            self._scratch = Scratch(num_pages if has_kv else -1,
+                                    num_state_slots if self.state_layout is not None else -1)
+
+    # -- CUDA graphs -------------------------------------------------------------------
+    def graphs_unsupported(self) -> str | None:
+        """Why this runner's decode steps cannot be captured, or None."""
+        if self.kv_spec.float_layout.num_layers and self.kv_spec.quant_layout is None:
+            return ("the KV cache is a gathered float pool (decode gathers each context to the longest): "
+                    "use a paged KV format (--kv-paged on, or a quantized --kv-dtype)")
+        if self.args.moe is not None:
+            return "MoE layers route tokens on the host (data-dependent shapes)"
+        return None
+
+    def plan_graphs(self, max_batch: int) -> None:
+        """Reserve the scratch page and slot for decode graphs of up to ``max_batch`` sequences
+        (before ``allocate``; ``capture_graphs`` after calibration). ValueError if unsupported."""
+        why = self.graphs_unsupported()
+        if why is not None:
+            raise ValueError(f"CUDA graphs are not available for this model: {why}")
+        if self.kv_store.kv is not None or self.kv_store.state is not None:
+            raise RuntimeError("plan_graphs() must be called before allocate()")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self._graph_batch = max_batch
+
+    def capture_graphs(self, capture: bool | None = None) -> DecodeGraphs:
+        """Build the decode graphs (after ``allocate`` and the KV calibration: the pools and scales
+        they read must not move). ``capture`` (default: on a CUDA device) records them; without,
+        the same static-buffer steps run eagerly (tests on CPU)."""
+        if not self._graph_batch or (self.kv_spec.float_layout.num_layers and self.kv_store.kv is None):
+            raise RuntimeError("capture_graphs() needs plan_graphs() and allocate() first")
+        capture = self._device.type == "cuda" if capture is None else capture
+        graphs = DecodeGraphs(self, self._graph_batch, self._scratch, capture)
+        if capture:
+            graphs.capture()
+        self.graphs = graphs
+        return graphs
 
     # -- quantized KV ------------------------------------------------------------------
     def kv_scale_counts(self) -> tuple[ScaleCounts, ScaleCounts] | None:
@@ -185,11 +232,14 @@ class TorchModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.kv is None and self.kv_spec.float_layout.num_layers:
             raise RuntimeError("allocate() must be called before forward()")
+        ids = batch.input_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):  # (host ids: no sync)
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if self.graphs is not None and self.graphs.accepts(batch):
+            return self._graph_forward(batch)
         ctx = self._context(batch, self.kv, self.state, self._slot_pos)
         self.kv_store.written = self.kv is not None
-        ids = batch.input_ids.to(self._device, torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        ids = ids.to(self._device, torch.long, non_blocking=True)
         with torch.inference_mode():
             hidden = self.model(ids, ctx, self.kv, self.state)
             self._last_hidden = hidden if self.mtp_layers else None
@@ -209,6 +259,28 @@ class TorchModelRunner:
                 return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self._device)
             index = torch.tensor(rows, dtype=torch.long, device=self._device)
             return self.model.logits(hidden.index_select(0, index))
+
+    def _graph_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode step through the graphs (``graphs.DecodeGraphs``): the eager path's checks,
+        the same bookkeeping."""
+        assert self.graphs is not None
+        kv, state = self.kv, self.state
+        validate_decode(batch, self.max_context, self.kv_store.kv.num_pages - 1 if kv is not None else 0,
+                        self._slot_pos if state is not None else None,
+                        state.num_slots - 1 if state is not None else 0, self.page_size)
+        self.kv_store.written = kv is not None
+        if isinstance(kv, QuantKVPool):
+            kv._stored[0] += self.graphs.bucket(len(batch.seqs))  # padded rows are appended too
+        hidden, logits = self.graphs.run(batch)
+        self._last_hidden = hidden if self.mtp_layers else None
+        self._verify, self._verify_start = None, {}
+        if state is not None:
+            for s in batch.seqs:
+                self._slot_pos[s.state_slot] = s.start + 1
+        rows = [i for i, s in enumerate(batch.seqs) if s.need_logits]
+        if len(rows) == logits.shape[0]:
+            return logits
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self._device))
 
     # -- speculative decoding ----------------------------------------------------------
     def enable_mtp(self) -> None:

@@ -63,7 +63,7 @@ class DraftInput:
 class ForwardBatch:
     """A step: the slices' new tokens concatenated in slice order."""
 
-    input_ids: torch.Tensor  # [sum(num_tokens)] int64, on the runner's device
+    input_ids: torch.Tensor  # [sum(num_tokens)] int64, on the host (the engine's) or the runner's device
     seqs: list[SeqSlice]
 
     @property
