@@ -102,10 +102,12 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "weights/activations dtype: auto (float32 on CPU, "
                                                          "bfloat16 on CUDA), float32, bfloat16, float16",
                                                  "choices": DTYPES})
-    weight_dtype: str = field(default="auto", metadata={"help": "weights of the decoder's linear layers: auto (= "
-                                                                "dtype), or fp8 (block-scaled E4M3, 128x128 blocks, "
-                                                                "quantized at load; half the bytes per decode step; "
-                                                                "the embedding and LM head stay in dtype)",
+    weight_dtype: str = field(default="auto", metadata={"help": "weights of the decoder's linear layers: fp8 "
+                                                                "(block-scaled E4M3: an FP8 checkpoint's own codes "
+                                                                "and scales, any other checkpoint quantized at load "
+                                                                "in 128x128 blocks; half the bytes per decode step; "
+                                                                "the embedding and LM head stay in dtype), or auto "
+                                                                "(fp8 for an FP8 checkpoint on CUDA, else dtype)",
                                                         "choices": WEIGHT_DTYPES})
     kv_dtype: str = field(default="auto", metadata={"help": "KV cache format: auto (= dtype), bf16, fp16, fp32 "
                                                             "(float pool), or fp8, int8, nvfp4 (quantized paged "

@@ -45,7 +45,8 @@ from deepwell.engine_service.layers.backend import ReferenceBackend, get_backend
 from deepwell.engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext, VerifyRecord
 from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
-from deepwell.engine_service.layers.fp8_linear import quantize_linears
+from deepwell.engine_service.layers.fp8_linear import prepare_linears, quantize_linears
+from deepwell.engine_service.loading.fp8 import block_size as fp8_block_size
 from deepwell.engine_service.layers.rope import inv_freq_and_scale
 from deepwell.engine_service.loading.source import ModelSource
 from deepwell.engine_service.models import build_model, load_weights, random_weights
@@ -524,8 +525,10 @@ def build_runner(
     ops on fla-core's kernels, ``layers.cuda_backend``) on a CUDA device where fla-core
     imports, else "reference".
 
-    ``weight_dtype`` "fp8": the decoder's linear layers become block-scaled FP8 after loading
-    (``layers.fp8_linear``); "auto": the model dtype.
+    ``weight_dtype`` "fp8": the decoder's linear layers are block-scaled FP8 (``layers.fp8_linear``):
+    an FP8 checkpoint's own codes and scales (native), any other checkpoint quantized after
+    loading; "auto": native FP8 for an FP8 checkpoint on CUDA, else the model dtype (an FP8
+    checkpoint on CPU is dequantized: the FP8 matmul's reference dequantizes every call).
 
     ``mtp``: give the checkpoint's MTP module its KV layers (``enable_mtp``) for speculative
     decoding; a model without (complete) MTP weights logs ``mtp_unavailable`` and has none.
@@ -541,15 +544,22 @@ def build_runner(
     model, family, text_cfg = build_model(source.config, dev, dtype, ops)
     runner = TorchModelRunner(model, dev, dtype, KVSettings(kv_dtype, kv_hadamard, kv_center_k, kv_k_rounding, kv_paged),
                               page_size, ops)
+    native_fp8 = source.iter_fp8 is not None and (weight_dtype == "fp8" or (weight_dtype == "auto"
+                                                                            and dev.type == "cuda"))
+    if weight_dtype not in ("auto", "fp8"):
+        raise ValueError(f"weight_dtype must be auto or fp8, got {weight_dtype!r}")
     if random:
         random_weights(model)
+    elif native_fp8:  # the checkpoint's own codes and scales, loaded into FP8 layers
+        block = fp8_block_size(source.config) or FP8_BLOCK
+        names = prepare_linears(model, block)
+        load_weights(model, family, text_cfg, source.iter_fp8(), fp8_layers=names, fp8_block=block)
+        log.info("weights_fp8", layers=len(names), block=list(block), source="checkpoint (native)")
     else:
         load_weights(model, family, text_cfg, source.iter_tensors())
-    if weight_dtype == "fp8":
+    if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
-        log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK))
-    elif weight_dtype != "auto":
-        raise ValueError(f"weight_dtype must be auto or fp8, got {weight_dtype!r}")
+        log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")
     if mtp:
         if model.mtp is not None:
             runner.enable_mtp()

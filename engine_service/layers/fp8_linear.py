@@ -6,13 +6,15 @@ layout: the scale multiplies) and computes ``x @ w.T (+ bias)`` through
 ``kernels.fp8_gemm.matmul``: the W8A16 Triton kernel on CUDA (one byte per weight read), the
 reference (dequantize, then matmul) on CPU. Activations stay in the model dtype.
 
+``prepare_linears(model, block)`` does the same replacement *before* loading, with empty codes and
+scales: an FP8 checkpoint's own codes and scales then load into them unchanged (native serving,
+``models.loader``), and a layer the checkpoint has in 16 bits is quantized as it loads.
+
 ``quantize_linears(model)`` replaces, after the weights are loaded, every ``nn.Linear`` of the
 decoder layers (and the MTP module) whose sides are both at least ``min_features`` by its FP8
 form (scale = block amax / 448); the embedding, the LM head, MoE routers (``mlp.gate``) and
 small projections (the Gated DeltaNet's per-head ``in_proj_a`` / ``in_proj_b``) stay in the
-model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, for now. An FP8 checkpoint is today dequantized at load (``loading.fp8``) and
-quantized again here, to the model dtype first: its codes come back where the bf16 rounding
-of ``code x scale`` does not move them (most), not bit for bit.
+model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, for now.
 """
 
 from __future__ import annotations
@@ -51,11 +53,7 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks={self.block}"
 
 
-def quantize_linears(model: nn.Module, min_features: int = 128, block: tuple[int, int] = BLOCK,
-                     skip: tuple[str, ...] = ("lm_head", "gate")) -> tuple[int, int]:
-    """Replace eligible ``nn.Linear`` modules of ``model`` in place; returns (layers replaced,
-    weight bytes saved). One layer at a time, so the peak is one layer's extra copy."""
-    count, saved = 0, 0
+def _eligible(model: nn.Module, min_features: int, skip: tuple[str, ...]):  # type: ignore[no-untyped-def]
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{name}.{child_name}" if name else child_name
@@ -63,9 +61,35 @@ def quantize_linears(model: nn.Module, min_features: int = 128, block: tuple[int
                 continue
             if min(child.in_features, child.out_features) < min_features:
                 continue
-            before = child.weight.numel() * child.weight.element_size()
-            q = FP8Linear.from_linear(child, block)
-            setattr(parent, child_name, q)
-            saved += before - q.weight.numel() - q.weight_scale_inv.numel() * 4
-            count += 1
+            yield full, parent, child_name, child
+
+
+def prepare_linears(model: nn.Module, block: tuple[int, int] = BLOCK, min_features: int = 128,
+                    skip: tuple[str, ...] = ("lm_head", "gate")) -> set[str]:
+    """Before loading: the layers ``quantize_linears`` would replace become ``FP8Linear`` with
+    empty codes and scales (each layer's 16-bit weight is freed as it goes). Returns their
+    weight parameter names (``<module>.weight``)."""
+    names: set[str] = set()
+    for full, parent, child_name, child in _eligible(model, min_features, skip):
+        n, k = child.out_features, child.in_features
+        dev = child.weight.device
+        codes = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.ones(-(-n // block[0]), -(-k // block[1]), dtype=torch.float32, device=dev)
+        bias = child.bias.detach() if child.bias is not None else None
+        setattr(parent, child_name, FP8Linear(codes, scales, bias, block))
+        names.add(f"{full}.weight")
+    return names
+
+
+def quantize_linears(model: nn.Module, min_features: int = 128, block: tuple[int, int] = BLOCK,
+                     skip: tuple[str, ...] = ("lm_head", "gate")) -> tuple[int, int]:
+    """Replace eligible ``nn.Linear`` modules of ``model`` in place; returns (layers replaced,
+    weight bytes saved). One layer at a time, so the peak is one layer's extra copy."""
+    count, saved = 0, 0
+    for _full, parent, child_name, child in _eligible(model, min_features, skip):
+        before = child.weight.numel() * child.weight.element_size()
+        q = FP8Linear.from_linear(child, block)
+        setattr(parent, child_name, q)
+        saved += before - q.weight.numel() - q.weight_scale_inv.numel() * 4
+        count += 1
     return count, saved

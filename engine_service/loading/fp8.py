@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,34 +102,35 @@ def dequantize_weight(
     return (w * full).to(dtype)
 
 
-def dequantize_stream(
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    config: dict[str, Any],
-    dtype: torch.dtype = torch.float32,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the stream with every FP8 ``weight``/``weight_scale_inv`` pair replaced by ``dtype`` weights."""
-    block = block_size(config)
+@dataclass(frozen=True)
+class FP8Weight:
+    """One quantized linear's checkpoint tensors: E4M3 ``codes`` and their ``scale_inv`` (per
+    block of ``weight_block_size``, or one scalar)."""
+
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def pair_stream(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor | FP8Weight]]:
+    """The stream with every FP8 ``weight`` / ``weight_scale_inv`` pair joined into one
+    ``(<m>.weight, FP8Weight)`` item (either may come first, even in another shard; each is held
+    until its partner arrives); activation scales dropped, everything else passed through."""
     pending_weights: dict[str, torch.Tensor] = {}
     pending_scales: dict[str, torch.Tensor] = {}
-    converted = 0
     for name, tensor in tensors:
         if name.endswith(_DROPPED_SUFFIXES):
             continue
         if name.endswith(SCALE_SUFFIX):
             module = name[: -len(SCALE_SUFFIX)]
             if module in pending_weights:
-                yield module + WEIGHT_SUFFIX, dequantize_weight(
-                    module, pending_weights.pop(module), tensor, block, dtype
-                )
-                converted += 1
+                yield module + WEIGHT_SUFFIX, FP8Weight(pending_weights.pop(module), tensor)
             else:
                 pending_scales[module] = tensor
             continue
         if name.endswith(WEIGHT_SUFFIX) and tensor.dtype in _FP8_DTYPES:
             module = name[: -len(WEIGHT_SUFFIX)]
             if module in pending_scales:
-                yield name, dequantize_weight(module, tensor, pending_scales.pop(module), block, dtype)
-                converted += 1
+                yield name, FP8Weight(tensor, pending_scales.pop(module))
             else:
                 pending_weights[module] = tensor
             continue
@@ -144,4 +146,20 @@ def dequantize_stream(
     if pending_scales:
         names = sorted(pending_scales)
         raise FP8Error(f"{len(names)} scales have no FP8 weight, e.g. {names[0]}{SCALE_SUFFIX}")
+
+
+def dequantize_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    config: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the stream with every FP8 ``weight``/``weight_scale_inv`` pair replaced by ``dtype`` weights."""
+    block = block_size(config)
+    converted = 0
+    for name, item in pair_stream(tensors):
+        if isinstance(item, FP8Weight):
+            yield name, dequantize_weight(name[: -len(WEIGHT_SUFFIX)], item.codes, item.scale_inv, block, dtype)
+            converted += 1
+        else:
+            yield name, item
     log.info("fp8.dequantized", weights=converted, block=list(block) if block else None, dtype=str(dtype))

@@ -14,7 +14,7 @@ list of named templates).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,11 @@ def open_hf(path: str | Path, weights: bool = True) -> ModelSource:
             return dequantize_stream(stream, config)
         return stream
 
+    def iter_fp8() -> Iterator[tuple[str, Any]]:
+        from deepwell.engine_service.loading.fp8 import pair_stream
+
+        return pair_stream(_stream(files))
+
     gen_path = root / "generation_config.json"
     generation = _read_json(gen_path) if gen_path.is_file() else {}
     side = {n: _reader(root / n) for n in SIDE_FILES if (root / n).is_file()}
@@ -123,6 +128,7 @@ def open_hf(path: str | Path, weights: bool = True) -> ModelSource:
         format="hf",
         config=config,
         iter_tensors=iter_tensors,
+        iter_fp8=iter_fp8 if quant_method == "fp8" else None,
         files=side,
         generation_config=generation,
         chat_template=_chat_template(root),

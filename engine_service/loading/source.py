@@ -26,6 +26,9 @@ class ModelSource:
 
     ``iter_tensors()`` yields ``(hf_name, tensor)`` one at a time (streaming: callers copy
     each into its parameter and drop it, so peak memory stays ~1x the model).
+    ``iter_fp8`` (FP8 block-scaled checkpoints only): the same stream with each quantized
+    linear's codes and scales joined, undequantized (``loading.fp8.pair_stream``), for native
+    FP8 serving (``models.loader.load_weights``).
     ``files`` maps a file name (e.g. ``"tokenizer.json"``) to a callable returning its
     bytes, so large files are read only when asked for.
     """
@@ -34,6 +37,7 @@ class ModelSource:
     format: str  # "hf" | "gguf"
     config: dict[str, Any]
     iter_tensors: Callable[[], TensorStream]
+    iter_fp8: Callable[[], Iterator[tuple[str, Any]]] | None = None
     files: Mapping[str, Callable[[], bytes]] = field(default_factory=dict)
     generation_config: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None

@@ -21,14 +21,16 @@ the seconds.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from deepwell.kernels import fp8_gemm
 from deepwell.logs import get_logger
 from deepwell.progress import Progress
+from deepwell.engine_service.loading.fp8 import SCALE_SUFFIX, WEIGHT_SUFFIX, FP8Weight, dequantize_weight
 from deepwell.engine_service.layers.backend import ReferenceBackend
 from deepwell.engine_service.models.decoder import CausalLM
 from deepwell.engine_service.models.registry import Family, resolve
@@ -140,12 +142,61 @@ def _offer(
     return written
 
 
+class _FP8Targets:
+    """Native FP8 loading: the FP8 layers prepared before the load (``fp8_linear.prepare_linears``:
+    their ``<m>.weight`` names) and their block. A checkpoint's FP8 pair loads into such a layer
+    unchanged when the family's adapter passes the tensor through as it is; otherwise (no FP8
+    layer there, or a fused layout to rearrange) it is dequantized and loads as a 16-bit tensor
+    would. A 16-bit tensor for an FP8 layer is quantized as it loads."""
+
+    def __init__(self, names: set[str], block: tuple[int, int] | None, adapt: Callable[..., Any]) -> None:
+        self.names, self.block, self.adapt = names, block, adapt
+        self.native = self.quantized = self.dequantized = 0
+
+    def _passes_through(self, name: str, shape: tuple[int, ...]) -> bool:
+        probe = torch.empty(shape, device="meta")
+        pieces = list(self.adapt(name, probe))
+        return len(pieces) == 1 and pieces[0][0] == name and pieces[0][1] is probe
+
+    def pieces(self, name: str, item: FP8Weight, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        module = name[: -len(WEIGHT_SUFFIX)]
+        if name in self.names and self.block is not None and self._passes_through(name, tuple(item.codes.shape)):
+            n, k = item.codes.shape
+            grid = (-(-n // self.block[0]), -(-k // self.block[1]))
+            scale = item.scale_inv.float()
+            if scale.numel() == 1:  # per-tensor scaling: the same scale in every block
+                scale = scale.reshape(()).expand(grid)
+            self.native += 1
+            return [(name, item.codes.to(torch.float8_e4m3fn)), (module + SCALE_SUFFIX, scale)]
+        w = dequantize_weight(module, item.codes, item.scale_inv, self.block)
+        self.dequantized += 1
+        return self.quantize(list(self.adapt(name, w)), device)
+
+    def quantize(self, pieces: list[tuple[str, torch.Tensor]], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for pname, t in pieces:
+            if pname in self.names and self.block is not None and t.dtype not in (torch.float8_e4m3fn,
+                                                                                    torch.float8_e5m2):
+                codes, scales = fp8_gemm.quantize(t.to(device), self.block)
+                out += [(pname, codes), (pname[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX, scales)]
+                self.quantized += 1
+            else:
+                out.append((pname, t))
+        return out
+
+
 def load_weights(
     model: CausalLM,
     family: Family,
     text_cfg: dict[str, Any],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | FP8Weight]],
+    fp8_layers: set[str] | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> None:
+    """Stream ``tensors`` into ``model``. The stream may carry ``FP8Weight`` pairs
+    (``ModelSource.iter_fp8``) of an FP8 checkpoint whose ``weight_block_size`` is ``fp8_block``;
+    with ``fp8_layers`` (the names ``prepare_linears`` returned, prepared with that block) they
+    load natively where they fit (``_FP8Targets``), elsewhere dequantized."""
     main = WeightTargets()
     main.add_module(model.model, "model.")
     if not model.args.tie_embeddings:
@@ -155,6 +206,8 @@ def load_weights(
         mtp.add_module(model.mtp, "mtp.")
     state = _LoadState()
     adapt = family.adapter_for(text_cfg)
+    fp8 = _FP8Targets(fp8_layers or set(), fp8_block, adapt)
+    device = next(model.parameters()).device
     params = list(model.parameters())  # tied weights once
     elem = params[0].element_size() if params else 4
     total = sum(p.numel() for p in params) * elem
@@ -165,6 +218,10 @@ def load_weights(
             count += 1
             if name is None:
                 state.skipped += 1
+            elif isinstance(tensor, FP8Weight):
+                bar.update(_offer(model, main, mtp, state, fp8.pieces(name, tensor, device)) * elem)
+            elif fp8.names:
+                bar.update(_offer(model, main, mtp, state, fp8.quantize(list(adapt(name, tensor)), device)) * elem)
             else:
                 bar.update(_offer(model, main, mtp, state, adapt(name, tensor)) * elem)
             # drop our reference before the stream reads the next tensor (peak: one tensor)
@@ -190,4 +247,6 @@ def load_weights(
         seconds=round(bar.clock() - bar.started, 2),
         skipped=state.skipped,
         mtp=model.mtp is not None,
+        **({"fp8_native": fp8.native, "fp8_quantized": fp8.quantized, "fp8_dequantized": fp8.dequantized}
+           if fp8.names else {}),
     )

@@ -70,3 +70,104 @@ def test_weight_dtype_option(tiny: Path) -> None:
         build_runner(open_model(tiny), weight_dtype="int4")
     with pytest.raises(ValueError, match="weight_dtype"):
         EngineConfig(weight_dtype="int4")
+
+
+# -- FP8 checkpoints served natively ------------------------------------------------------
+BLOCK = (32, 32)
+
+
+def _fp8_checkpoint(src: Path, dst: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``src``'s tiny model as an FP8 block-scaled checkpoint (Qwen's layout, ``BLOCK`` blocks):
+    every decoder linear of both sides >= 32 quantized, except layer 0's ``mlp.down_proj``
+    (left in 16 bits) and layer 1's ``mlp.up_proj`` (one per-tensor scale). Returns the codes and
+    scales written, by weight name."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    written: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        eligible = (name.startswith("model.layers.") and name.endswith("proj.weight") and t.dim() == 2
+                    and min(t.shape) >= 32)
+        if not eligible or name == "model.layers.0.mlp.down_proj.weight":
+            out[name] = t
+            continue
+        if name == "model.layers.1.mlp.up_proj.weight":
+            scale = t.float().abs().amax() / fp8_gemm.FP8_MAX
+            codes, scales = (t.float() / scale).to(torch.float8_e4m3fn), scale.reshape(1)
+        else:
+            codes, scales = fp8_gemm.quantize(t.float(), BLOCK)
+        out[name], out[name[: -len("weight")] + "weight_scale_inv"] = codes, scales
+        out[name[: -len("weight")] + "input_scale"] = torch.ones(1)  # static activation scales: dropped
+        written[name] = (codes, scales)
+    save_file(out, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for side in src.iterdir():
+        if side.name not in ("model.safetensors", "config.json"):
+            shutil.copy(side, dst / side.name)
+    return written
+
+
+def test_fp8_checkpoint_loads_its_own_codes(tiny: Path, tmp_path: Path) -> None:
+    from deepwell.engine_service.layers.fp8_linear import prepare_linears
+    from deepwell.engine_service.models.loader import build_model, load_weights
+
+    written = _fp8_checkpoint(tiny, tmp_path / "fp8")
+    src = open_model(tmp_path / "fp8")
+    assert src.iter_fp8 is not None
+    r = build_runner(src, page_size=8)  # CPU, auto: dequantized at load (the reference would dequantize per call)
+    assert not any(isinstance(m, FP8Linear) for m in r.model.modules())
+    model, family, text_cfg = build_model(src.config)
+    names = prepare_linears(model, BLOCK, min_features=32)
+    assert names >= set(written) and "model.layers.0.mlp.down_proj.weight" in names
+    load_weights(model, family, text_cfg, src.iter_fp8(), fp8_layers=names, fp8_block=BLOCK)
+    mods = dict(model.named_modules())
+    for name, (codes, scales) in written.items():
+        m = mods[name[: -len(".weight")]]
+        assert isinstance(m, FP8Linear) and m.weight.dtype == torch.float8_e4m3fn
+        assert torch.equal(m.weight.view(torch.uint8), codes.view(torch.uint8)), name  # bit for bit
+        want = scales.expand_as(m.weight_scale_inv) if scales.numel() == 1 else scales
+        assert torch.equal(m.weight_scale_inv, want), name
+    down = mods["model.layers.0.mlp.down_proj"]  # a 16-bit tensor for an FP8 layer: quantized as it loads
+    codes, scales = fp8_gemm.quantize(r.model.model.layers[0].mlp.down_proj.weight.float(), BLOCK)
+    assert torch.equal(down.weight.view(torch.uint8), codes.view(torch.uint8))
+    # the served model computes what the dequantized checkpoint computes, with the layers the
+    # checkpoint held in 16 bits rounded to their FP8 values
+    plain = dict(r.model.named_modules())
+    with torch.no_grad():
+        for name in names - set(written):
+            q = mods[name[: -len(".weight")]]
+            plain[name[: -len(".weight")]].weight.copy_(fp8_gemm.dequantize(q.weight, q.weight_scale_inv, BLOCK))
+    native = build_runner(src, page_size=8)
+    native.model = model
+    native.model.rotary = r.model.rotary
+    got, want_logits = _logits(native), _logits(r)
+    assert torch.allclose(got, want_logits, rtol=1e-4, atol=1e-4), float((got - want_logits).abs().max())
+
+
+def test_fp8_pair_for_a_16_bit_layer_is_dequantized(tiny: Path, tmp_path: Path) -> None:
+    """Where the model has no FP8 layer for a checkpoint pair (here: none prepared), it loads the
+    dequantized weight: the same model as the dequantized stream gives."""
+    from deepwell.engine_service.models.loader import build_model, load_weights
+
+    _fp8_checkpoint(tiny, tmp_path / "fp8")
+    src = open_model(tmp_path / "fp8")
+    model, family, text_cfg = build_model(src.config)
+    load_weights(model, family, text_cfg, src.iter_fp8(), fp8_block=BLOCK)
+    ref = build_runner(src, page_size=8).model
+    for (n, p), (n2, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert n == n2 and torch.equal(p, q), n
+
+
+def test_weight_dtype_fp8_on_an_fp8_checkpoint_loads_through_the_pairs(tiny: Path, tmp_path: Path) -> None:
+    _fp8_checkpoint(tiny, tmp_path / "fp8")
+    src = open_model(tmp_path / "fp8")
+    native = build_runner(src, page_size=8, weight_dtype="fp8")  # tiny: no layer reaches 128 features
+    ref = build_runner(src, page_size=8)
+    assert torch.equal(_logits(native), _logits(ref))
