@@ -54,15 +54,16 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(m: int, block: tuple[int, int]) -> tuple[int, int, int]:
+def _tiles(m: int, block: tuple[int, int], block_n: int | None) -> tuple[int, int, int]:
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bk = min(64, block[1])
-    return bm, 64, bk
+    return bm, block_n or 64, bk
 
 
 def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton kernel: ``x [M, K]`` (fp32 / bf16 / fp16) times the FP8 weight ``[N, K]``."""
+                 bias: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
+    """The Triton kernel: ``x [M, K]`` (fp32 / bf16 / fp16) times the FP8 weight ``[N, K]``;
+    ``block_n`` (a power of two >= 16, default 64) the output columns per program."""
     reference._check(codes, scales, block)
     if x.dim() != 2 or x.shape[1] != codes.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not match a weight of {tuple(codes.shape)}")
@@ -70,7 +71,9 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
         raise ValueError(f"activations must be fp32 / bf16 / fp16, got {x.dtype}")
     m, k = x.shape
     n = codes.shape[0]
-    bm, bn, bk = _tiles(m, block)
+    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    bm, bn, bk = _tiles(m, block, block_n)
     if block[1] % bk or block[0] % 1:
         raise ValueError(f"scale block {block} needs its K side a multiple of {bk}")
     x = x.contiguous()
