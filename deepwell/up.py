@@ -13,8 +13,8 @@ Retry-After and routes to it again once its health check passes. A child dying m
 ``MAX_RESTARTS`` times within a minute stops everything (exit 1, naming it).
 
 The engine's and the gateway's main options pass through (``--model``, ``--kv-dtype``,
-``--max-context``, ``--memory-fraction``, ``--cpu-kv-gib``, ``--speculative-tokens``, ``--api-keys-file``,
-``--request-log``), the rest as strings (``--engine-args``, ``--gateway-args``); every
+``--max-context``, ``--memory-fraction``, ``--cpu-kv-gib``, ``--speculative-tokens``, ``--tensor-parallel``,
+``--api-keys-file``, ``--request-log``), the rest as strings (``--engine-args``, ``--gateway-args``); every
 ``DEEPWELL_ENGINE_*`` / ``DEEPWELL_GATEWAY_*`` variable reaches the children too.
 
 The console (``deepwell.up_console``): with ``--logs files`` (the default) the children's logs go
@@ -74,6 +74,8 @@ class UpConfig:
     speculative_tokens: int = field(default=-1, metadata={"help": "engine MTP speculative decoding: tokens drafted "
                                                                   "per step (0 = off, -1 = auto: on where the "
                                                                   "checkpoint has MTP weights)"})
+    tensor_parallel: int = field(default=1, metadata={"help": "engine tensor-parallel ranks: one process and one "
+                                                              "GPU each, from --device cuda:i (1 = one process)"})
     api_keys_file: str = field(default="", metadata={"help": "gateway API keys file ('' = no client auth)"})
     request_log: str = field(default="", metadata={"help": "gateway JSONL request log ('' = off)"})
     engine_args: str = field(default="", metadata={"help": "more engine flags, one string (e.g. '--max-concurrency "
@@ -113,6 +115,7 @@ class UpConfig:
         configs.check(self.max_context >= 0, "max_context", self.max_context, "must be >= 0 (0 = the model's)")
         configs.check(0 < self.memory_fraction <= 1, "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         configs.check(self.cpu_kv_gib >= 0, "cpu_kv_gib", self.cpu_kv_gib, "must be >= 0 (0 = engine default)")
+        configs.check(self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, "must be >= 1")
         configs.check(self.speculative_tokens >= -1, "speculative_tokens", self.speculative_tokens,
                       "must be >= 0 (0 = off), or -1 for auto")
         for name in ("engine_args", "gateway_args"):
@@ -205,6 +208,8 @@ def plan(cfg: UpConfig, run_dir: Path) -> list[Child]:
         engine_argv += ["--cpu-kv-gib", str(cfg.cpu_kv_gib)]
     if cfg.speculative_tokens >= 0:
         engine_argv += ["--speculative-tokens", str(cfg.speculative_tokens)]
+    if cfg.tensor_parallel > 1:
+        engine_argv += ["--tensor-parallel", str(cfg.tensor_parallel)]
     engine_argv += shlex.split(cfg.engine_args)
     children.append(Child("engine", engine_argv, lambda: grpc_healthy(engine_address, timeout_s=1.0)))
     gateway_argv = [py, "-m", "deepwell.gateway", "--host", cfg.host, "--port", str(cfg.port), "--engines", engine_address,

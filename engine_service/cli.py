@@ -272,7 +272,8 @@ def attach_host(cfg: EngineConfig, source: Any, runner: Any, core: EngineCore, m
         model_id=model_id, revision=revision(source.path), config=source.text_config(), dtype=str(runner.dtype),
         kv_format=runner.kv_dtype_name, calibration_digest=cal.digest() if cal is not None else "",
         page_size=runner.page_size, page_nbytes=runner.entry_nbytes(1, False),
-        slot_nbytes=runner.entry_nbytes(0, True) if core.spec.hybrid else 0)
+        slot_nbytes=runner.entry_nbytes(0, True) if core.spec.hybrid else 0,
+        tensor_parallel=getattr(runner, "tensor_parallel", 1))
     # fast misses: a slow daemon must not hold up admissions (the circuit opens after 3 failures)
     client = KVClient(cfg.kv_daemon, name=f"engine-{model_id}", rpc_timeout_s=1.0, retries=1, token=token)
     if not client.start(wait_s=5.0):
@@ -305,6 +306,8 @@ def internal_token(path: str, listen: str, log: Any) -> str:
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
     from deepwell.engine_service.kv.quant_pool import KVSettingsError
 
+    if cfg.tensor_parallel > 1:  # N ranks, this process rank 0 (engine_service.parallel)
+        build_runner = _tp_builder(cfg)
     try:
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
                             kv_hadamard=cfg.kv_hadamard, kv_center_k=cfg.kv_center_k,
@@ -312,6 +315,21 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
                             mtp=cfg.speculative_tokens != 0, weight_dtype=cfg.weight_dtype)
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
+
+
+def _tp_builder(cfg: EngineConfig) -> Any:
+    """``build_runner`` for ``cfg.tensor_parallel`` ranks (``parallel.runner.build_tp_runner``); a size
+    the model or the machine cannot use is a ConfigError."""
+    from deepwell.engine_service.parallel.runner import build_tp_runner
+    from deepwell.engine_service.parallel.shard import TPConfigError
+
+    def build(source: Any, **kw: Any) -> Any:
+        try:
+            return build_tp_runner(cfg.tensor_parallel, source, log_level=cfg.log_level, **kw)
+        except TPConfigError as exc:
+            raise configs.ConfigError(f"invalid tensor_parallel={cfg.tensor_parallel}: {exc}") from None
+
+    return build
 
 
 async def serve(cfg: EngineConfig) -> int:
@@ -412,6 +430,9 @@ async def serve(cfg: EngineConfig) -> int:
     if client is not None:
         core.cache.host.close()  # jobs in flight finish first
         client.close()
+    close = getattr(runner, "close", None)  # tensor parallel: stop the worker ranks
+    if close is not None:
+        close()
     metrics.stop()
     log.info("engine_stopped")
     return 0

@@ -201,6 +201,11 @@ class EngineConfig:
     engine_id: str = field(default="", metadata={"help": "this engine's id in ModelInfo ('' = host:pid)"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning or error",
                                                      "choices": LOG_LEVELS})
+    # -- tensor parallelism (engine_service.parallel) --
+    tensor_parallel: int = field(default=1, metadata={
+        "help": "ranks splitting the model (heads, KV heads, intermediate sizes, vocabulary), one process and one "
+                "device each: cuda:i .. cuda:i+N-1 with NCCL from --device cuda:i, or N CPU processes with gloo; "
+                "each must divide the model's head counts (1 = one process)"})
 
     def __post_init__(self) -> None:
         c = configs.check
@@ -263,3 +268,4 @@ class EngineConfig:
         except ValueError as exc:
             c(False, "rope_scaling", self.rope_scaling, str(exc))
         c(self.log_level in LOG_LEVELS, "log_level", self.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
+        c(self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, "must be >= 1 (1 = one process)")

@@ -284,8 +284,9 @@ class EngineCore:
                             c.requests_finished, time.monotonic() - self.started,
                             cache_entries=len(cache.entries) if cache else 0, cache_pages=b.cached_only_pages,
                             cache_slots=b.cached_only_slots,
-                            cache_bytes=b.cached_only_pages * self.spec.bytes_per_page
-                            + b.cached_only_slots * self.spec.bytes_per_state_slot,
+                            cache_bytes=(b.cached_only_pages * self.spec.bytes_per_page
+                                         + b.cached_only_slots * self.spec.bytes_per_state_slot)
+                            * getattr(self.runner, "tensor_parallel", 1),  # memory_spec is one rank's
                             cache=copy.deepcopy(cache.counters) if cache else None,
                             host=copy.deepcopy(cache.host.counters) if cache and cache.host else None)
 

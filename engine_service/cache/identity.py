@@ -4,7 +4,8 @@ shape of the entry's bytes (its layout descriptor).
 The *fingerprint* names everything that gives the bytes their meaning besides the tokens:
 the model (id, a revision digest of its weight files, its text config), the dtype, the KV
 format with its calibration digest (global scales, centering, rounding, rotations), the page
-size, and the byte sizes of a page and a state slot. Two engines with equal fingerprints
+size, the byte sizes of a page and a state slot, and the tensor-parallel size (which orders
+the bytes of a page row). Two engines with equal fingerprints
 write interchangeable entries; any difference is a different fingerprint, so the daemon never
 matches them (``kvcache.v1.Identity.model_fingerprint``).
 
@@ -41,13 +42,18 @@ def revision(path: Path) -> str:
 
 
 def model_fingerprint(*, model_id: str, revision: str, config: Mapping[str, Any], dtype: str, kv_format: str,
-                      calibration_digest: str, page_size: int, page_nbytes: int, slot_nbytes: int) -> bytes:
-    """32 bytes naming the model, its weights and its KV / state layout (see the module doc)."""
+                      calibration_digest: str, page_size: int, page_nbytes: int, slot_nbytes: int,
+                      tensor_parallel: int = 1) -> bytes:
+    """32 bytes naming the model, its weights and its KV / state layout (see the module doc).
+    ``tensor_parallel`` > 1: an entry's page rows are the ranks' rows side by side
+    (``parallel.runner``), another byte order than one process writes (1 leaves it out)."""
     doc = {"v": ENTRY_VERSION, "model": model_id, "revision": revision, "dtype": dtype, "kv": kv_format,
            "calibration": calibration_digest, "page_size": page_size, "page_nbytes": page_nbytes,
            "slot_nbytes": slot_nbytes,
            "config": hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(),
                                      digest_size=16).hexdigest()}
+    if tensor_parallel != 1:
+        doc["tensor_parallel"] = tensor_parallel
     return hashlib.blake2b(json.dumps(doc, sort_keys=True).encode(), digest_size=32, person=b"dw-model-fp").digest()
 
 
