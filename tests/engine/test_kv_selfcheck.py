@@ -210,7 +210,7 @@ def test_build_core_turns_a_failed_check_into_a_config_error(monkeypatch: pytest
 
     monkeypatch.setattr(cli, "calibrate_kv", lambda *a, **kw: None)
     monkeypatch.setattr("deepwell.engine_service.engine.EngineCore", lambda *a, **kw: type("Core", (), {"max_context": 64})())
-    monkeypatch.setattr(cli, "size_pools", lambda *a: (4, 0))
+    monkeypatch.setattr(cli, "size_pools", lambda *a, **kw: (4, 0))
     spec = type("Spec", (), {})()
     runner = Runner()
     runner.memory_spec = lambda: spec  # type: ignore[attr-defined]
