@@ -67,7 +67,8 @@ def normalize_name(name: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _defaults(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+def model_defaults(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Build parameters directly on ``device`` in ``dtype`` (torch's defaults, restored after)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -85,7 +86,7 @@ def build_model(
 ) -> tuple[CausalLM, Family, dict[str, Any]]:
     family, tc = resolve(config)
     args = family.build_args(tc)
-    with _defaults(torch.device(device), dtype):
+    with model_defaults(torch.device(device), dtype):
         model = CausalLM(args, backend or ReferenceBackend())
     model.eval()
     return model, family, tc

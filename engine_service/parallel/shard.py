@@ -29,7 +29,6 @@ engine and a single-process one with the same seed hold the same model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -46,7 +45,7 @@ from deepwell.engine_service.layers.cuda_backend import default_backend
 from deepwell.engine_service.layers.fp8_linear import quantize_linears
 from deepwell.engine_service.loading.source import ModelSource
 from deepwell.engine_service.models.decoder import CausalLM
-from deepwell.engine_service.models.loader import load_weights
+from deepwell.engine_service.models.loader import load_weights, model_defaults
 from deepwell.engine_service.models.registry import Family, resolve
 from deepwell.engine_service.models.spec import FULL, ModelArgs
 from deepwell.engine_service.parallel.group import TPGroup
@@ -196,27 +195,16 @@ def _reduce_hook(group: TPGroup) -> Any:
     return hook
 
 
-@contextlib.contextmanager
-def _defaults(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def build_shard_model(args: ModelArgs, group: TPGroup, dtype: torch.dtype, backend: ReferenceBackend) -> CausalLM:
     """Rank ``group.rank``'s uninitialised model for a model of full ``args``, on ``group.device``:
     the sharded layers, the vocab-parallel embedding and LM head, the all-reduce hooks."""
     world = group.world
     sargs = shard_args(args, world)
     if world == 1:
-        with _defaults(group.device, dtype):
+        with model_defaults(group.device, dtype):
             return CausalLM(args, backend).eval()
     rows = vocab_rows(args.vocab_size, world)
-    with _defaults(group.device, dtype):
+    with model_defaults(group.device, dtype):
         model = CausalLM(replace(sargs, vocab_size=rows), backend)  # embedding / head: this rank's rows
     model.args = sargs  # the runner checks token ids against the whole vocabulary
     start = group.rank * rows
