@@ -385,6 +385,7 @@ async def serve(cfg: EngineConfig) -> int:
         metrics.set_kv_calibration(runner.kv_calibration)
     if getattr(runner, "kv_kernel_check", None) is not None:
         metrics.set_kv_kernel_check(runner.kv_kernel_check)
+    metrics.set_cuda_graphs(getattr(runner, "graphs", None))
     files = await loop.run_in_executor(None, load_files, source.files)
     text_cfg = source.text_config()
     info = build_model_info(

@@ -46,6 +46,10 @@ Speculative decoding (MTP, ``--speculative-tokens``): ``deepwell_engine_spec_dra
 and ``deepwell_engine_spec_accepted_tokens_total`` (their ratio is the acceptance rate) and the
 histogram ``deepwell_engine_spec_accepted_per_round`` (drafts accepted per verify step; each
 step also yields one token of the model's own).
+
+CUDA graphs (``--cuda-graphs``): ``deepwell_engine_cuda_graph_buckets{which="count|largest"}`` (the
+decode batch sizes captured; 0 where decode runs eagerly) and
+``deepwell_engine_cuda_graph_memory_bytes`` (what the capture took).
 """
 
 from __future__ import annotations
@@ -106,6 +110,11 @@ class EngineMetrics(StepObserver):
         self.kv_check_error = Gauge("deepwell_engine_kv_kernel_check_error",
                                     "Largest relative L2 error of the start-up check's attention against the "
                                     "reference, by kind", labels + ["kind"], registry=r)
+        self.graph_buckets = Gauge("deepwell_engine_cuda_graph_buckets",
+                                   "Decode batch sizes captured as CUDA graphs (--cuda-graphs; 0: eager decode), "
+                                   "by which: count, or the largest", labels + ["which"], registry=r)
+        self.graph_memory = Gauge("deepwell_engine_cuda_graph_memory_bytes", "Device memory the captured decode "
+                                  "graphs took at start-up", labels, registry=r)
         self.kv_served_scales = Counter("deepwell_engine_kv_served_scales",
                                         "Block scales (fp8: elements) of the K/V stored in the quantized cache, "
                                         "by kind", labels + ["kv", "kind"], registry=r)
@@ -174,6 +183,14 @@ class EngineMetrics(StepObserver):
             self.kv_decode_kernel.labels(m, kernel).set(int(check.decode_kernel == kernel))
         self.kv_check_error.labels(m, "decode").set(check.decode_error)
         self.kv_check_error.labels(m, "prefill").set(check.prefill_error)
+
+    def set_cuda_graphs(self, graphs: Any) -> None:
+        """Export the runner's ``graphs.DecodeGraphs`` (None: decode runs eagerly)."""
+        m = self.model
+        info = graphs.describe() if graphs is not None else {"captured": [], "memory_mib": 0}
+        self.graph_buckets.labels(m, "count").set(len(info["captured"]))
+        self.graph_buckets.labels(m, "largest").set(max(info["captured"], default=0))
+        self.graph_memory.labels(m).set(info["memory_mib"] * 2**20)
 
     def on_kv_scales(self, k: Any, v: Any) -> None:
         """Advance the served block-scale counters to the totals ``k``, ``v`` (``ScaleCounts``)."""

@@ -94,6 +94,22 @@ def test_static_decode_steps_equal_eager_ones(hybrid64: Path, kv: str) -> None:
     assert not graphed.graphs.accepts(ForwardBatch(torch.tensor([1, 2]), [SeqSlice(0, [0], 5, 2)]))
 
 
+def test_graph_metrics(hybrid64: Path) -> None:
+    from deepwell.engine_service.metrics import EngineMetrics
+
+    m = EngineMetrics("t")
+    m.set_cuda_graphs(None)
+    assert m.registry.get_sample_value("deepwell_engine_cuda_graph_buckets", {"model": "t", "which": "largest"}) == 0
+    r = _runner(hybrid64, "bf16", 4)
+    r.graphs._graphs = {b: None for b in r.graphs.buckets}  # as captured (CPU: none are)
+    r.graphs.memory_bytes = 3 << 20
+    m.set_cuda_graphs(r.graphs)
+    get = m.registry.get_sample_value
+    assert get("deepwell_engine_cuda_graph_buckets", {"model": "t", "which": "count"}) == 3
+    assert get("deepwell_engine_cuda_graph_buckets", {"model": "t", "which": "largest"}) == 4
+    assert get("deepwell_engine_cuda_graph_memory_bytes", {"model": "t"}) == 3 << 20
+
+
 def test_graph_steps_check_their_inputs(hybrid64: Path) -> None:
     r = _runner(hybrid64, "bf16", 2)
     r.reset_state(0)
