@@ -118,6 +118,27 @@ def _reap(procs: list[subprocess.Popen], timeout_s: float = STOP_TIMEOUT_S) -> N
             p.wait()
 
 
+class _TPGraphs:
+    """Rank 0's view of the ranks' decode graphs: ``check`` runs on every rank together (its steps
+    all-reduce), rank 0's figures return; ``describe`` and the counters are rank 0's."""
+
+    def __init__(self, runner: TPModelRunner) -> None:
+        self._runner = runner
+
+    def check(self) -> tuple[float, float]:
+        return self._runner._call({"op": "check_graphs"})
+
+    def describe(self) -> dict[str, Any]:
+        graphs = self._runner.local.graphs
+        assert graphs is not None
+        return graphs.describe()
+
+    @property
+    def replays(self) -> int:
+        graphs = self._runner.local.graphs
+        return graphs.replays if graphs is not None else 0
+
+
 class TPModelRunner:
     """Rank 0's runner: a ``TorchModelRunner`` over its shard plus the calls' broadcast."""
 
@@ -252,6 +273,31 @@ class TPModelRunner:
 
     def check_kv_kernels(self) -> KVKernelCheck | None:
         return self._call({"op": "check_kv_kernels"})
+
+    # -- CUDA graphs (engine_service.graphs: every rank captures its own shard's steps) --------------
+    def graphs_unsupported(self) -> str | None:
+        return self.local.graphs_unsupported()
+
+    def plan_graphs(self, max_batch: int) -> None:
+        self._call({"op": "plan_graphs", "max_batch": int(max_batch)})
+
+    def capture_graphs(self, capture: bool | None = None) -> _TPGraphs:
+        """Every rank captures (or, ``capture=False``, prepares) its decode graphs at once: their
+        all-reduces are collectives, so the ranks record them in the same order."""
+        self._call({"op": "capture_graphs", "capture": capture})
+        return _TPGraphs(self)
+
+    @property
+    def graphs(self) -> _TPGraphs | None:
+        return _TPGraphs(self) if self.local.graphs is not None else None
+
+    @graphs.setter
+    def graphs(self, value: None) -> None:
+        """``None``: decode eagerly on every rank (a failed start-up check, ``cli.capture_graphs``)."""
+        if value is not None:
+            raise ValueError("the TP runner's graphs are set by capture_graphs(); assign None to drop them")
+        if self.local.graphs is not None or self.local._graph_batch:
+            self._call({"op": "graphs_off"})
 
     # -- prefix-cache entry bytes ------------------------------------------------------------------
     def export_kv(self, pages: Sequence[int], slot: int, out: Region) -> None:

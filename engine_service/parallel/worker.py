@@ -82,6 +82,16 @@ def execute(runner: TorchModelRunner, msg: dict[str, Any]) -> Any:
                                    sink=bool(msg["sink"]))
     if op == "check_kv_kernels":
         return runner.check_kv_kernels()
+    if op == "plan_graphs":
+        return runner.plan_graphs(int(msg["max_batch"]))
+    if op == "capture_graphs":
+        return runner.capture_graphs(msg["capture"])
+    if op == "check_graphs":
+        assert runner.graphs is not None, "check_graphs before capture_graphs"
+        return runner.graphs.check()
+    if op == "graphs_off":
+        runner.graphs = None
+        return None
     raise ValueError(f"unknown tensor-parallel call {op!r}")
 
 
