@@ -36,7 +36,6 @@ forward eagerly: the loading and padding logic is the same code on every device.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -280,30 +279,3 @@ class DecodeGraphs:
     def describe(self) -> dict[str, Any]:
         return {"buckets": list(self.buckets), "captured": sorted(self._graphs), "capture_s": round(self.capture_s, 2),
                 "memory_mib": round(self.memory_bytes / 2**20, 1), "table_pages": self.inputs.max_pages}
-
-
-def validate_decode(batch: ForwardBatch, max_context: int, num_pages: int, slot_pos: Sequence[int] | None,
-                    num_slots: int, page_size: int) -> None:
-    """The checks the eager path's ``_context`` makes, for a one-token-per-slice batch
-    (``ValueError`` with the reason, nothing run)."""
-    used: set[int] = set()
-    for s in batch.seqs:
-        end = s.start + 1
-        if end > max_context:
-            raise ValueError(f"position {end} exceeds the model's context {max_context}")
-        need = -(-end // page_size)
-        if num_pages:
-            if len(s.block_table) < need:
-                raise ValueError(f"block table has {len(s.block_table)} pages, {need} needed for {end} tokens")
-            pages = s.block_table[:need]
-            if min(pages) < 0 or max(pages) >= num_pages:
-                raise ValueError(f"page ids must be in [0, {num_pages})")
-        if slot_pos is not None:
-            if not 0 <= s.state_slot < num_slots:
-                raise ValueError(f"state slot {s.state_slot} out of range [0, {num_slots})")
-            if s.state_slot in used:
-                raise ValueError(f"state slot {s.state_slot} used twice in one batch")
-            if slot_pos[s.state_slot] != s.start:
-                raise ValueError(f"state slot {s.state_slot} holds position {slot_pos[s.state_slot]} "
-                                 f"but the slice starts at {s.start} (reset or restore the slot first)")
-            used.add(s.state_slot)

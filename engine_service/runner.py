@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from deepwell.logs import get_logger
-from deepwell.engine_service.graphs import DecodeGraphs, Scratch, validate_decode
+from deepwell.engine_service.graphs import DecodeGraphs, Scratch
 from deepwell.engine_service.kv.calibration import KVCalibration, RecordingPool
 from deepwell.engine_service.kv.float_pool import KVPool
 from deepwell.engine_service.kv.pool import Region
@@ -266,12 +266,10 @@ class TorchModelRunner:
         the same bookkeeping."""
         assert self.graphs is not None
         kv, state = self.kv, self.state
-        validate_decode(batch, self.max_context, self.kv_store.kv.num_pages - 1 if kv is not None else 0,
-                        self._slot_pos if state is not None else None,
-                        state.num_slots - 1 if state is not None else 0, self.page_size)
+        self._check_slices(batch, kv, state, self._slot_pos)
         self.kv_store.written = kv is not None
         if isinstance(kv, QuantKVPool):
-            kv._stored[0] += self.graphs.bucket(len(batch.seqs))  # padded rows are appended too
+            kv.count_stored(self.graphs.bucket(len(batch.seqs)))  # padded rows are appended too
         hidden, logits = self.graphs.run(batch)
         self._last_hidden = hidden if self.mtp_layers else None
         self._verify, self._verify_start = None, {}
@@ -400,47 +398,17 @@ class TorchModelRunner:
         """Validate ``batch`` against ``kv``/``state`` (whose slots are at ``slot_pos``) and
         build the step metadata: gather indices for a float pool, page tables for a
         quantized one."""
-        if not batch.seqs:
-            raise ValueError("empty batch")
-        total = sum(s.num_tokens for s in batch.seqs)
-        if total != batch.num_tokens:
-            raise ValueError(f"slices cover {total} tokens but input_ids has {batch.num_tokens}")
         ps = self.page_size
         quant = isinstance(kv, QuantKVPool)
-        num_pages = kv.num_pages if kv is not None else 0
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         seqs: list[SeqInfo] = []
         tables: list[list[int]] = []  # per slice, quantized pool only
-        used_slots: set[int] = set()
         offset = 0
-        for s in batch.seqs:
-            if s.num_tokens < 1 or s.start < 0:
-                raise ValueError(f"bad slice: start={s.start}, num_tokens={s.num_tokens}")
+        for s, pages in zip(batch.seqs, self._check_slices(batch, kv, state, slot_pos), strict=True):
             end = s.start + s.num_tokens
-            if end > self.max_context:
-                raise ValueError(f"position {end} exceeds the model's context {self.max_context}")
-            if state is not None:
-                state.check_slot(s.state_slot)
-                if s.state_slot in used_slots:
-                    raise ValueError(f"state slot {s.state_slot} used twice in one batch")
-                if slot_pos[s.state_slot] != s.start:
-                    raise ValueError(
-                        f"state slot {s.state_slot} holds position {slot_pos[s.state_slot]} "
-                        f"but the slice starts at {s.start} (reset or restore the slot first)"
-                    )
-                used_slots.add(s.state_slot)
             token_index = None
-            if kv is not None:
-                need = -(-end // ps)
-                if len(s.block_table) < need:
-                    raise ValueError(
-                        f"block table has {len(s.block_table)} pages, "
-                        f"{need} needed for {end} tokens"
-                    )
-                pages = [int(p) for p in s.block_table[:need]]
-                if min(pages) < 0 or max(pages) >= num_pages:
-                    raise ValueError(f"page ids must be in [0, {num_pages})")
+            if pages is not None:
                 table = torch.tensor(pages, dtype=torch.long)
                 if quant:
                     tables.append(pages)
@@ -470,6 +438,51 @@ class TorchModelRunner:
             prefill=prefill,
             verify=VerifyRecord() if any(s.verify for s in seqs) else None,
         )
+
+    def _check_slices(self, batch: ForwardBatch, kv: Any, state: StatePool | None,
+                      slot_pos: Sequence[int]) -> list[list[int] | None]:
+        """The checks of every step, eager or graphed (``ValueError`` with the reason, nothing run):
+        slices cover the tokens, positions within the context, distinct state slots at exactly
+        ``start``, block tables covering ``start + num_tokens`` with page ids in the pool (the
+        graphs' scratch page and slot are not the scheduler's). Returns each slice's pages."""
+        if not batch.seqs:
+            raise ValueError("empty batch")
+        total = sum(s.num_tokens for s in batch.seqs)
+        if total != batch.num_tokens:
+            raise ValueError(f"slices cover {total} tokens but input_ids has {batch.num_tokens}")
+        own = kv is not None and kv is self.kv_store.kv  # the serving pools hold the scratch rows
+        num_pages = kv.num_pages - int(own and self._scratch.page >= 0) if kv is not None else 0
+        num_slots = (state.num_slots - int(state is self.kv_store.state and self._scratch.slot >= 0)
+                     if state is not None else 0)
+        used_slots: set[int] = set()
+        out: list[list[int] | None] = []
+        for s in batch.seqs:
+            if s.num_tokens < 1 or s.start < 0:
+                raise ValueError(f"bad slice: start={s.start}, num_tokens={s.num_tokens}")
+            end = s.start + s.num_tokens
+            if end > self.max_context:
+                raise ValueError(f"position {end} exceeds the model's context {self.max_context}")
+            if state is not None:
+                if not 0 <= s.state_slot < num_slots:
+                    raise ValueError(f"state slot {s.state_slot} out of range [0, {num_slots})")
+                if s.state_slot in used_slots:
+                    raise ValueError(f"state slot {s.state_slot} used twice in one batch")
+                if slot_pos[s.state_slot] != s.start:
+                    raise ValueError(
+                        f"state slot {s.state_slot} holds position {slot_pos[s.state_slot]} "
+                        f"but the slice starts at {s.start} (reset or restore the slot first)"
+                    )
+                used_slots.add(s.state_slot)
+            pages = None
+            if kv is not None:
+                need = -(-end // self.page_size)
+                if len(s.block_table) < need:
+                    raise ValueError(f"block table has {len(s.block_table)} pages, {need} needed for {end} tokens")
+                pages = [int(p) for p in s.block_table[:need]]
+                if min(pages) < 0 or max(pages) >= num_pages:
+                    raise ValueError(f"page ids must be in [0, {num_pages})")
+            out.append(pages)
+        return out
 
     def _page_tables(self, seqs: list[SeqInfo], tables: list[list[int]]) -> PageTables | None:
         if not seqs:

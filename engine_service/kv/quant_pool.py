@@ -219,6 +219,11 @@ class QuantKVPool:
         """True bytes of one page across ``num_layers`` attention layers."""
         return num_layers * layout.page_bytes
 
+    def count_stored(self, rows: int) -> None:
+        """``rows`` more token rows were appended to every layer outside ``QuantLayerKV.write``
+        (a replayed CUDA graph, whose Python ran once at capture)."""
+        self._stored[0] += rows
+
     def layer(self, i: int) -> QuantLayerKV:
         return QuantLayerKV(self.caches[i], self.backend, self._stored if i == 0 else None)
 

@@ -117,6 +117,7 @@ def test_graph_steps_check_their_inputs(hybrid64: Path) -> None:
     for batch, match in [
         (ForwardBatch(torch.tensor([1]), [SeqSlice(0, [0], 9, 1)]), "holds position 10"),
         (ForwardBatch(torch.tensor([1]), [SeqSlice(0, [PAGES], 10, 1)]), "page ids"),  # the scratch page
+        (ForwardBatch(torch.tensor([1] * 60), [SeqSlice(0, [0, PAGES], 10, 60)]), "page ids"),  # eager path too
         (ForwardBatch(torch.tensor([1]), [SeqSlice(SLOTS, [0], 10, 1)]), "state slot"),  # the scratch slot
         (ForwardBatch(torch.tensor([999]), [SeqSlice(0, [0], 10, 1)]), "token ids"),
     ]:
