@@ -175,6 +175,25 @@ def run_chunks(runner: Any, ids: list[int], chunks: list[int], table: list[int],
     return out
 
 
+def greedy_three(core: Any, max_tokens: int = 8) -> list[list[int]]:
+    """Three greedy requests (prompts of 40, 90 and 7 tokens) through an ``EngineCore`` until done:
+    each one's generated tokens; every page is free again after."""
+    from deepwell.engine_service.engine import TokensEvent
+    from deepwell.engine_service.sampling import SamplingParams
+
+    outs: list[list[int]] = [[] for _ in range(3)]
+    for i, n in enumerate((40, 90, 7)):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        core.submit(core.make_request(prompt(n, seed=i + 1), params, sink=lambda ev, i=i: outs[i].extend(
+            ev.token_ids) if isinstance(ev, TokensEvent) else None))
+    for _ in range(500):
+        if not core.has_work():
+            break
+        core.step()
+    assert not core.has_work() and core.blocks.used_pages == 0
+    return outs
+
+
 @pytest.fixture(scope="module", autouse=False)
 def one_torch_thread() -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads, and on a busy shared CPU torch's

@@ -17,13 +17,12 @@ import torch
 from deepwell import configs
 from deepwell.engine_service.cli import graph_plan
 from deepwell.engine_service.config import EngineConfig
-from deepwell.engine_service.engine import EngineCore, EngineLimits, TokensEvent
+from deepwell.engine_service.engine import EngineCore, EngineLimits
 from deepwell.engine_service.graphs import graph_buckets, reserve_bytes
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
 from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
-from deepwell.engine_service.sampling import SamplingParams
-from tests.engine.helpers_models import one_torch_thread, prompt
+from tests.engine.helpers_models import greedy_three, one_torch_thread, prompt
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
@@ -134,16 +133,7 @@ def _greedy(path: Path, graphs: int) -> list[list[int]]:
                                            queue_size=4, max_context=512, prefix_cache=False), eos_ids=())
     if graphs:
         runner.capture_graphs(capture=False)
-    outs: list[list[int]] = [[] for _ in range(3)]
-    for i, n in enumerate((40, 90, 7)):
-        core.submit(core.make_request(prompt(n, seed=i + 1), SamplingParams(temperature=0.0, max_tokens=8,
-                                                                              ignore_eos=True),
-                                      sink=lambda ev, i=i: outs[i].extend(ev.token_ids) if isinstance(
-                                          ev, TokensEvent) else None))
-    for _ in range(200):
-        if not core.has_work():
-            break
-        core.step()
+    outs = greedy_three(core)
     assert core.blocks.used_pages == 0 and core.blocks.num_pages == 24
     if graphs:
         assert runner.graphs is not None and runner.graphs.replays > 0
@@ -245,14 +235,6 @@ def test_captured_engine_tokens_equal_eager_on_gpu(hybrid64: Path) -> None:
                            prefix_cache="off", cuda_graphs=mode, max_context=512)
         core = build_core(cfg, open_model(hybrid64), runner)
         assert (runner.graphs is not None) == (mode == "on")
-        outs: list[list[int]] = [[] for _ in range(3)]
-        for i, n in enumerate((40, 90, 7)):
-            core.submit(core.make_request(prompt(n, seed=i + 1), SamplingParams(temperature=0.0, max_tokens=16,
-                                                                                  ignore_eos=True),
-                                          sink=lambda ev, i=i: outs[i].extend(ev.token_ids) if isinstance(
-                                              ev, TokensEvent) else None))
-        while core.has_work():
-            core.step()
-        return outs
+        return greedy_three(core, max_tokens=16)
 
     assert greedy("on") == greedy("off")

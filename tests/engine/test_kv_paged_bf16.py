@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from deepwell.engine_service.config import EngineConfig
-from deepwell.engine_service.engine import EngineCore, EngineLimits, TokensEvent
+from deepwell.engine_service.engine import EngineCore, EngineLimits
 from deepwell.engine_service.kv.quant_pool import KVSettingsError, QuantKVPool
 from deepwell.engine_service.kv.settings import KVSettings, resolve
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
-from deepwell.engine_service.sampling import SamplingParams
-from tests.engine.helpers_models import one_torch_thread, prompt, run_chunks
+from tests.engine.helpers_models import greedy_three, one_torch_thread, prompt, run_chunks
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
@@ -77,18 +76,7 @@ def _greedy(path: Path, paged: str) -> list[list[int]]:
     runner = _runner(path, paged)
     core = EngineCore(runner, EngineLimits(num_pages=24, num_state_slots=6, max_concurrency=3, token_budget=48,
                                            queue_size=4, max_context=512, prefix_cache=False), eos_ids=())
-    outs: list[list[int]] = [[] for _ in range(3)]
-    for i, n in enumerate((40, 90, 7)):
-        core.submit(core.make_request(prompt(n, seed=i + 1), SamplingParams(temperature=0.0, max_tokens=8,
-                                                                              ignore_eos=True),
-                                      sink=lambda ev, i=i: outs[i].extend(ev.token_ids) if isinstance(
-                                          ev, TokensEvent) else None))
-    for _ in range(200):
-        if not core.has_work():
-            break
-        core.step()
-    assert core.blocks.used_pages == 0
-    return outs
+    return greedy_three(core)
 
 
 def test_engine_greedy_tokens_equal_with_either_pool(hybrid64: Path) -> None:
