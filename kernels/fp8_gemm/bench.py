@@ -6,9 +6,12 @@ Per shape and token count, the median time (µs, ``triton.testing.do_bench``) an
 against the bf16 product of the dequantized weight (relative L2) of:
 
 - ``bf16``: ``x @ w.T`` with the dequantized bf16 weight (the speed of light for accuracy);
-- ``triton w8a16``: ``kernels.fp8_gemm.matmul`` (block-scaled E4M3 weight, bf16 activations;
-  what ``--weight-dtype fp8`` serves with; 64 output columns per program), and the same kernel
-  with 32 and 128 (``bn=``: more programs for few tokens, or fewer);
+- ``served``: ``kernels.fp8_gemm.matmul``, what ``--weight-dtype fp8`` serves with (the W8A16
+  kernel below ``DEQUANT_MIN_TOKENS`` tokens, ``dequant+gemm`` from there);
+- ``w8a16 split=1`` / ``auto`` / ``bn=32`` / ``bn=128``: the W8A16 Triton kernel (block-scaled
+  E4M3 weight, bf16 activations) without splitting K, with the default split, and with 32 and
+  128 output columns per program (default split);
+- ``dequant+gemm``: the weight dequantized to bf16 by one Triton launch, then torch's GEMM;
 - ``scaled_mm block``: ``torch._scaled_mm`` with the same 128x128 weight blocks and the
   activations quantized to E4M3 per token and 128 channels (W8A8, DeepSeek-V3's recipe), the
   activation quantization included in the time;
@@ -29,7 +32,7 @@ import torch
 from triton.testing import do_bench
 
 from deepwell.kernels import fp8_gemm
-from deepwell.kernels.fp8_gemm.triton_kernel import w8a16_matmul
+from deepwell.kernels.fp8_gemm.triton_kernel import dequant_matmul, w8a16_matmul
 
 SHAPES = {  # name: (N, K) of the 27B shape's linear layers
     "gdn in_proj_qkv": (10240, 5120),
@@ -60,9 +63,12 @@ def _variants(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w: tor
     wt = w.t()
     out: dict[str, Callable[[], torch.Tensor]] = {
         "bf16": lambda: x @ wt,
-        "triton w8a16": lambda: fp8_gemm.matmul(x, codes, scales),
-        "triton bn=32": lambda: w8a16_matmul(x, codes, scales, block_n=32),
-        "triton bn=128": lambda: w8a16_matmul(x, codes, scales, block_n=128),
+        "served": lambda: fp8_gemm.matmul(x, codes, scales),
+        "w8a16 split=1": lambda: w8a16_matmul(x, codes, scales, split_k=1),
+        "w8a16 auto": lambda: w8a16_matmul(x, codes, scales),
+        "w8a16 bn=32": lambda: w8a16_matmul(x, codes, scales, block_n=32),
+        "w8a16 bn=128": lambda: w8a16_matmul(x, codes, scales, block_n=128),
+        "dequant+gemm": lambda: dequant_matmul(x, codes, scales),
     }
     b = codes.t()  # [K, N] column-major, as _scaled_mm wants its second operand
     sb = scales.t().contiguous()  # [K / 128, N / 128]

@@ -11,6 +11,12 @@ interpreter, whose 16-bit dot misreads its inputs: IEEE fp32 products of the sam
 TF32). So the
 kernel multiplies exactly the weight ``reference.w8a16_matmul`` dequantizes; results differ
 from it by the fp32 summation order only. Bias added in fp32; output in the activation dtype.
+
+Few tokens (decode) leave few output tiles, so the K axis is split over more programs
+(``split_count``) whose fp32 partial sums are added after the launch. From
+``DEQUANT_MIN_TOKENS`` tokens (prefill chunks) ``matmul`` instead dequantizes the weight into
+the activation dtype (``dequantize``, the same bits as the reference's) and runs torch's GEMM,
+which is compute-bound there and several times faster than this kernel.
 """
 
 from __future__ import annotations
@@ -25,21 +31,24 @@ from deepwell.kernels.fused.common import KIND, round_to
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
-                  FP8_HW: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):
+                  FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    for k0 in range(k_lo, k_hi, BK):
         k = k0 + rk
-        k_ok = k < K
+        k_ok = k < k_hi
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         c = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         s = tl.load(s_ptr + (rn // SBN) * stride_sn + k0 // SBK, mask=n_ok, other=0.0)
@@ -48,10 +57,38 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT:  # fp32 partial sums [splits, M, N]: summed (and the bias added) after the launch
+        o_ptr += pid_k * M * N
+        tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
+                    KIND_X: tl.constexpr, FP8_HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = (rn < N)[:, None] & (k < K)[None, :]
+    c = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=ok, other=0)
+    s = tl.load(s_ptr + (rn // SBN)[:, None] * stride_sn + (k // SBK)[None, :], mask=ok, other=0.0)
+    w = round_to(e4m3_f16(c, FP8_HW).to(tl.float32) * s, KIND_X)
+    tl.store(o_ptr + rn[:, None] * K + k[None, :], w.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+# Token counts from which ``matmul`` dequantizes the weight into the activation dtype and runs
+# torch's GEMM: at a 4k-token chunk the W8A16 kernel took 4.5x bf16's time on the H100 (MLP down
+# 4,185 against 928 us), while writing the bf16 weight costs three bytes per weight (~0.1 ms for
+# that layer at 3 TB/s). The crossing point has not been measured: 128 is a guess from the same
+# table (at 32 tokens the kernel took 155 us against 77 + ~90 us for dequantize + bf16).
+DEQUANT_MIN_TOKENS = 128
+# Split K until a launch has this many programs per SM: one token's N / 64 output tiles alone
+# (MLP down: 80) leave most of an H100's 132 SMs idle while each walks all of K.
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_STEPS = 4  # BK steps per split at least
 
 
 def _tiles(m: int, block: tuple[int, int], block_n: int | None) -> tuple[int, int, int]:
@@ -60,32 +97,89 @@ def _tiles(m: int, block: tuple[int, int], block_n: int | None) -> tuple[int, in
     return bm, block_n or 64, bk
 
 
-def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
-                 bias: torch.Tensor | None = None, block_n: int | None = None) -> torch.Tensor:
-    """The Triton kernel: ``x [M, K]`` (fp32 / bf16 / fp16) times the FP8 weight ``[N, K]``;
-    ``block_n`` (a power of two >= 16, default 64) the output columns per program."""
+def split_count(tiles: int, k: int, bk: int, device: torch.device) -> int:
+    """K splits for a launch of ``tiles`` output tiles: enough programs for ``PROGRAMS_PER_SM``
+    per SM, each split at least ``MIN_SPLIT_STEPS`` K steps; 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, tiles)
+    return max(1, min(want, triton.cdiv(k, bk) // MIN_SPLIT_STEPS))
+
+
+def _check_args(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> None:
     reference._check(codes, scales, block)
     if x.dim() != 2 or x.shape[1] != codes.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not match a weight of {tuple(codes.shape)}")
     if x.dtype not in KIND:
         raise ValueError(f"activations must be fp32 / bf16 / fp16, got {x.dtype}")
+
+
+def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
+                 bias: torch.Tensor | None = None, block_n: int | None = None, split_k: int | None = None
+                 ) -> torch.Tensor:
+    """The Triton kernel: ``x [M, K]`` (fp32 / bf16 / fp16) times the FP8 weight ``[N, K]``;
+    ``block_n`` (a power of two >= 16, default 64) the output columns per program; ``split_k``
+    the programs along K (default ``split_count``; above 1 each writes fp32 partial sums that are
+    then added, so the result depends on the split by the fp32 summation order only)."""
+    _check_args(x, codes, scales, block)
     m, k = x.shape
     n = codes.shape[0]
     if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
     bm, bn, bk = _tiles(m, block, block_n)
-    if block[1] % bk or block[0] % 1:
+    if block[1] % bk:
         raise ValueError(f"scale block {block} needs its K side a multiple of {bk}")
     x = x.contiguous()
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _w8a16_kernel[grid](x, codes.contiguous().view(torch.uint8), scales.contiguous(),
-                        bias if bias is not None else scales, out, m, n, k, x.stride(0), k, scales.shape[1],
-                        out.stride(0), SBN=block[0], SBK=block[1], HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype],
-                        FP8_HW=has_fp8_conversion(x.device), IEEE=x.dtype == torch.float32 or INTERPRET, BM=bm, BN=bn, BK=bk)
+    tiles_m, tiles_n = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    split = split_k or split_count(tiles_m * tiles_n, k, bk, x.device)
+    k_per = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BK steps (BK divides the scale block)
+    split = triton.cdiv(k, k_per)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _w8a16_kernel[(tiles_m, tiles_n, split)](
+        x, codes.contiguous().view(torch.uint8), scales.contiguous(), bias if bias is not None else scales, target,
+        m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
+        HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device),
+        IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk)
+    if split == 1:
+        return out
+    acc = target.sum(0)
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(x.dtype)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``reference.dequantize`` in one Triton launch: every weight ``code * scale`` formed in fp32
+    and rounded to ``dtype`` (the same bits)."""
+    reference._check(codes, scales, block)
+    if dtype not in KIND:
+        raise ValueError(f"dtype must be fp32 / bf16 / fp16, got {dtype}")
+    n, k = codes.shape
+    out = torch.empty(n, k, dtype=dtype, device=codes.device)
+    if out.numel():
+        _dequant_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64))](
+            codes.contiguous().view(torch.uint8), scales.contiguous(), out, n, k, scales.shape[1],
+            SBN=block[0], SBK=block[1], KIND_X=KIND[dtype], FP8_HW=has_fp8_conversion(codes.device), BN=64, BK=64)
     return out
+
+
+def dequant_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Many tokens: the weight dequantized into x's dtype (``dequantize``), then torch's GEMM
+    (fp32 accumulation; fp32 activations in full fp32, as the reference)."""
+    _check_args(x, codes, scales, block)
+    w = dequantize(codes, scales, block, x.dtype)
+    if x.dtype == torch.float32:
+        out = torch.matmul(x, w.t())
+        return out if bias is None else out + bias
+    return torch.nn.functional.linear(x, w, bias)
 
 
 def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -93,5 +187,7 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tu
     """The kernel for CUDA tensors (and CPU ones under ``TRITON_INTERPRET=1`` with
     ``kernel_on_cpu``), the reference otherwise."""
     if x.is_cuda or (kernel_on_cpu and INTERPRET):
+        if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_TOKENS:
+            return dequant_matmul(x, codes, scales, block, bias)
         return w8a16_matmul(x, codes, scales, block, bias)
     return reference.w8a16_matmul(x, codes, scales, block, bias)

@@ -48,6 +48,45 @@ def test_kernel_matches_reference_in_the_interpreter(m: int, n: int, k: int, dty
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("split", "bias"), [(2, False), (3, True), (64, False)])
+def test_split_k_matches_reference_in_the_interpreter(split: int, bias: bool) -> None:
+    from deepwell.kernels.fp8_gemm.triton_kernel import w8a16_matmul
+
+    g = torch.Generator().manual_seed(split)
+    codes, scales = reference.quantize(torch.randn(40, 448, generator=g), (128, 128))  # K not a multiple of 128
+    x = torch.randn(2, 448, generator=g)
+    b = torch.randn(40, generator=g) if bias else None
+    got = w8a16_matmul(x, codes, scales, bias=b, split_k=split)  # 64: more splits than K steps (capped)
+    want = reference.w8a16_matmul(x, codes, scales, bias=b)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="split_k"):
+        w8a16_matmul(x, codes, scales, split_k=0)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_kernel_gives_the_reference_bits(dtype: torch.dtype) -> None:
+    from deepwell.kernels.fp8_gemm.triton_kernel import dequantize
+
+    g = torch.Generator().manual_seed(3)
+    codes, scales = reference.quantize(torch.randn(130, 200, generator=g) * 5, (128, 128))
+    assert torch.equal(dequantize(codes, scales, dtype=dtype), reference.dequantize(codes, scales, dtype=dtype))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+def test_many_tokens_take_the_dequantized_gemm() -> None:
+    from deepwell.kernels.fp8_gemm.triton_kernel import DEQUANT_MIN_TOKENS
+
+    g = torch.Generator().manual_seed(4)
+    codes, scales = reference.quantize(torch.randn(48, 256, generator=g), (128, 128))
+    x = torch.randn(DEQUANT_MIN_TOKENS, 256, generator=g).to(torch.bfloat16)
+    b = torch.randn(48, generator=g).to(torch.bfloat16)
+    got = fp8_gemm.matmul(x, codes, scales, bias=b, kernel_on_cpu=True)
+    want = reference.w8a16_matmul(x, codes, scales, bias=b)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 5120), (8, 17408, 5120), (300, 5120, 17408)])
 def test_kernel_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
