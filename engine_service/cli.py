@@ -150,14 +150,16 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
 
     spec = runner.memory_spec()
     graph_batch = graph_plan(cfg, runner)
-    reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype) if graph_batch else 0
+    drafts = speculative_tokens(cfg, runner, graph_batch)
+    verify = drafts + 1 if graph_batch and drafts and drafts + 1 <= runner.page_size else 0
+    reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype, verify) if graph_batch else 0
     pages, slots = size_pools(cfg, spec, runner.max_context, runner.device, reserve_bytes=reserve)
     if graph_batch:
-        runner.plan_graphs(graph_batch)
+        runner.plan_graphs(graph_batch, verify)
     limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,
                           token_budget=cfg.token_budget, queue_size=cfg.queue_size, chunk_tokens=cfg.chunk_tokens,
                           max_context=cfg.max_context or runner.max_context, prefix_cache=cfg.prefix_cache == "on",
-                          cache_fraction=cfg.cache_fraction, speculative_tokens=speculative_tokens(cfg, runner))
+                          cache_fraction=cfg.cache_fraction, speculative_tokens=drafts)
     core = EngineCore(runner, limits, eos_ids=eos_ids_of(source.text_config(), source.generation_config),
                       defaults=default_sampling(source.generation_config), observer=observer)
     calibrate_kv(source, runner, served_context=core.max_context)
@@ -215,14 +217,22 @@ def capture_graphs(cfg: EngineConfig, runner: Any) -> None:
         if cfg.cuda_graphs == "on":
             raise configs.ConfigError(f"invalid cuda_graphs='on': capturing the decode graphs failed ({reason}); "
                                       "use auto or off") from None
-        _log().warning("cuda_graphs_off", reason=f"capture failed, decoding eagerly: {reason}")
+        hazards = [str(h) for h in getattr(exc, "hazards", ())]  # graphs.CaptureHazards: every one found
+        _log().warning("cuda_graphs_off", reason=f"capture failed, decoding eagerly: {reason}",
+                       **({"hazards": hazards} if hazards else {}))
         return
     _log().info("cuda_graphs", **graphs.describe(), check_max_abs_diff=diff)
 
 
-def speculative_tokens(cfg: EngineConfig, runner: Any) -> int:
+def speculative_tokens(cfg: EngineConfig, runner: Any, graph_batch: int = 0) -> int:
     """Drafts per decode step: the configured count where the runner has its MTP module enabled
-    (auto: ``DEFAULT_SPECULATIVE_TOKENS``), else 0; ``ConfigError`` when asked for without MTP."""
+    (auto: ``DEFAULT_SPECULATIVE_TOKENS``), else 0; ``ConfigError`` when asked for without MTP.
+
+    Auto drafts nothing where decode steps are CUDA graphs (``graph_batch`` > 0): the verify
+    steps and their commits are captured too, but drafting (k steps of the MTP layer) runs
+    eagerly, and an eager step of the 27B shape took 7x a graphed one on an H100 (169 against
+    22.8 ms, docs/kernels.md); no GPU run has yet measured a speculative round against a graphed
+    decode step. A count given explicitly is honoured."""
     from deepwell.engine_service.config import DEFAULT_SPECULATIVE_TOKENS
 
     has_mtp = bool(getattr(runner, "mtp_layers", 0))
@@ -230,6 +240,10 @@ def speculative_tokens(cfg: EngineConfig, runner: Any) -> int:
         raise configs.ConfigError(f"invalid speculative_tokens={cfg.speculative_tokens}: the model has no MTP "
                                   "weights to draft with (use a Qwen3.5/3.6 checkpoint with mtp.* tensors, or 0)")
     if not has_mtp:
+        return 0
+    if cfg.speculative_tokens < 0 and graph_batch:
+        _log().info("speculative_decoding_off", reason="decode steps are CUDA graphs and drafting runs eagerly "
+                    "(not measured faster yet); --speculative-tokens N drafts anyway")
         return 0
     return DEFAULT_SPECULATIVE_TOKENS if cfg.speculative_tokens < 0 else cfg.speculative_tokens
 

@@ -190,7 +190,8 @@ class EngineConfig:
     speculative_tokens: int = field(default=-1, metadata={
         "help": "MTP speculative decoding: tokens drafted per decode step by the checkpoint's own MTP layer and "
                 "verified in one step (outputs exactly as without; 0 = off; -1 = auto: "
-                f"{DEFAULT_SPECULATIVE_TOKENS} where the checkpoint has MTP weights, else off)"})
+                f"{DEFAULT_SPECULATIVE_TOKENS} where the checkpoint has MTP weights and decode steps are not CUDA "
+                "graphs, else off: verify rounds run eagerly)"})
     random_weights: bool = field(default=False, metadata={"help": "fill the weights with random values instead of "
                                                                   "loading them (speed and memory measurements of "
                                                                   "full-size shapes: a HF directory then needs only "

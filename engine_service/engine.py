@@ -396,6 +396,7 @@ class EngineCore:
         if logits.shape[0] != sum(counts):
             raise RuntimeError(f"runner returned {logits.shape[0]} logits rows for {sum(counts)} wanted")
         out: dict[str, list[Sampled]] = {}
+        accepted: dict[int, int] = {}  # state slot -> verified tokens kept (committed in one call)
         if wanted:
             finite = torch.isfinite(logits).all(dim=-1).tolist()
             plain: list[Slice] = []
@@ -407,10 +408,13 @@ class EngineCore:
                 if not all(finite[i] for i in rows):  # fails in _apply, alone
                     s.request.extra["step_error"] = "model produced non-finite logits"
                 elif s.verify:
-                    out[s.request.request_id] = self._accept(s, seq.state_slot, logits[rows.start:rows.stop])
+                    acc = out[s.request.request_id] = self._accept(s, logits[rows.start:rows.stop])
+                    accepted[seq.state_slot] = len(acc)
                 else:
                     plain.append(s)
                     plain_rows.append(rows.start)
+            if accepted:
+                self.runner.accept_many(accepted)  # type: ignore[attr-defined]
             if plain:
                 x = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
                 for s, smp in zip(plain, self.sampler.sample(x, [self._sample_row(s.request) for s in plain])):
@@ -422,14 +426,12 @@ class EngineCore:
         return SampleRow(params=req.params, prompt_ids=req.prompt_ids, output_ids=req.output_ids,
                          generator=req.extra.get("generator"), eos_ids=self.eos_ids, prompt_seen=self._prompt_seen(req))
 
-    def _accept(self, s: Slice, slot: int, logits: torch.Tensor) -> list[Sampled]:
-        """A verify slice's tokens (the accepted drafts, then the model's own, cut at a stop) and
-        the commit of its recurrent state to exactly the positions they follow."""
+    def _accept(self, s: Slice, logits: torch.Tensor) -> list[Sampled]:
+        """A verify slice's tokens (the accepted drafts, then the model's own, cut at a stop); its
+        recurrent state is committed to exactly the positions they follow (``accept_many``)."""
         acc = self.sampler.verify(logits, self._sample_row(s.request), s.draft)
         keep, _ = self.scheduler.keep_until_stop(s.request, [a.token_id for a in acc])
-        acc = acc[:keep]
-        self.runner.accept(slot, len(acc))  # type: ignore[attr-defined]
-        return acc
+        return acc[:keep]
 
     def _propose(self, plan: StepPlan, batch: ForwardBatch, out: dict[str, list[Sampled]]) -> dict[str, list[int]]:
         """MTP after the step: the MTP layers run over every slice's computed rows (their KV

@@ -26,7 +26,7 @@ Same code on CPU and CUDA; nothing here assumes a device.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,8 @@ from deepwell.engine_service.kv.settings import KVSettings, KVSpec, page_bytes_b
 from deepwell.engine_service.kv.state import StateLayout, StatePool
 from deepwell.engine_service.kv.store import KVStore
 from deepwell.engine_service.layers.backend import ReferenceBackend, get_backend
-from deepwell.engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext, VerifyRecord
+from deepwell.engine_service.layers.context import (DecodeGroup, PageTables, SeqInfo, StepContext, VerifyGroup,
+                                                    VerifyRecord)
 from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
 from deepwell.engine_service.layers.fp8_linear import prepare_linears, quantize_linears
@@ -100,9 +101,15 @@ class TorchModelRunner:
         self._last_hidden: torch.Tensor | None = None  # the last forward's hidden states (MTP drafting)
         self._verify: VerifyRecord | None = None  # the last forward's verify slices, until accepted
         self._verify_start: dict[int, int] = {}
+        self._verify_tokens: dict[int, int] = {}  # slot -> tokens its verify slice ran
+        self._group_slots: tuple[int, ...] = ()  # the last step's VerifyGroup slots, in its order
         self._graph_batch = 0  # > 0 once plan_graphs(): allocate() adds the scratch page and slot
+        self._graph_verify = 0  # tokens per sequence of the verify steps to capture (0: none)
         self._scratch = Scratch(-1, -1)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (capture_graphs)
+        # a step of verify slices all of one length runs batched (``context.VerifyGroup``); off:
+        # each slice alone, as a prefill chunk (tests compare the two)
+        self.verify_groups = True
 
     # -- runner_api.ModelRunner ------------------------------------------------------
     @property
@@ -175,8 +182,9 @@ class TorchModelRunner:
             return "MoE layers route tokens on the host (data-dependent shapes)"
         return None
 
-    def plan_graphs(self, max_batch: int) -> None:
+    def plan_graphs(self, max_batch: int, verify_tokens: int = 0) -> None:
         """Reserve the scratch page and slot for decode graphs of up to ``max_batch`` sequences
+        and, with ``verify_tokens`` > 1, speculative verify steps of that many tokens per sequence
         (before ``allocate``; ``capture_graphs`` after calibration). ValueError if unsupported."""
         why = self.graphs_unsupported()
         if why is not None:
@@ -185,7 +193,11 @@ class TorchModelRunner:
             raise RuntimeError("plan_graphs() must be called before allocate()")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if not 0 <= verify_tokens <= self.page_size:
+            raise ValueError(f"verify_tokens must be in [0, {self.page_size}] (padding fits one scratch page), "
+                             f"got {verify_tokens}")
         self._graph_batch = max_batch
+        self._graph_verify = verify_tokens
 
     def capture_graphs(self, capture: bool | None = None) -> DecodeGraphs:
         """Build the decode graphs (after ``allocate`` and the KV calibration: the pools and scales
@@ -194,7 +206,7 @@ class TorchModelRunner:
         if not self._graph_batch or (self.kv_spec.float_layout.num_layers and self.kv_store.kv is None):
             raise RuntimeError("capture_graphs() needs plan_graphs() and allocate() first")
         capture = self._device.type == "cuda" if capture is None else capture
-        graphs = DecodeGraphs(self, self._graph_batch, self._scratch, capture)
+        graphs = DecodeGraphs(self, self._graph_batch, self._scratch, capture, self._graph_verify)
         if capture:
             graphs.capture()
         self.graphs = graphs
@@ -246,6 +258,8 @@ class TorchModelRunner:
             self._last_hidden = hidden if self.mtp_layers else None
             self._verify = ctx.verify
             self._verify_start = {s.state_slot: s.start for s in ctx.seqs if s.verify}
+            self._verify_tokens = {s.state_slot: s.num_tokens for s in ctx.seqs if s.verify}
+            self._group_slots = ctx.verify_group.slots if ctx.verify_group is not None else ()
             if self.state is not None:
                 for s in ctx.seqs:
                     if not s.verify:
@@ -268,17 +282,24 @@ class TorchModelRunner:
         kv, state = self.kv, self.state
         self._check_slices(batch, kv, state, self._slot_pos)
         self.kv_store.written = kv is not None
+        t = batch.seqs[0].num_tokens
         if isinstance(kv, QuantKVPool):
-            kv.count_stored(self.graphs.bucket(len(batch.seqs)))  # padded rows are appended too
-        hidden, logits = self.graphs.run(batch)
-        self._last_hidden = hidden if self.mtp_layers else None
-        self._verify, self._verify_start = None, {}
+            kv.count_stored(self.graphs.bucket(len(batch.seqs), t) * t)  # padded rows are appended too
+        hidden, logits, commit = self.graphs.run(batch)
+        self._last_hidden = hidden.clone() if self.mtp_layers else None
+        self._verify, self._verify_start, self._verify_tokens, self._group_slots = None, {}, {}, ()
+        if commit is not None:  # a verify step: the slots stay at their starts until accept_many
+            self._verify = VerifyRecord(group=[commit])
+            self._verify_start = {s.state_slot: s.start for s in batch.seqs}
+            self._verify_tokens = {s.state_slot: t for s in batch.seqs}
+            self._group_slots = tuple(s.state_slot for s in batch.seqs)
+            return logits.clone()  # every row (a copy: the next replay rewrites the buffer)
         if state is not None:
             for s in batch.seqs:
                 self._slot_pos[s.state_slot] = s.start + 1
         rows = [i for i, s in enumerate(batch.seqs) if s.need_logits]
-        if len(rows) == logits.shape[0]:
-            return logits
+        if len(rows) == logits.shape[0]:  # a copy: the graph's output buffer is rewritten by the next replay
+            return logits.clone()
         return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=self._device))
 
     # -- speculative decoding ----------------------------------------------------------
@@ -302,16 +323,33 @@ class TorchModelRunner:
     def accept(self, slot: int, num_tokens: int) -> None:
         """Commit the first ``num_tokens`` tokens of the last forward's verify slice in ``slot``:
         its recurrent state then holds ``start + num_tokens`` tokens (no-op without state)."""
+        self.accept_many({slot: num_tokens})
+
+    def accept_many(self, accepted: Mapping[int, int]) -> None:
+        """``accept`` for several slots at once: a ``VerifyGroup`` step commits them in one replay
+        per recurrent layer (a slot not named yet keeps its state: replayed over 0 tokens)."""
         if self.state is None:
             return
-        if self._verify is None or slot not in self._verify_start:
-            raise ValueError(f"state slot {slot} had no verify slice in the last forward")
-        start = self._verify_start.pop(slot)
-        commits = self._verify.commits.get(slot, [])
+        record = self._verify
+        for slot, n in accepted.items():
+            if record is None or slot not in self._verify_start:
+                raise ValueError(f"state slot {slot} had no verify slice in the last forward")
+            if not 0 <= n <= self._verify_tokens[slot]:
+                raise ValueError(f"cannot accept {n} of the {self._verify_tokens[slot]} tokens verified in slot {slot}")
+        if not accepted:
+            return
+        assert record is not None
         with torch.inference_mode():
-            for commit in commits:
-                commit(num_tokens)
-        self._slot_pos[slot] = start + num_tokens
+            if record.group:
+                lengths = torch.tensor([accepted.get(s, 0) for s in self._group_slots], dtype=torch.long)
+                lengths = lengths.to(self._device, non_blocking=True)
+                for group_commit in record.group:
+                    group_commit(lengths)
+            for slot, n in accepted.items():
+                for commit in record.commits.get(slot, []):
+                    commit(n)
+        for slot, n in accepted.items():
+            self._slot_pos[slot] = self._verify_start.pop(slot) + n
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[list[int]]:
         """MTP drafting after a forward: per input, the MTP layers run over its computed rows
@@ -422,6 +460,18 @@ class TorchModelRunner:
             verify = s.verify and s.num_tokens > 1 and state is not None
             seqs.append(SeqInfo(offset, s.num_tokens, s.start, s.state_slot, token_index, verify))
             offset += s.num_tokens
+        if quant and self.verify_groups and all(s.verify for s in seqs) and len({s.num_tokens for s in seqs}) == 1:
+            pages_t = self._page_tables(seqs, tables)
+            assert pages_t is not None
+            return StepContext(
+                positions=torch.cat(positions).to(self._device),
+                kv_slots=torch.cat(slots),
+                seqs=tuple(seqs),
+                verify=VerifyRecord(),
+                verify_group=VerifyGroup(seqs[0].num_tokens, tuple(s.state_slot for s in seqs),
+                                         torch.tensor([s.state_slot for s in seqs], dtype=torch.long,
+                                                      device=self._device), pages_t),
+            )
         multi_i = [i for i, s in enumerate(seqs) if s.num_tokens > 1]
         single_i = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
         prefill = dec_pages = None

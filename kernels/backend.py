@@ -151,7 +151,9 @@ class ReferenceBackend:
     name = "reference"
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               positions: torch.Tensor | None = None) -> None:
+               positions: torch.Tensor | None = None, *, validate: bool = True) -> None:
+        # the reference checks everything whatever ``validate`` says (the fast backends skip the
+        # checks that read values back to the host when told)
         append_ref.append(layer.data, layer.layout, k, v, slots, layer.scales,
                           layer.append_offset(k.shape[0], positions), layer.scale_counts, layer.k_feedback)
 

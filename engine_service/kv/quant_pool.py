@@ -128,14 +128,20 @@ def append_tokens(backend: KVBackend, cache: KVCacheLayer, k: torch.Tensor, v: t
     at a sequence's position 0; with query-weighted rounding of K and ``position0_nearest``
     those are rounded to nearest (the attention sink: feedback calibrated on the average query
     can put that one key's error where the queries leaning on it look; docs/kernels.md), in a
-    second append call."""
+    second append call.
+
+    The appends skip the checks that read values back to the host (a sync per layer, and none
+    may happen inside a captured decode step): the pool checks its scales, K offsets, page
+    centers and feedback where they are set, and the runner checks every position and slot
+    against the pool before the step."""
     if cache.k_feedback is None or not sink_rows or not position0_nearest(cache.layout):
-        backend.append(cache, k, v, slots, positions)
+        backend.append(cache, k, v, slots, positions, validate=False)
         return
     rows = torch.tensor(list(sink_rows), dtype=torch.long, device=slots.device)
     backend.append(replace(cache, k_feedback=None), k.index_select(0, rows), v.index_select(0, rows),
-                   slots.index_select(0, rows), None if positions is None else positions.index_select(0, rows))
-    backend.append(cache, k, v, slots.index_fill(0, rows, -1), positions)
+                   slots.index_select(0, rows), None if positions is None else positions.index_select(0, rows),
+                   validate=False)
+    backend.append(cache, k, v, slots.index_fill(0, rows, -1), positions, validate=False)
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,11 @@ class QuantLayerKV:
 
     def attend(self, q: torch.Tensor, ctx: StepContext, scale: float) -> torch.Tensor:
         t = q.shape[0]
+        grp = ctx.verify_group
+        if grp is not None:  # B slices of T tokens, sequence-major: the decode kernels with T per sequence
+            return self.backend.decode_attention(q.contiguous(), self.cache, grp.pages.block_tables,
+                                                 grp.pages.context_lens, tokens_per_seq=grp.tokens_per_seq,
+                                                 sm_scale=scale)
         pre, dec = ctx.prefill, ctx.decode
         dec_pages = dec.pages if dec is not None else None
         if dec is not None and dec_pages is None:

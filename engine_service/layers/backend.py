@@ -193,6 +193,39 @@ class ReferenceBackend:
             out, s = _delta_chunked(q, k, v, g, beta, s, GDN_CHUNK)
         return out.transpose(0, 1), s
 
+    def causal_conv1d_multi(
+        self, x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T tokens for each of B sequences, ``x [B, T, C]``, token by token through
+        ``causal_conv1d_decode`` (so each output is bit for bit a decode step's) -> (y ``[B, T, C]``,
+        the states after all T)."""
+        ys = []
+        for t in range(x.shape[1]):
+            y, states = self.causal_conv1d_decode(x[:, t], states, weight)
+            ys.append(y)
+        return (torch.stack(ys, 1) if ys else torch.empty_like(x)), states
+
+    def gated_delta_rule_multi(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T tokens for each of B sequences: q, k ``[B, T, Hk, Dk]``, v ``[B, T, Hv, Dv]``, g, beta
+        ``[B, T, Hv]``, states ``[B, Hv, Dk, Dv]`` fp32 -> (o ``[B, T, Hv, Dv]`` fp32, the states after
+        all T), token by token through ``gated_delta_rule_decode`` (a speculative verify step and
+        its commit: outputs and states bit for bit those of T decode steps)."""
+        outs = []
+        for t in range(q.shape[1]):
+            o, states = self.gated_delta_rule_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], states)
+            outs.append(o)
+        if not outs:
+            return v.new_empty(v.shape, dtype=torch.float32), states
+        return torch.stack(outs, 1), states
+
     def gated_delta_rule_recurrent(
         self,
         q: torch.Tensor,

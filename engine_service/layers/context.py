@@ -11,6 +11,12 @@ like any multi-token slice, except that recurrent layers leave its state slot at
 each records what it needs in ``StepContext.verify`` (``VerifyRecord``), and the runner's
 ``accept`` replays the first L tokens into the slot once L is known.
 
+When every slice of a step is a verify slice of the same length T (a speculative decode step
+over a quantized KV store), they form one ``VerifyGroup`` instead: attention runs the decode
+kernels with T tokens per sequence, the recurrent layers run the B sequences' T tokens as one
+batched op from gathered states, and each records one *group commit* that replays the first
+L_b tokens of every sequence at once (``lengths`` on the device: the step can be a CUDA graph).
+
 Single-token slices (decode) are also gathered into a ``DecodeGroup`` so layers can run
 them as one batched op: their batch rows, state slots, and the KV gather index padded to
 the longest context (``lengths`` masks the padding).
@@ -59,17 +65,33 @@ class DecodeGroup:
     pages: PageTables | None = None  # quantized KV store
 
 
+@dataclass(frozen=True)
+class VerifyGroup:
+    """B verify slices of T tokens each, rows ``b * T + t`` of the batch (sequence-major)."""
+
+    tokens_per_seq: int  # T
+    slots: tuple[int, ...]  # host state slots, in batch order
+    state_slots: torch.Tensor  # [B] int64 on the device
+    pages: PageTables  # block tables and context lengths (start + T) of the B slices
+
+
 Commit = Callable[[int], None]  # replay the first L tokens of a verify slice into its slot
+GroupCommit = Callable[[torch.Tensor], None]  # [B] int64 lengths (device): replay each slice's first L_b
 
 
 @dataclass
 class VerifyRecord:
-    """Per verify slice (by state slot), one commit per recurrent layer, filled during the forward."""
+    """Per verify slice (by state slot), one commit per recurrent layer, filled during the forward;
+    for a ``VerifyGroup``, one group commit per recurrent layer instead."""
 
     commits: dict[int, list[Commit]] = field(default_factory=dict)
+    group: list[GroupCommit] = field(default_factory=list)
 
     def add(self, slot: int, commit: Commit) -> None:
         self.commits.setdefault(slot, []).append(commit)
+
+    def add_group(self, commit: GroupCommit) -> None:
+        self.group.append(commit)
 
 
 @dataclass(frozen=True)
@@ -81,3 +103,4 @@ class StepContext:
     decode: DecodeGroup | None = None  # slices with num_tokens == 1 (run batched)
     prefill: PageTables | None = None  # the ``multi`` slices, quantized KV store only
     verify: VerifyRecord | None = None  # present when a slice is a verify slice
+    verify_group: VerifyGroup | None = None  # every slice a verify slice of one length (then no multi)

@@ -10,7 +10,8 @@ imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``
 - ``gated_delta_rule``: fla's chunked kernels for a prefill chunk (T > 1), the fused recurrent
   kernel for T == 1 and with ``recurrent`` (``gated_delta_rule_recurrent``: speculative verify
   steps and their commit, any T); ``gated_delta_rule_decode``: the fused recurrent kernel over the B decode
-  sequences at once (batch form, one token each);
+  sequences at once (batch form, one token each); ``gated_delta_rule_multi``: the same kernel over
+  B sequences of T tokens each (speculative verify steps and their group commit);
 - ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its
   update kernel (decode), the engine's ``[C, K-1]`` conv state carried through fla's
   ``[C, K]`` layout with a zero column in front (``kernels.gdn.fla_ops``);
@@ -77,6 +78,20 @@ class CudaBackend(FusedOps, ReferenceBackend):
         if not self._fla(q, states):
             return super().gated_delta_rule_decode(q, k, v, g, beta, states)
         o, final = fla_ops.gated_delta_rule_decode(q, k, v, g, beta, states)
+        return o.float(), final
+
+    def gated_delta_rule_multi(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fla(q, states):
+            return super().gated_delta_rule_multi(q, k, v, g, beta, states)
+        o, final = fla_ops.gated_delta_rule_multi(q, k, v, g, beta, states)
         return o.float(), final
 
     def gated_delta_rule_varlen(

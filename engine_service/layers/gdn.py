@@ -64,6 +64,16 @@ class Conv1dWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
 
 
+def conv_after(states: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The conv states ``[B, C, K-1]`` after each sequence's first ``lengths[b]`` of the tokens
+    ``x [B, T, C]``: the last K-1 inputs, stored as ``causal_conv1d_decode`` stores them (cast
+    to the weight's dtype, then to the state's)."""
+    km1 = states.shape[-1]
+    window = torch.cat([states.to(weight.dtype), x.transpose(1, 2).to(weight.dtype)], dim=-1)  # [B, C, K-1+T]
+    idx = (lengths.unsqueeze(1) + torch.arange(km1, device=x.device).unsqueeze(0))  # [B, K-1]
+    return window.gather(2, idx.unsqueeze(1).expand(-1, window.shape[1], -1)).to(states.dtype)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, spec: GDNSpec, backend: ReferenceBackend) -> None:
         super().__init__()
@@ -88,6 +98,10 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(t, s.num_v_heads, s.head_v_dim)
         g, beta = self.backend.gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
+        if ctx.verify_group is not None:  # every row belongs to it, sequence-major
+            core = self._verify_group(mixed, g, beta, ctx, conv_state, rec_state)
+            out = self.backend.gated_rms_norm_cast(core, z, self.norm.weight, self.norm.eps, x.dtype)
+            return self.out_proj(out.reshape(t, s.value_dim))
         core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=x.device)
         for seq in ctx.multi:
             rows = slice(seq.offset, seq.offset + seq.num_tokens)
@@ -136,6 +150,40 @@ class GatedDeltaNet(nn.Module):
         return (q.reshape(n, s.num_k_heads, s.head_k_dim), k.reshape(n, s.num_k_heads, s.head_k_dim),
                 v.reshape(n, s.num_v_heads, s.head_v_dim))
 
+    def _verify_group(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: StepContext,
+                      conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
+        """B verify slices of T tokens from their slots' states, the slots left untouched: the
+        outputs token by token through the decode ops' arithmetic (``*_multi``), and a group
+        commit that replays each slice's first L_b tokens (the later ones masked: a zero gate
+        and a zero beta leave the recurrent state exactly as it was) and writes the states back."""
+        assert ctx.verify is not None and ctx.verify_group is not None
+        s, grp = self.spec, ctx.verify_group
+        b, t = len(grp.slots), grp.tokens_per_seq
+        slots, weight = grp.state_slots, self.conv1d.weight.squeeze(1)
+        x = mixed.view(b, t, -1)
+        conv0 = conv_state.index_select(0, slots)
+        rec0 = rec_state.index_select(0, slots)
+        conv_out, _ = self.backend.causal_conv1d_multi(x, conv0, weight)
+        q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = q.reshape(b, t, s.num_k_heads, s.head_k_dim)
+        k = k.reshape(b, t, s.num_k_heads, s.head_k_dim)
+        v = v.reshape(b, t, s.num_v_heads, s.head_v_dim)
+        gb, betab = g.view(b, t, -1), beta.view(b, t, -1)
+        o, _ = self.backend.gated_delta_rule_multi(q, k, v, gb, betab, rec0)
+        steps = torch.arange(t, device=mixed.device)
+
+        def commit(lengths: torch.Tensor) -> None:
+            keep = steps.unsqueeze(0) < lengths.unsqueeze(1)  # [B, T]
+            zero = torch.zeros((), dtype=gb.dtype, device=gb.device)
+            _, rec = self.backend.gated_delta_rule_multi(q, k, v, torch.where(keep[..., None], gb, zero),
+                                                         torch.where(keep[..., None], betab, zero),
+                                                         rec_state.index_select(0, slots))
+            rec_state.index_copy_(0, slots, rec.to(rec_state.dtype))
+            conv_state.index_copy_(0, slots, conv_after(conv_state.index_select(0, slots), x, weight, lengths))
+
+        ctx.verify.add_group(commit)
+        return o.reshape(b * t, s.num_v_heads, s.head_v_dim)
+
     def _verify(self, seq: SeqInfo, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: StepContext,
                 conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
         """A verify slice: outputs from the slot's state token by token, the slot left untouched;
@@ -148,6 +196,8 @@ class GatedDeltaNet(nn.Module):
         o, _ = self.backend.gated_delta_rule_recurrent(q, k, v, g, beta, rec_state[slot])
 
         def commit(n: int) -> None:
+            if n == 0:  # nothing accepted: the slot stays at the slice's start
+                return
             _, conv_state[slot] = self.backend.causal_conv1d(mixed[:n], conv_state[slot], weight)
             _, rec_state[slot] = self.backend.gated_delta_rule_recurrent(
                 q[:n], k[:n], v[:n], g[:n], beta[:n], rec_state[slot])

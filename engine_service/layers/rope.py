@@ -154,7 +154,10 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device).float()
+        inv = self.inv_freq
+        if inv.device != positions.device:  # kept on the host at build: moved once, not per step
+            inv = self.inv_freq = inv.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * inv.float()
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -261,6 +261,10 @@ class TPModelRunner:
     def accept(self, slot: int, num_tokens: int) -> None:
         self._call({"op": "accept", "slot": int(slot), "n": int(num_tokens)})
 
+    def accept_many(self, accepted: Mapping[int, int]) -> None:
+        self._call({"op": "accept_many", "slots": [int(s) for s in accepted],
+                    "n": [int(n) for n in accepted.values()]})
+
     def propose(self, inputs: Sequence[DraftInput]) -> list[list[int]]:
         inputs = list(inputs)
         return self._call(encode_drafts(inputs), lambda: self.local.propose(inputs))
@@ -278,8 +282,8 @@ class TPModelRunner:
     def graphs_unsupported(self) -> str | None:
         return self.local.graphs_unsupported()
 
-    def plan_graphs(self, max_batch: int) -> None:
-        self._call({"op": "plan_graphs", "max_batch": int(max_batch)})
+    def plan_graphs(self, max_batch: int, verify_tokens: int = 0) -> None:
+        self._call({"op": "plan_graphs", "max_batch": int(max_batch), "verify_tokens": int(verify_tokens)})
 
     def capture_graphs(self, capture: bool | None = None) -> _TPGraphs:
         """Every rank captures (or, ``capture=False``, prepares) its decode graphs at once: their

@@ -75,6 +75,8 @@ def execute(runner: TorchModelRunner, msg: dict[str, Any]) -> Any:
         return runner.copy_pages([int(p) for p in msg["src"]], [int(p) for p in msg["dst"]])
     if op == "accept":
         return runner.accept(int(msg["slot"]), int(msg["n"]))
+    if op == "accept_many":
+        return runner.accept_many({int(s): int(n) for s, n in zip(msg["slots"], msg["n"], strict=True)})
     if op == "propose":
         return runner.propose(decode_drafts(msg))
     if op == "calibrate_kv":
@@ -83,7 +85,7 @@ def execute(runner: TorchModelRunner, msg: dict[str, Any]) -> Any:
     if op == "check_kv_kernels":
         return runner.check_kv_kernels()
     if op == "plan_graphs":
-        return runner.plan_graphs(int(msg["max_batch"]))
+        return runner.plan_graphs(int(msg["max_batch"]), int(msg.get("verify_tokens", 0)))
     if op == "capture_graphs":
         return runner.capture_graphs(msg["capture"])
     if op == "check_graphs":

@@ -178,6 +178,26 @@ def gated_delta_rule_decode(
     return o.squeeze(1), final.float()
 
 
+def gated_delta_rule_multi(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T tokens for each of B sequences: q, k ``[B, T, Hk, Dk]``, v ``[B, T, Hv, Dv]``, g, beta
+    ``[B, T, Hv]``, states ``[B, Hv, Dk, Dv]`` -> ``(o [B, T, Hv, Dv] in q.dtype, final states
+    fp32)``; fla's fused recurrent kernel, batch form (the decode kernel with T steps)."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, Hk, Dk], got {list(q.shape)}")
+    b, t = q.shape[:2]
+    _check_gdn(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), g.flatten(0, 1), beta.flatten(0, 1))
+    _check_states(states, b, q.flatten(0, 1), v.flatten(0, 1))
+    fla = entry_points()
+    o, final = fla.fused_recurrent_gated_delta_rule(
+        q.contiguous(), k.contiguous(), v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+        scale=q.shape[-1] ** -0.5, initial_state=states.float().contiguous(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o, final.float()
+
+
 # ----------------------------------------------------------------------------- causal conv
 def _check_conv(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, n: int) -> None:
     c, kw = weight.shape

@@ -19,6 +19,7 @@ multiply by ``scale(size)`` — the rotation of a K layout with ``hadamard_block
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,6 +27,7 @@ import torch
 SUPPORTED_DIMS = (16, 32, 64, 128, 256, 512)
 
 
+@functools.cache
 def scale(d: int) -> float:
     """The normalization 1/sqrt(d), as the fp32 value both backends multiply by."""
     return float(torch.tensor(1.0 / math.sqrt(d), dtype=torch.float32).item())

@@ -467,27 +467,33 @@ def append(
     validate: bool = True,
     impl: str = "auto",
 ) -> None:
-    """Same contract as ``reference.append``; ``validate=False`` skips host-side checks
-    (for CUDA-graph capture: they read scales back to the host). ``impl``: "auto" runs nvfp4 and
+    """Same contract as ``reference.append``; ``validate=False`` skips the checks that read
+    values back to the host (global scales powers of two, a finite K offset and feedback: the
+    engine checks those where it sets them), so the call never synchronizes (CUDA-graph capture,
+    and a decode step that does not wait on the GPU once per layer); shapes and dtypes are
+    always checked. ``impl``: "auto" runs nvfp4 and
     fp8 through the Gluon kernel (``gluon_append``) where it applies (Hopper, head_dim 64-256) and
     everything else here; "triton" always here; "gluon" insists on the
     Gluon kernel (ValueError where it does not apply). Both write the same bytes."""
     kernel = append_kernel(layout, k.device, impl=impl, block_t=block_t)
     n = k.shape[0]
+    layout.check_cache(cache)
+    want = (n, layout.num_kv_heads, layout.head_dim)
+    if tuple(k.shape) != want or tuple(v.shape) != want:
+        raise ValueError(f"k and v must be {list(want)}, got {list(k.shape)} and {list(v.shape)}")
+    if tuple(slots.shape) != (n,):
+        raise ValueError(f"slots must be [{n}], got {list(slots.shape)}")
+    if scale_counts is not None:
+        check_scale_counts(scale_counts, layout)
     if validate:
-        layout.check_cache(cache)
         check_global_scales(global_scales, layout)
-        want = (n, layout.num_kv_heads, layout.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise ValueError(f"k and v must be {list(want)}, got {list(k.shape)} and {list(v.shape)}")
-        if tuple(slots.shape) != (n,):
-            raise ValueError(f"slots must be [{n}], got {list(slots.shape)}")
         if k_offset is not None:
             check_k_offset(k_offset, layout, n)
-        if scale_counts is not None:
-            check_scale_counts(scale_counts, layout)
         if k_feedback is not None:
             check_k_feedback(k_feedback, layout)
+    elif global_scales.dtype != torch.float32 or tuple(global_scales.shape) != (2, layout.num_kv_heads):
+        raise ValueError(f"global scales must be float32 [2, {layout.num_kv_heads}], got {global_scales.dtype} "
+                         f"{list(global_scales.shape)}")
     if n == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:

@@ -18,6 +18,7 @@ from deepwell import configs
 from deepwell.engine_service.cli import graph_plan
 from deepwell.engine_service.config import EngineConfig
 from deepwell.engine_service.engine import EngineCore, EngineLimits
+from deepwell.engine_service.graph_audit import audit
 from deepwell.engine_service.graphs import graph_buckets, reserve_bytes
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
@@ -100,7 +101,7 @@ def test_graph_metrics(hybrid64: Path) -> None:
     m.set_cuda_graphs(None)
     assert m.registry.get_sample_value("deepwell_engine_cuda_graph_buckets", {"model": "t", "which": "largest"}) == 0
     r = _runner(hybrid64, "bf16", 4)
-    r.graphs._graphs = {b: None for b in r.graphs.buckets}  # as captured (CPU: none are)
+    r.graphs._graphs = {(b, 1): None for b in r.graphs.buckets}  # as captured (CPU: none are)
     r.graphs.memory_bytes = 3 << 20
     m.set_cuda_graphs(r.graphs)
     get = m.registry.get_sample_value
@@ -161,6 +162,21 @@ def test_graph_settings(hybrid64: Path) -> None:
         spec.bytes_per_page + spec.bytes_per_state_slot)
 
 
+def test_audit_finds_host_syncs() -> None:
+    x = torch.arange(6.0)
+
+    def step() -> None:
+        int(x.sum())
+        x[x > 2].sum()
+        x.tolist()
+        x * 2  # fine
+
+    kinds = sorted({h.op for h in audit(step, "cpu")})
+    assert "Tensor.tolist" in kinds and "Tensor.__int__" in kinds and any("boolean mask" in k for k in kinds)
+    assert all(h.kind == "sync" for h in audit(step, "cpu"))
+    assert audit(lambda: x * 2, "cpu") == []
+
+
 # -- on a GPU: captured graphs ------------------------------------------------------------
 def _hf(path: Path) -> torch.nn.Module:
     import transformers
@@ -178,6 +194,28 @@ def _llama64(directory: Path) -> None:
     torch.manual_seed(0)
     cfg = getattr(mod, cfg_cls)(**{**kwargs, "head_dim": 64})
     getattr(mod, model_cls)(cfg).float().save_pretrained(directory)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
+def test_decode_step_has_no_capture_hazards_on_gpu(tmp_path: Path, hybrid64: Path, arch: str, kv: str) -> None:
+    path = hybrid64
+    if arch == "llama":
+        path = tmp_path / "llama64"
+        _llama64(path)
+    r = build_runner(open_model(path), device="cuda", dtype=torch.bfloat16, kv_dtype=kv, page_size=64)
+    r.plan_graphs(4)
+    r.allocate(PAGES, SLOTS)
+    g = r.capture_graphs(capture=False)
+    g.inputs.fill_padding(0, 4)
+    g.inputs._upload(4, 1)
+    g._forward(4)  # lazy constants and autotuning first, as the capture's warm-up does
+    hazards = audit(lambda: g._forward(4), "cuda")
+    for h in hazards:
+        print(h)
+    assert not hazards
 
 
 @pytest.mark.gpu

@@ -305,3 +305,165 @@ def test_speculative_tokens_without_mtp_refuses_to_start(tmp_path: Path) -> None
                         "2", "--num-pages", "16", "--metrics-port", "-1"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "no MTP weights" in r.stderr
+
+
+def test_auto_drafts_nothing_where_decode_steps_are_graphs() -> None:
+    from types import SimpleNamespace
+
+    from deepwell.engine_service.cli import speculative_tokens
+    from deepwell.engine_service.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
+
+    mtp = SimpleNamespace(mtp_layers=1)
+    auto, two = EngineConfig(speculative_tokens=-1), EngineConfig(speculative_tokens=2)
+    assert speculative_tokens(auto, mtp, graph_batch=0) == DEFAULT_SPECULATIVE_TOKENS
+    assert speculative_tokens(auto, mtp, graph_batch=8) == 0  # verify rounds would run eagerly
+    assert speculative_tokens(two, mtp, graph_batch=8) == 2  # asked for: honoured
+    assert speculative_tokens(auto, SimpleNamespace(mtp_layers=0), graph_batch=0) == 0
+
+
+# -- a step of verify slices of one length: batched (context.VerifyGroup) -------------------
+def _verify_runner(path: Path, groups: bool):  # type: ignore[no-untyped-def]
+    from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
+
+    r = build_runner(open_model(path), page_size=64, kv_dtype="nvfp4")
+    r.allocate(8, 4)
+    r.calibrate_kv(_prompt(5, 96))
+    r.verify_groups = groups
+    for slot in range(3):
+        r.reset_state(slot)
+    lens = (30, 45, 20)
+    r.forward(ForwardBatch(torch.tensor([t for i, n in enumerate(lens) for t in _prompt(40 + i, n)]),
+                           [SeqSlice(i, [2 * i, 2 * i + 1], 0, n) for i, n in enumerate(lens)]))
+    return r, lens, ForwardBatch, SeqSlice
+
+
+def test_masked_replay_is_the_shorter_run_bit_for_bit() -> None:
+    """The group commit's two tricks: a zero gate and beta leave the recurrent state exactly as
+    it was, and the conv state after L tokens is a gather of the last K-1 inputs."""
+    from deepwell.engine_service.layers.backend import get_backend
+    from deepwell.engine_service.layers.gdn import conv_after
+
+    ops = get_backend("reference")
+    g = torch.Generator().manual_seed(0)
+    b, t, hk, hv, dk, dv, c = 3, 5, 2, 4, 8, 6, 12
+    q, k = torch.randn(b, t, hk, dk, generator=g), torch.randn(b, t, hk, dk, generator=g)
+    v = torch.randn(b, t, hv, dv, generator=g)
+    gate, beta = -torch.rand(b, t, hv, generator=g), torch.rand(b, t, hv, generator=g)
+    states = torch.randn(b, hv, dk, dv, generator=g)
+    lengths = torch.tensor([0, 2, 5])
+    keep = (torch.arange(t)[None] < lengths[:, None])[..., None]
+    _, masked = ops.gated_delta_rule_multi(q, k, v, torch.where(keep, gate, 0.0), torch.where(keep, beta, 0.0), states)
+    x, conv0, w = torch.randn(b, t, c, generator=g), torch.randn(b, c, 3, generator=g), torch.randn(c, 4, generator=g)
+    conv = conv_after(conv0, x, w, lengths)
+    for i, n in enumerate(lengths.tolist()):
+        _, short = ops.gated_delta_rule_multi(q[i:i + 1, :n], k[i:i + 1, :n], v[i:i + 1, :n], gate[i:i + 1, :n],
+                                              beta[i:i + 1, :n], states[i:i + 1])
+        assert torch.equal(masked[i], short[0])
+        _, cs = ops.causal_conv1d_multi(x[i:i + 1, :n], conv0[i:i + 1], w)
+        assert torch.equal(conv[i], cs[0])
+
+
+def test_verify_group_commits_the_states_of_plain_decode_steps(mtp_model64: Path) -> None:
+    """B = 3 verify slices of T = 4 in one batched step, then 0, 2 and 4 tokens accepted: every
+    slot's recurrent and conv state that of decode steps over the same tokens, the logits of the
+    accepted rows those steps' logits (within fp32 rounding: the linear layers see 12 rows
+    instead of 1-3, so BLAS sums in another order; the slice-by-slice path differs alike)."""
+    t = 4
+    drafts = [_prompt(60 + i, t) for i in range(3)]
+    accept = {0: 0, 1: 2, 2: 4}
+    g, lens, ForwardBatch, SeqSlice = _verify_runner(mtp_model64, True)
+    calls = []
+    orig = g._context
+    g._context = lambda *a: calls.append(orig(*a)) or calls[-1]  # type: ignore[method-assign]
+    logits = g.forward(ForwardBatch(torch.tensor([x for d in drafts for x in d]),
+                                    [SeqSlice(i, [2 * i, 2 * i + 1], lens[i], t, verify=True) for i in range(3)]))
+    assert calls[-1].verify_group is not None and calls[-1].verify_group.tokens_per_seq == t
+    g.accept_many(accept)
+    p, *_ = _verify_runner(mtp_model64, True)
+    rows = {i: [] for i in range(3)}
+    for step in range(t):
+        live = [i for i in range(3) if step < accept[i]]
+        if not live:
+            break
+        out = p.forward(ForwardBatch(torch.tensor([drafts[i][step] for i in live]),
+                                     [SeqSlice(i, [2 * i, 2 * i + 1], lens[i] + step, 1) for i in live]))
+        for j, i in enumerate(live):
+            rows[i].append(out[j])
+    for i in range(3):
+        for a, b in zip(g.state.slot_tensors(), p.state.slot_tensors(), strict=True):
+            assert torch.allclose(a[i], b[i], rtol=1e-5, atol=1e-5), f"slot {i}"
+            assert accept[i] or torch.equal(a[i], b[i])  # nothing accepted: untouched
+        for step, row in enumerate(rows[i]):
+            assert torch.allclose(logits[i * t + step], row, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no verify slice"):
+        g.accept_many({0: 1})  # committed already
+
+
+def test_verify_group_tokens_equal_slice_by_slice(mtp_model64: Path) -> None:
+    """The engine with batched verify steps gives the tokens of verify slices run one by one
+    and of no speculation, for k = 1..5, four requests of staggered arrival."""
+    base = _core(mtp_model64, 0, page_size=64, kv_dtype="nvfp4")
+    base.runner.calibrate_kv(_prompt(5, 96))
+    plain = _run(base, SPECS)
+    for k in (1, 2, 5):
+        for groups in (True, False):
+            core = _core(mtp_model64, k, page_size=64, kv_dtype="nvfp4")
+            core.runner.calibrate_kv(_prompt(5, 96))
+            core.runner.verify_groups = groups
+            _oracle(core, plain, wrong=lambda i: i % 5 in (1, 3))
+            assert _run(core, SPECS) == plain, (k, groups)
+            assert 0 < core.counters.spec_accepted < core.counters.spec_drafted
+
+
+def test_graphed_verify_steps_give_the_plain_tokens(mtp_model64: Path) -> None:
+    """Verify steps and their group commits through ``graphs.DecodeGraphs`` (the static-buffer
+    steps a CUDA capture records, run eagerly on CPU), padded to their buckets: the tokens of
+    no speculation, with every acceptance length."""
+    from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
+
+    base = _core(mtp_model64, 0, page_size=64, kv_dtype="nvfp4")
+    base.runner.calibrate_kv(_prompt(5, 96))
+    plain = _run(base, SPECS)
+    k = 3
+    runner = build_runner(open_model(mtp_model64), page_size=64, kv_dtype="nvfp4", mtp=True)
+    runner.plan_graphs(4, verify_tokens=k + 1)
+    core = EngineCore(runner, EngineLimits(num_pages=96, num_state_slots=12, max_concurrency=4, token_budget=64,
+                                           queue_size=8, max_context=512, speculative_tokens=k), eos_ids=())
+    runner.calibrate_kv(_prompt(5, 96))
+    g = runner.capture_graphs(capture=False)
+    assert g.shapes[-1] == (4, k + 1) and g.describe()["verify_tokens"] == k + 1
+    diff, scale = g.check()
+    assert diff == 0.0 and scale > 0
+    _oracle(core, plain, wrong=lambda i: i % 5 in (1, 3))
+    assert _run(core, SPECS) == plain
+    assert g.verify_replays > 0 and 0 < core.counters.spec_accepted < core.counters.spec_drafted
+    # a verify slice of another length, or mixed with a decode slice, runs eagerly
+    assert not g.accepts(ForwardBatch(torch.tensor([1, 2]), [SeqSlice(0, [0], 5, 2, verify=True)]))
+    assert not g.accepts(ForwardBatch(torch.tensor([1] * 5), [SeqSlice(0, [0], 5, 4, verify=True),
+                                                             SeqSlice(1, [1], 5, 1)]))
+    with pytest.raises(ValueError, match="verify_tokens"):
+        build_runner(open_model(mtp_model64), page_size=64, kv_dtype="nvfp4").plan_graphs(2, verify_tokens=65)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_captured_verify_steps_equal_plain_on_gpu(mtp_model64: Path) -> None:
+    """Verify steps and their commits captured as CUDA graphs (fp32 model, nvfp4 KV): the tokens
+    of the same engine without speculation, and the start-up check passes."""
+    from deepwell.engine_service.graphs import CHECK_TOLERANCE
+
+    kw = {"device": "cuda", "page_size": 64, "kv_dtype": "nvfp4"}
+    plain = _run(_core(mtp_model64, 0, **kw), SPECS)
+    k = 3
+    runner = build_runner(open_model(mtp_model64), device="cuda", dtype=torch.float32, page_size=64,
+                          kv_dtype="nvfp4", mtp=True)
+    runner.plan_graphs(4, verify_tokens=k + 1)
+    core = EngineCore(runner, EngineLimits(num_pages=96, num_state_slots=12, max_concurrency=4, token_budget=64,
+                                           queue_size=8, max_context=512, speculative_tokens=k), eos_ids=())
+    g = runner.capture_graphs()
+    diff, scale = g.check()
+    assert diff <= CHECK_TOLERANCE * max(scale, 1.0), (diff, scale)
+    assert g.describe()["verify_captured"] == [1, 2, 4]
+    _oracle(core, plain, wrong=lambda i: i % 5 in (1, 3))
+    assert _run(core, SPECS) == plain
+    assert g.verify_replays > 0
