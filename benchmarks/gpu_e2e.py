@@ -6,6 +6,10 @@
     python3 benchmarks/gpu_e2e.py --skip-decode --skip-prefill --hf --json X  # HF transformers on a slice
     python3 benchmarks/gpu_e2e.py --skip-prefill --profile --batches 1 --contexts 4096 --json X
     python3 benchmarks/gpu_e2e.py --tiny --device cpu --contexts 256 --batches 1 2 --kv-dtypes bf16 --json X
+    python3 benchmarks/gpu_e2e.py --skip-decode --skip-prefill --kv-dtypes nvfp4 --speculative 2 4 \
+        --contexts 4096 131072 --batches 1 8 --json X                        # MTP speculative rounds only
+    python3 benchmarks/gpu_e2e.py --tiny --device cpu --contexts 256 --batches 1 2 --kv-dtypes nvfp4 \
+        --skip-prefill --speculative 2 4 --json X
 
 Not a test: one line per figure as it is measured (stdout, flushed), every figure also in
 ``--json PATH`` (rewritten after each figure, so a run stopped at its time limit keeps what it
@@ -62,6 +66,34 @@ deepwell / HF. ``--profile``: one decode step (batch ``--profile-batch``, the fi
 under torch.profiler: kernel launches, GPU busy = union of kernel time / the step's wall time
 (unprofiled wall: the mean timed step; profiled wall also given), the top 10 kernels.
 
+Speculative decoding (``--speculative K [K ...]``: MTP drafts per round; default: not measured).
+Per weight dtype a second model of the same shape with one MTP layer (the written config gets
+``mtp_num_hidden_layers: 1``; ``build_runner(..., random=True, mtp=True)``: ``random_weights``
+fills the MTP module too, which ``mtp_weights`` checks, filling any tensor it finds unset), built
+after the plain model is dropped (the two do not fit one GPU together at the 27B shape); the
+other figures' model is unchanged. Per KV dtype x ``--cuda-graphs`` mode x context x batch, as
+the decode figures (same warm-up, ``--decode-steps`` timed steps, direct fill above
+``--fill-above``): first the plain step on this model (``speculative_tokens=0``, no MTP KV
+layer), then per K an engine with ``speculative_tokens=K`` (honoured with CUDA graphs on: verify
+graphs of K+1 tokens per sequence; they need a paged KV, e.g. nvfp4) timed over as many rounds.
+A round is one engine step: a verify forward of K+1 tokens per sequence, the commit of the kept
+prefix of each sequence's recurrent state (``accept_many``), the MTP drafting (``propose``: K
+MTP forwards, one per draft token, the first over the step's kept rows) and the host's
+scheduling, sampling and acceptance. Figure: ms/round and its ratio to the plain step. A
+separate profiled pass of as many rounds splits one: the runner's ``forward`` (the verify
+forward), ``accept_many`` (commit) and ``propose`` (drafting) timed with the device synchronized
+before and after each (those syncs slow that pass: its parts, not its total, are the figures);
+the verify forward's ratio to the plain step (and to the plain forward) is printed. Random
+weights mean the drafts are (almost) never accepted (the measured acceptance is printed and
+means nothing), so the rate is projected at an ASSUMED per-token acceptance p (``--accept-rate``,
+default 0.92): expected tokens per round and sequence = (1 - p^(K+1)) / (1 - p) (the accepted
+drafts plus the model's own token), projected tok/s = batch x that / the round's time, printed
+beside the plain decode tok/s (batch / plain step) with their ratio. Targets: at K = 4 the
+verify forward <= 1.3x the plain step (the whole round's ratio beside it), and at 128k, batch 1,
+FP8 weights the projected rate >= 3x plain decode (printed for every K and KV dtype). JSON:
+``speculative_plain`` (the plain steps), ``speculative`` (the rounds, with the ratios and the
+projection), ``model["<w>+mtp"]``.
+
 Each target of the issue is printed under its figure with PASS/MISS (on ``--tiny`` they are
 printed but mean nothing). ``main(argv)`` returns the JSON dict (the CPU test calls it).
 """
@@ -92,7 +124,7 @@ from benchmarks.agent_replay import QWEN35_27B, write_qwen35_27b  # noqa: E402
 from deepwell.engine_service import rope_scaling  # noqa: E402
 from deepwell.engine_service.block_manager import pages_for  # noqa: E402
 from deepwell.engine_service.cli import build_core  # noqa: E402
-from deepwell.engine_service.config import EngineConfig  # noqa: E402
+from deepwell.engine_service.config import MAX_SPECULATIVE_TOKENS, EngineConfig  # noqa: E402
 from deepwell.engine_service.engine import EngineCore, FinishedEvent, TokensEvent  # noqa: E402
 from deepwell.engine_service.kv.pool import Region  # noqa: E402
 from deepwell.engine_service.kv.quant_pool import KVSettingsError  # noqa: E402
@@ -125,6 +157,9 @@ T_COLD_S = 110.0  # 414k-token cold prefill
 T_HF_DECODE = 5.0
 T_HF_PREFILL = 1.2
 T_GPU_BUSY = 0.90
+T_VERIFY_COST = 1.3  # a verify forward of K+1 tokens per sequence / a plain decode step, at K = T_VERIFY_K
+T_VERIFY_K = 4
+T_SPEC_SPEEDUP = 3.0  # projected speculative tok/s / plain decode tok/s at 128k, batch 1, FP8 weights
 LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
@@ -146,8 +181,9 @@ class Report:
         self.path = Path(path) if path else None
         self.tiny = tiny
         self.data: dict[str, Any] = {"config": {}, "denominators": {}, "model": {}, "resident": [], "decode": [],
-                                     "prefill": [], "cold_prefill": [], "hf": {}, "profile": [], "targets": [],
-                                     "notes": [], "errors": []}
+                                     "prefill": [], "cold_prefill": [], "hf": {}, "profile": [],
+                                     "speculative_plain": [], "speculative": [], "targets": [], "notes": [],
+                                     "errors": []}
 
     def line(self, text: str) -> None:
         print(text, flush=True)
@@ -313,6 +349,45 @@ def model_stats(model: Any) -> dict[str, Any]:
     }
 
 
+def with_mtp(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` with one MTP layer (Qwen3.5's ``mtp_num_hidden_layers``; ``QWEN35_27B`` has none)."""
+    return {**cfg, "mtp_num_hidden_layers": 1}
+
+
+def mtp_weights(model: Any) -> dict[str, Any]:
+    """The MTP module's size, and a check that ``random_weights`` filled it: it fills every
+    parameter of the model, the MTP module (a registered submodule) included, so every floating
+    parameter must be finite and every weight matrix spread out. A matrix or vector that is not
+    gets N(0, 0.02) or ones here, on its device, and is named under ``refilled``. FP8 codes
+    (1-byte) are skipped and FP8 scales (``*_scale_inv``, quantized from filled weights after
+    ``random_weights``) only checked finite: neither can be refilled meaningfully."""
+    mtp = getattr(model, "mtp", None)
+    if mtp is None:
+        raise RuntimeError("the model has no MTP module (mtp_num_hidden_layers missing from its config?)")
+    refilled: list[str] = []
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            if p.device.type == "meta":
+                raise RuntimeError(f"MTP parameter {name} was never materialized (meta device)")
+            if not p.is_floating_point() or p.element_size() < 2:
+                continue
+            finite = bool(torch.isfinite(p).all())
+            if name.endswith("scale_inv"):
+                if not finite:
+                    raise RuntimeError(f"MTP FP8 scales {name} are not finite")
+                continue
+            if finite and (p.dim() < 2 or p.numel() < 2 or float(p.float().std()) > 0.0):
+                continue
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            else:
+                p.fill_(1.0)
+            refilled.append(name)
+    tensors = list(mtp.parameters()) + list(mtp.buffers())
+    return {"mtp_layers": len(mtp.layers), "mtp_params": sum(p.numel() for p in mtp.parameters()),
+            "mtp_bytes": sum(t.numel() * t.element_size() for t in tensors), "refilled": refilled}
+
+
 def prefill_flops(stats: dict[str, Any], tokens: int) -> float:
     attn = 4 * stats["attention_layers"] * stats["heads"] * stats["head_dim"] * tokens * tokens / 2
     return 2 * stats["layer_params"] * tokens + 2 * stats["head_params"] + attn
@@ -327,10 +402,11 @@ FLOPS_FORMULA = ("FLOPs = 2 x P_layers x T + 2 x P_head + 4 x L_attn x H x D x T
 # ----------------------------------------------------------------------------- engine
 @dataclasses.dataclass(eq=False)
 class Job:
-    kind: str  # decode | profile | prefill | cold
+    kind: str  # decode | profile | prefill | cold | spec_plain | spec
     seqs: int  # sequences (and state slots) at once
     length: int  # positions each sequence reaches
-    size: int  # the figure's context (decode) or prompt tokens (prefill)
+    size: int  # the figure's context (decode, spec) or prompt tokens (prefill)
+    drafts: int = 0  # spec: MTP tokens drafted per round (the engine's speculative_tokens)
 
 
 def decode_tokens(args: argparse.Namespace, batch: int, ctx: int, profile: bool) -> int:
@@ -340,21 +416,35 @@ def decode_tokens(args: argparse.Namespace, batch: int, ctx: int, profile: bool)
     return args.warmup_steps + args.decode_steps + stagger + (2 if profile else 0)
 
 
+def spec_tokens(args: argparse.Namespace, batch: int, ctx: int, drafts: int) -> int:
+    """``max_tokens`` of a speculative figure's requests (``drafts`` 0: its plain baseline): the
+    decode figure's rounds plus the profiled pass's, each emitting up to ``drafts + 1`` tokens,
+    with room for the last round to draft all ``drafts`` (``Scheduler.draft_room`` drafts fewer
+    near ``max_tokens``, and a verify slice of another length would leave the verify graph)."""
+    rounds = decode_tokens(args, batch, ctx, False) + args.decode_steps + 1
+    return rounds * (drafts + 1) + 1
+
+
 class Engine:
-    """One weight dtype's model; a fresh runner + pool (``EngineCore``) per KV dtype."""
+    """One weight dtype's model; a fresh runner + pool (``EngineCore``) per KV dtype (and, with
+    ``mtp``, per speculative K: the model's MTP module gets KV layers only in runners asked for it)."""
 
     def __init__(self, args: argparse.Namespace, source: Any, dev: torch.device, dtype: torch.dtype,
-                 weight_kw: dict[str, Any]) -> None:
+                 weight_kw: dict[str, Any], mtp: bool = False) -> None:
         self.args, self.source, self.dev, self.dtype = args, source, dev, dtype
         base = build_runner(source, device=dev, dtype=dtype, kv_dtype="auto", page_size=PAGE_SIZE, random=True,
-                            **weight_kw)
+                            mtp=mtp, **weight_kw)
         self.model, self.ops = base.model, base.ops
         del base
         self.stats = model_stats(self.model)
+        self.mtp = mtp_weights(self.model) if mtp else None
         self.core: EngineCore | None = None
 
-    def runner(self, kv: str) -> TorchModelRunner:
-        return TorchModelRunner(self.model, self.dev, self.dtype, KVSettings(kv), PAGE_SIZE, self.ops)
+    def runner(self, kv: str, mtp: bool = False) -> TorchModelRunner:
+        runner = TorchModelRunner(self.model, self.dev, self.dtype, KVSettings(kv), PAGE_SIZE, self.ops)
+        if mtp:
+            runner.enable_mtp()  # as build_runner(mtp=True): the MTP layer's KV follows the model's
+        return runner
 
     def pool_budget(self, runner: TorchModelRunner, slots: int) -> tuple[int, str]:
         """Bytes the pool gets (``engine_service.cli.size_pools``' rule) and how they were found."""
@@ -367,13 +457,16 @@ class Engine:
                             f"state slots of {spec.bytes_per_state_slot / 2**20:.0f} MiB")
         return int(a.cpu_kv_gib * GiB), f"--cpu-kv-gib {a.cpu_kv_gib}"
 
-    def open(self, kv: str, max_context: int, max_conc: int, graphs: str = "auto") -> EngineCore:
+    def open(self, kv: str, max_context: int, max_conc: int, graphs: str = "auto", drafts: int = 0) -> EngineCore:
+        """``drafts`` > 0: speculative decoding with that many MTP drafts per round (honoured with
+        CUDA graphs on: ``build_core`` then plans verify graphs of ``drafts + 1`` tokens)."""
         self.close()
         a = self.args
         cfg = EngineConfig(kv_dtype=kv, page_size=PAGE_SIZE, memory_fraction=a.memory_fraction,
                            cpu_kv_gib=a.cpu_kv_gib, max_concurrency=max_conc, token_budget=a.token_budget,
-                           queue_size=QUEUE, max_context=max_context, prefix_cache="off", cuda_graphs=graphs)
-        self.core = build_core(cfg, self.source, self.runner(kv))
+                           queue_size=QUEUE, max_context=max_context, prefix_cache="off", cuda_graphs=graphs,
+                           speculative_tokens=drafts)
+        self.core = build_core(cfg, self.source, self.runner(kv, mtp=drafts > 0))
         return self.core
 
     def close(self) -> None:
@@ -459,18 +552,23 @@ def fill_direct(core: EngineCore, reqs: list[Any], n: int, seed: int) -> None:
     sync(dev)
 
 
-def run_decode(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace, profile: bool = False,
-               seed: int = 0) -> dict[str, Any]:
-    """Decode tok/s (aggregate) of ``batch`` requests at context ``ctx``; see the module doc."""
-    dev = core.runner.device
-    direct = ctx > args.fill_above
-    max_tokens = decode_tokens(args, batch, ctx, profile)
+def decode_room(core: EngineCore, batch: int, ctx: int, max_tokens: int) -> str | None:
+    """Why ``batch`` requests of ``ctx`` prompt tokens and ``max_tokens`` more do not fit ``core``, or None."""
     need = batch * pages_for(ctx + max_tokens, PAGE_SIZE)
     if ctx + max_tokens > core.max_context:
-        return {"skipped": f"context {ctx} + {max_tokens} tokens exceeds the served context {core.max_context}"}
+        return f"context {ctx} + {max_tokens} tokens exceeds the served context {core.max_context}"
     if need > core.blocks.num_pages:
-        return {"skipped": f"needs {batch} x {pages_for(ctx + max_tokens, PAGE_SIZE)} = {need} KV pages, the pool "
-                           f"holds {core.blocks.num_pages}"}
+        return (f"needs {batch} x {pages_for(ctx + max_tokens, PAGE_SIZE)} = {need} KV pages, the pool holds "
+                f"{core.blocks.num_pages}")
+    return None
+
+
+def start_decode(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace, max_tokens: int,
+                 seed: int) -> tuple[list[Any], list[Sink], float]:
+    """Submit ``batch`` greedy requests of one random ``ctx``-token prompt and step until every
+    one has its first token (prefilled, or above ``--fill-above`` filled directly); returns the
+    requests, their sinks and the seconds that took. The caller cancels the requests (here: if
+    this fails)."""
     prompt = random_prompt(ctx, core.runner.vocab_size, seed)
     sinks = [Sink() for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -479,14 +577,32 @@ def run_decode(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace,
         core.submit(r)
     t_fill = time.perf_counter()
     try:
-        if direct:
+        if ctx > args.fill_above:
             fill_direct(core, reqs, ctx, seed)
         while min(s.tokens for s in sinks) == 0:
             _check(sinks)
             if core.step() == 0 and not core.has_work():
                 break
         _check(sinks)
-        fill_s = time.perf_counter() - t_fill
+    except BaseException:
+        for r in reqs:
+            core.cancel(r.request_id)
+        raise
+    return reqs, sinks, time.perf_counter() - t_fill
+
+
+def run_decode(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace, profile: bool = False,
+               seed: int = 0) -> dict[str, Any]:
+    """Decode tok/s (aggregate) of ``batch`` requests at context ``ctx``; see the module doc."""
+    dev = core.runner.device
+    direct = ctx > args.fill_above
+    max_tokens = decode_tokens(args, batch, ctx, profile)
+    why = decode_room(core, batch, ctx, max_tokens)
+    if why is not None:
+        return {"skipped": why}
+    reqs: list[Any] = []
+    try:
+        reqs, sinks, fill_s = start_decode(core, batch, ctx, args, max_tokens, seed)
         for _ in range(args.warmup_steps - 1):
             core.step()
         sync(dev)
@@ -507,6 +623,128 @@ def run_decode(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace,
             out["warning"] = f"{tokens} tokens in {args.decode_steps} steps of {batch} requests"
         if profile:
             out["profile"] = profile_step(core, dt / args.decode_steps)
+        return out
+    finally:
+        for r in reqs:
+            core.cancel(r.request_id)
+
+
+class PhaseTimer:
+    """While active, the runner's ``forward``, ``accept_many`` and ``propose`` are timed call by
+    call, the device synchronized before and after each (instance attributes shadowing the
+    methods, removed on exit; ``EngineCore`` calls them through ``core.runner``). The syncs
+    cost time of their own: for a separate profiled pass, never the timed one."""
+
+    PHASES = ("forward", "accept_many", "propose")
+
+    def __init__(self, runner: Any, tokens_per_seq: int) -> None:
+        self.runner = runner
+        self.tokens_per_seq = tokens_per_seq  # a full round's slice: 1 (plain decode) or K + 1 (verify)
+        self.seconds: dict[str, list[float]] = {name: [] for name in self.PHASES}
+        self.full_forwards = 0  # forwards whose every slice is a full round's (verify slices of K + 1 / decodes of 1)
+        self.graphed_forwards = 0  # forwards the runner's CUDA graphs accepted
+        self._wrapped: list[str] = []
+
+    def __enter__(self) -> PhaseTimer:
+        for name in self.PHASES:
+            fn = getattr(self.runner, name, None)
+            if fn is not None:
+                setattr(self.runner, name, self._timed(name, fn))
+                self._wrapped.append(name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self._wrapped:
+            delattr(self.runner, name)
+        self._wrapped.clear()
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        dev = self.runner.device
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            if name == "forward":
+                self._classify(args[0] if args else kw["batch"])
+            sync(dev)
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            sync(dev)
+            self.seconds[name].append(time.perf_counter() - t0)
+            return out
+
+        return timed
+
+    def _classify(self, batch: Any) -> None:
+        t, seqs = self.tokens_per_seq, batch.seqs
+        if seqs and all(s.num_tokens == t and s.verify == (t > 1) for s in seqs):
+            self.full_forwards += 1
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None and graphs.accepts(batch):
+            self.graphed_forwards += 1
+
+    def per_step(self, name: str, steps: int) -> float:
+        return sum(self.seconds[name]) / steps
+
+
+def run_rounds(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace, drafts: int,
+               seed: int = 0) -> dict[str, Any]:
+    """Engine steps of ``batch`` requests at context ``ctx`` on a core drafting ``drafts`` tokens
+    per round (0: speculation off, the plain step); see the module doc. Timed as ``run_decode``
+    (``--decode-steps`` steps after the warm-up), then a separate profiled pass of as many steps
+    under ``PhaseTimer`` splits a step into the forward (a verify forward of ``drafts + 1``
+    tokens per sequence), the commit (``accept_many``), the MTP drafting (``propose``) and the
+    rest (scheduling, sampling and acceptance on the host)."""
+    dev = core.runner.device
+    max_tokens = spec_tokens(args, batch, ctx, drafts)
+    why = decode_room(core, batch, ctx, max_tokens)
+    if why is not None:
+        return {"skipped": why}
+    steps, c = args.decode_steps, core.counters
+    reqs: list[Any] = []
+    try:
+        reqs, sinks, fill_s = start_decode(core, batch, ctx, args, max_tokens, seed)
+        for _ in range(args.warmup_steps - 1):
+            core.step()
+        sync(dev)
+        ctx0 = sum(r.num_computed for r in reqs) / batch
+        start = sum(s.tokens for s in sinks)
+        before = (c.spec_rounds, c.spec_drafted, c.spec_accepted)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        sync(dev)
+        dt = time.perf_counter() - t0
+        _check(sinks)
+        tokens = sum(s.tokens for s in sinks) - start
+        ctx1 = sum(r.num_computed for r in reqs) / batch
+        rounds, drafted, accepted = (a - b for a, b in zip((c.spec_rounds, c.spec_drafted, c.spec_accepted), before))
+        out: dict[str, Any] = {"drafts": drafts, "step_s": dt / steps, "tok_s": tokens / dt, "tokens": tokens,
+                               "seconds": dt, "steps": steps, "tokens_per_round": tokens / (batch * steps),
+                               "mean_context": (ctx0 + ctx1) / 2 + 1,
+                               "fill": "direct" if ctx > args.fill_above else "prefill", "fill_s": fill_s}
+        if drafts:
+            out.update(verify_slices=rounds, drafted=drafted, accepted=accepted,
+                       measured_acceptance=accepted / drafted if drafted else None)
+            if rounds != batch * steps or drafted != batch * steps * drafts:
+                out["warning"] = (f"{rounds} verify slices drafting {drafted} tokens in {steps} steps of {batch} "
+                                  f"requests (a full round each: {batch * steps} drafting {batch * steps * drafts})")
+        elif tokens != batch * steps:
+            out["warning"] = f"{tokens} tokens in {steps} steps of {batch} requests"
+        walls: list[float] = []
+        with PhaseTimer(core.runner, drafts + 1) as pt:
+            for _ in range(steps):
+                sync(dev)
+                t0 = time.perf_counter()
+                core.step()
+                sync(dev)
+                walls.append(time.perf_counter() - t0)
+        _check(sinks)
+        step_p = sum(walls) / steps
+        phases = {name: pt.per_step(name, steps) for name in PhaseTimer.PHASES}
+        out["profiled"] = {"steps": steps, "step_s": step_p, "forward_s": phases["forward"],
+                           "accept_s": phases["accept_many"], "propose_s": phases["propose"],
+                           "other_s": step_p - sum(phases.values()), "full_forwards": pt.full_forwards,
+                           "graphed_forwards": pt.graphed_forwards,
+                           "calls": {name: len(v) for name, v in pt.seconds.items()}}
         return out
     finally:
         for r in reqs:
@@ -669,6 +907,7 @@ class Bench:
         self.bw = self.peak = 0.0
         self.tmp = Path(tempfile.mkdtemp(prefix="gpu_e2e-"))
         self.decode_figs: dict[tuple[str, str, int, int], float] = {}
+        self.spec_plain: dict[tuple[str, str, int, int], dict[str, Any]] = {}  # the plain steps on the MTP model
         # where the issue's targets are read: its shapes, or on --tiny their stand-ins
         t = args.tiny
         self.at_4k = args.contexts[0] if t else 4096
@@ -706,13 +945,16 @@ class Bench:
                           f"{src.text_config()['max_position_embeddings']} served (contexts up to {context_needed})")
         return src
 
-    def main_contexts(self) -> int:
-        return max([j.length for j in self.jobs()] or [1])
+    def main_contexts(self, speculative: bool = False) -> int:
+        """The longest sequence of the main figures (``speculative``: of the speculative ones)."""
+        jobs = [j for k in [0, *self.args.speculative] for j in self.spec_jobs(k)] if speculative else self.jobs()
+        return max([j.length for j in jobs] or [1])
 
     def run_main(self) -> None:
         a, rep = self.args, self.rep
         cfg = slice_config(TINY if a.tiny else QWEN35_27B, a.model_layers)
-        src = self.source(cfg, "main", self.main_contexts())
+        src = self.source(cfg, "main", self.main_contexts()) if self.jobs() else None
+        src_mtp = self.source(with_mtp(cfg), "main-mtp", self.main_contexts(True)) if a.speculative else None
         opt = fp8_weight_option()
         weights = list(a.weight_dtypes)
         if "fp8" in weights and opt is None:
@@ -721,32 +963,73 @@ class Bench:
             weights.remove("fp8")
         for w in weights:
             kw: dict[str, Any] = {opt: "fp8"} if w == "fp8" and opt is not None else {}
-            t0 = time.perf_counter()
-            try:
-                eng = Engine(a, src, self.dev, self.dtype, kw)
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                rep.error(f"building the {w} model", exc)
-                continue
             wl = w if w == "fp8" else short_dtype(self.dtype)
-            st = eng.stats
-            rep.data["model"][wl] = st
-            rep.line(f"model {wl}-w: {st['layers']} layers ({st['attention_layers']} attention, "
-                     f"{st['recurrent_layers']} GDN), {st['total_params'] / 1e9:.2f}B params, "
-                     f"{gb(st['weight_bytes_streamed'])} streamed per decode step, random weights on "
-                     f"{self.dev} in {time.perf_counter() - t0:.1f} s")
-            if wl == "fp32":
-                rep.note("weights and activations in float32 (CPU run: float32 is the fast path there); the "
-                         "'bf16' KV pool is still bf16")
-            try:
-                self.resident(eng, wl)
-                for kv in a.kv_dtypes:
-                    for g in a.cuda_graphs:  # one label per mode when several are compared
-                        self.graphs = g
-                        self.per_kv(eng, wl if len(a.cuda_graphs) == 1 else f"{wl}/graphs-{g}", kv)
-            finally:
-                eng.drop()
-                del eng
-                free_memory(self.dev)
+            if src is not None:
+                self.run_weights(src, w, wl, kw)
+            if src_mtp is not None:
+                self.run_speculative(src_mtp, w, wl, kw)
+
+    def run_weights(self, src: Any, w: str, wl: str, kw: dict[str, Any]) -> None:
+        """The decode / profile / prefill figures of one weight dtype's model (no MTP module)."""
+        a, rep = self.args, self.rep
+        t0 = time.perf_counter()
+        try:
+            eng = Engine(a, src, self.dev, self.dtype, kw)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            rep.error(f"building the {w} model", exc)
+            return
+        st = eng.stats
+        rep.data["model"][wl] = st
+        rep.line(f"model {wl}-w: {st['layers']} layers ({st['attention_layers']} attention, "
+                 f"{st['recurrent_layers']} GDN), {st['total_params'] / 1e9:.2f}B params, "
+                 f"{gb(st['weight_bytes_streamed'])} streamed per decode step, random weights on "
+                 f"{self.dev} in {time.perf_counter() - t0:.1f} s")
+        if wl == "fp32":
+            rep.note("weights and activations in float32 (CPU run: float32 is the fast path there); the "
+                     "'bf16' KV pool is still bf16")
+        try:
+            self.resident(eng, wl)
+            for kv in a.kv_dtypes:
+                for g in a.cuda_graphs:  # one label per mode when several are compared
+                    self.graphs = g
+                    self.per_kv(eng, wl if len(a.cuda_graphs) == 1 else f"{wl}/graphs-{g}", kv)
+        finally:
+            eng.drop()
+            del eng
+            free_memory(self.dev)
+
+    def run_speculative(self, src: Any, w: str, wl: str, kw: dict[str, Any]) -> None:
+        """The speculative figures of one weight dtype: a model of its own with one MTP layer,
+        built after the plain model is dropped (both would not fit one GPU at the 27B shape). Per
+        KV dtype and graphs mode: the plain step on it (speculation off, no MTP KV layer), then
+        one engine per ``--speculative`` K."""
+        a, rep = self.args, self.rep
+        t0 = time.perf_counter()
+        try:
+            eng = Engine(a, src, self.dev, self.dtype, kw, mtp=True)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            rep.error(f"building the {w} model with its MTP layer", exc)
+            return
+        st, m = eng.stats, eng.mtp
+        assert m is not None
+        rep.data["model"][f"{wl}+mtp"] = {**st, **m}
+        rep.line(f"model {wl}-w + MTP (speculative figures): the same {st['layers']} layers plus {m['mtp_layers']} MTP "
+                 f"layer of {m['mtp_params'] / 1e6:.1f}M params ({gb(m['mtp_bytes'])}), random weights on {self.dev} "
+                 f"in {time.perf_counter() - t0:.1f} s ("
+                 + ("random_weights filled the MTP module" if not m["refilled"] else
+                    f"filled here, random_weights left {len(m['refilled'])} MTP tensors unset: {m['refilled'][:3]}")
+                 + ")")
+        try:
+            for kv in a.kv_dtypes:
+                for g in a.cuda_graphs:
+                    self.graphs = g
+                    label = wl if len(a.cuda_graphs) == 1 else f"{wl}/graphs-{g}"
+                    for k in [0, *a.speculative]:
+                        self.per_kv(eng, label, kv, self.spec_jobs(k), k)
+        finally:
+            eng.drop()
+            del eng
+            free_memory(self.dev)
 
     def resident(self, eng: Engine, wl: str) -> None:
         rep = self.rep
@@ -780,21 +1063,28 @@ class Bench:
             out.append(Job("cold", 1, a.cold_tokens + 1, a.cold_tokens))
         return out
 
-    def per_kv(self, eng: Engine, wl: str, kv: str) -> None:
-        """Run ``jobs()`` for ``kv``. A pool is sized for the largest batch still to run (its state
-        slots come out of the same memory); what does not fit waits for a pool with fewer slots
-        (one per distinct batch at most), and is skipped, with the numbers, once even that cannot
-        hold it."""
+    def spec_jobs(self, drafts: int) -> list[Job]:
+        """The speculative figures of one K (``drafts`` 0: their plain steps), on the MTP model."""
+        a = self.args
+        kind = "spec" if drafts else "spec_plain"
+        return [Job(kind, b, ctx + spec_tokens(a, b, ctx, drafts), ctx, drafts) for ctx in a.contexts
+                for b in a.batches]
+
+    def per_kv(self, eng: Engine, wl: str, kv: str, jobs: list[Job] | None = None, drafts: int = 0) -> None:
+        """Run ``jobs`` (default ``jobs()``) for ``kv`` on engines drafting ``drafts`` tokens per
+        round. A pool is sized for the largest batch still to run (its state slots come out of the
+        same memory); what does not fit waits for a pool with fewer slots (one per distinct batch
+        at most), and is skipped, with the numbers, once even that cannot hold it."""
         rep = self.rep
         eng.close()
         try:
-            runner = eng.runner(kv)
+            runner = eng.runner(kv, mtp=drafts > 0)
         except KVSettingsError as exc:
             rep.note(f"kv {kv}: not usable with this model ({exc}); skipped")
             return
         spec = runner.memory_spec()
         model_ctx = runner.max_context
-        pending = self.jobs()
+        pending = self.jobs() if jobs is None else list(jobs)
         while pending:
             slots = max(j.seqs for j in pending)
             budget, where = eng.pool_budget(runner, slots if spec.hybrid else 0)
@@ -813,13 +1103,19 @@ class Bench:
                     self.skip(wl, kv, j, why)
             pending = [j for j in pending if j not in runnable and j.seqs != slots]
             if runnable:
-                self.run_jobs(eng, wl, kv, spec, runnable, slots, max(j.length for j in runnable))
+                self.run_jobs(eng, wl, kv, spec, runnable, slots, max(j.length for j in runnable), drafts)
         del runner
-        self.scaling_targets(wl, kv)
+        if jobs is None:
+            self.scaling_targets(wl, kv)
 
     def skip(self, wl: str, kv: str, j: Job, why: str) -> None:
         rep = self.rep
-        if j.kind in ("decode", "profile"):
+        if j.kind in ("spec", "spec_plain"):
+            what = f"speculative K={j.drafts}" if j.drafts else "speculative baseline (plain step)"
+            rep.line(f"{what} {wl}-w {kv}-kv batch={j.seqs} ctx={j.size}: skipped ({why})")
+            rep.add("speculative" if j.drafts else "speculative_plain",
+                    {"weights": wl, "kv": kv, "batch": j.seqs, "context": j.size, "drafts": j.drafts, "skipped": why})
+        elif j.kind in ("decode", "profile"):
             rep.line(f"decode {wl}-w {kv}-kv batch={j.seqs} ctx={j.size}: skipped ({why})")
             rep.add("decode", {"weights": wl, "kv": kv, "batch": j.seqs, "context": j.size, "skipped": why})
         else:
@@ -828,24 +1124,36 @@ class Bench:
             rep.add(section, {"weights": wl, "kv": kv, "tokens": j.size, "skipped": why})
 
     def run_jobs(self, eng: Engine, wl: str, kv: str, spec: Any, jobs: list[Job], slots: int,
-                 max_context: int) -> None:
+                 max_context: int, drafts: int = 0) -> None:
         a, rep = self.args, self.rep
         t0 = time.perf_counter()
+        mtp = "" if eng.mtp is None else (f" (MTP model, speculative K={drafts})" if drafts
+                                          else " (MTP model, speculation off)")
         try:
-            core = eng.open(kv, max_context, slots, self.graphs)
+            core = eng.open(kv, max_context, slots, self.graphs, drafts)
         except Exception as exc:  # noqa: BLE001
-            rep.error(f"building the engine for {wl}-w {kv}-kv", exc)
+            rep.error(f"building the engine for {wl}-w {kv}-kv{mtp}", exc)
+            return
+        if core.spec_tokens != drafts:
+            rep.error(f"the engine for {wl}-w {kv}-kv{mtp}",
+                      RuntimeError(f"drafts {core.spec_tokens} tokens per round, {drafts} asked for"))
+            del core
+            eng.close()
             return
         kv_bpt = spec.bytes_per_page / spec.page_size
-        rep.line(f"engine {wl}-w {kv}-kv: {core.blocks.num_pages:,} pages x {PAGE_SIZE} ({kv_bpt / 1024:.2f} KiB/token "
-                 f"over {spec.num_attention_layers} attention layers), {core.blocks.num_state_slots} state slots of "
-                 f"{spec.bytes_per_state_slot / 2**20:.1f} MiB, served context {core.max_context:,}, token budget "
-                 f"{a.token_budget}; built (calibration, kernel check and graph capture included) in "
+        rep.line(f"engine {wl}-w {kv}-kv{mtp}: {core.blocks.num_pages:,} pages x {PAGE_SIZE} ({kv_bpt / 1024:.2f} "
+                 f"KiB/token over {spec.num_attention_layers} attention layers), {core.blocks.num_state_slots} state "
+                 f"slots of {spec.bytes_per_state_slot / 2**20:.1f} MiB, served context {core.max_context:,}, token "
+                 f"budget {a.token_budget}; built (calibration, kernel check and graph capture included) in "
                  f"{time.perf_counter() - t0:.1f} s; cuda graphs "
                  + (str(core.runner.graphs.describe()) if getattr(core.runner, "graphs", None) is not None else "off"))
         try:
             for j in jobs:
-                if j.kind == "decode":
+                if j.kind == "spec_plain":
+                    self.spec_plain_one(core, wl, kv, j.seqs, j.size)
+                elif j.kind == "spec":
+                    self.spec_one(core, wl, kv, j.seqs, j.size, j.drafts)
+                elif j.kind == "decode":
                     self.decode_one(core, eng, wl, kv, j.seqs, j.size, spec)
                 elif j.kind == "profile":
                     self.profile_one(core, eng, wl, kv, spec, j.seqs, j.size)
@@ -938,6 +1246,90 @@ class Bench:
         rep.line(f"    kernel launches in the step: {p['launch_calls']}")
         rep.target(f"{wl}-w {kv}-kv GPU busy in a decode step (torch profiler)", p["gpu_busy"], T_GPU_BUSY, "%",
                    note="" if graphed else "the target is with CUDA graphs on; this step ran eagerly")
+
+    # -- speculative decoding (MTP) ------------------------------------------------------
+    def spec_plain_one(self, core: EngineCore, wl: str, kv: str, b: int, ctx: int) -> None:
+        """The plain decode step the speculative rounds are compared with: the MTP model's
+        weights, speculation off, this batch, context, KV dtype and graphs mode."""
+        rep = self.rep
+        label = f"speculative baseline {wl}-w {kv}-kv batch={b} ctx={ctx}"
+        base = {"weights": wl, "kv": kv, "batch": b, "context": ctx, "drafts": 0}
+        try:
+            r = run_rounds(core, b, ctx, self.args, 0)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(label, exc)
+            return
+        rep.add("speculative_plain", {**base, **r})
+        if "skipped" in r:
+            rep.line(f"{label}: skipped ({r['skipped']})")
+            return
+        self.spec_plain[(wl, kv, b, ctx)] = r
+        p = r["profiled"]
+        rep.line(f"{label} (MTP model, speculation off): plain step {r['step_s'] * 1e3:.2f} ms = {r['tok_s']:.1f} "
+                 f"tok/s; profiled: forward {p['forward_s'] * 1e3:.2f} ms of a {p['step_s'] * 1e3:.2f} ms step, "
+                 f"{p['graphed_forwards']}/{p['steps']} graphed [fill: {r['fill']}, {r['fill_s']:.1f} s]"
+                 + (f" WARNING {r['warning']}" if "warning" in r else ""))
+
+    def spec_one(self, core: EngineCore, wl: str, kv: str, b: int, ctx: int, k: int) -> None:
+        """One speculative figure: a round of ``k`` drafts (verify forward of ``k + 1`` tokens per
+        sequence + commit + ``k`` MTP drafting forwards) against the plain step, its parts, and
+        the projection at the assumed acceptance (``--accept-rate``); printed with its targets."""
+        rep, a = self.rep, self.args
+        label = f"speculative K={k} {wl}-w {kv}-kv batch={b} ctx={ctx}"
+        base = {"weights": wl, "kv": kv, "batch": b, "context": ctx, "drafts": k}
+        try:
+            r = run_rounds(core, b, ctx, a, k)
+        except Exception as exc:  # noqa: BLE001
+            rep.error(label, exc)
+            return
+        if "skipped" in r:
+            rep.line(f"{label}: skipped ({r['skipped']})")
+            rep.add("speculative", {**base, **r})
+            return
+        p, plain = r["profiled"], self.spec_plain.get((wl, kv, b, ctx))
+        acc = a.accept_rate
+        per_round = (1.0 - acc ** (k + 1)) / (1.0 - acc)  # expected tokens per round and sequence
+        round_s, verify_s = r["step_s"], p["forward_s"]
+        projected = b * per_round / round_s
+        fig: dict[str, Any] = {**base, **r, "round_s": round_s, "verify_s": verify_s, "propose_s": p["propose_s"],
+                               "commit_s": p["accept_s"], "accept_rate_assumed": acc,
+                               "tokens_per_round_assumed": per_round, "projected_tok_s": projected}
+        if plain is not None:
+            plain_s, plain_fwd = plain["step_s"], plain["profiled"]["forward_s"]
+            fig.update(plain_step_s=plain_s, plain_tok_s=plain["tok_s"], plain_forward_s=plain_fwd,
+                       round_ratio=round_s / plain_s, verify_ratio=verify_s / plain_s,
+                       verify_forward_ratio=verify_s / plain_fwd, projected_speedup=projected / plain["tok_s"])
+            vs_round = (f" = {fig['round_ratio']:.2f}x the plain step ({plain_s * 1e3:.2f} ms/step, same model, KV, "
+                        "batch, context, graphs; speculation off)")
+            vs_verify = (f" = {fig['verify_ratio']:.2f}x the plain step, {fig['verify_forward_ratio']:.2f}x its "
+                         f"forward ({plain_fwd * 1e3:.2f} ms)")
+            vs_plain = f" vs {plain['tok_s']:.1f} tok/s plain decode = {fig['projected_speedup']:.2f}x"
+        else:
+            vs_round, vs_verify, vs_plain = " (no plain step to compare with)", "", ""
+        rep.add("speculative", fig)
+        measured = r.get("measured_acceptance")
+        rep.line(f"{label}: {round_s * 1e3:.2f} ms/round{vs_round} [fill: {r['fill']}; measured acceptance "
+                 + ("n/a" if measured is None else f"{measured:.1%}")
+                 + f", {r['tokens_per_round']:.2f} tokens/round/seq: random weights, meaningless]"
+                 + (f" WARNING {r['warning']}" if "warning" in r else ""))
+        partial = "" if p["full_forwards"] == p["steps"] else (
+            f"; only {p['full_forwards']}/{p['steps']} were full rounds of {k + 1} tokens/seq")
+        rep.line(f"    round parts (profiled pass, device synced around each; {p['step_s'] * 1e3:.2f} ms/round there): "
+                 f"verify forward ({k + 1} tokens/seq) {verify_s * 1e3:.2f} ms{vs_verify}; commit (accept_many) "
+                 f"{p['accept_s'] * 1e3:.2f} ms; propose ({k} MTP drafting forwards) {p['propose_s'] * 1e3:.2f} ms; "
+                 f"rest (scheduler, sampler, acceptance) {p['other_s'] * 1e3:.2f} ms; verify forwards graphed "
+                 f"{p['graphed_forwards']}/{p['steps']}{partial}")
+        rep.line(f"    projection (acceptance ASSUMED, p = {acc:g} per draft token; random weights cannot measure it): "
+                 f"(1 - p^{k + 1}) / (1 - p) = {per_round:.2f} tokens/round/seq -> {b} x {per_round:.2f} / "
+                 f"{round_s * 1e3:.2f} ms = {projected:.1f} tok/s{vs_plain}")
+        if k == T_VERIFY_K:
+            rep.target(f"{wl}-w {kv}-kv batch {b} ctx {ctx}: verify round of K+1={k + 1} tokens (verify forward) / "
+                       "plain step", fig.get("verify_ratio"), T_VERIFY_COST, "x", higher=False,
+                       note=f"whole round {fig['round_ratio']:.2f}x the plain step" if plain else "no plain step")
+        if b == 1 and ctx == self.at_128k:
+            rep.target(f"{wl}-w {kv}-kv K={k} projected rate at 128k, batch 1 / plain decode (acceptance assumed "
+                       f"p={acc:g})", fig.get("projected_speedup"), T_SPEC_SPEEDUP, "x",
+                       note="" if wl.startswith("fp8") else f"the target is for FP8 weights; measured with {wl}")
 
     def prefill_one(self, core: EngineCore, eng: Engine, wl: str, kv: str, t: int) -> None:
         rep, st = self.rep, eng.stats
@@ -1095,6 +1487,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hf-prefill", nargs="+", type=int, default=None, help="default 4096 8192 (tiny 128 256)")
     ap.add_argument("--profile", action="store_true", help="one decode step under torch.profiler")
     ap.add_argument("--profile-batch", type=int, default=1)
+    ap.add_argument("--speculative", nargs="+", type=int, default=[], metavar="K",
+                    help="MTP speculative rounds of K drafted tokens each (on a model with one MTP layer); "
+                         "default: not measured")
+    ap.add_argument("--accept-rate", type=float, default=0.92,
+                    help="per-token draft acceptance ASSUMED for the speculative projection (random weights "
+                         "cannot measure it)")
     ap.add_argument("--model-layers", type=int, default=0, help="run the main figures on a slice (0 = every layer)")
     ap.add_argument("--memory-fraction", type=float, default=0.9, help="CUDA: KV pool share of the free memory")
     ap.add_argument("--cpu-kv-gib", type=float, default=0.25, help="CPU: KV pool GiB")
@@ -1119,6 +1517,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.warmup_steps < 1 or args.decode_steps < 1:
         ap.error("--warmup-steps and --decode-steps must be >= 1")
+    if any(not 1 <= k <= min(MAX_SPECULATIVE_TOKENS, PAGE_SIZE - 1) for k in args.speculative):
+        ap.error(f"--speculative K must be in 1..{min(MAX_SPECULATIVE_TOKENS, PAGE_SIZE - 1)}")
+    args.speculative = sorted(set(args.speculative))
+    if not 0.0 <= args.accept_rate < 1.0:
+        ap.error("--accept-rate must be in [0, 1)")
     if args.rope_scaling not in ("auto", "model"):
         rope_scaling.parse(args.rope_scaling)
     return args
@@ -1139,7 +1542,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         bench.denominators()
-        if bench.jobs():
+        if bench.jobs() or args.speculative:
             bench.run_main()
         if args.hf:
             bench.run_hf()
