@@ -228,11 +228,11 @@ def speculative_tokens(cfg: EngineConfig, runner: Any, graph_batch: int = 0) -> 
     """Drafts per decode step: the configured count where the runner has its MTP module enabled
     (auto: ``DEFAULT_SPECULATIVE_TOKENS``), else 0; ``ConfigError`` when asked for without MTP.
 
-    Auto drafts nothing where decode steps are CUDA graphs (``graph_batch`` > 0): the verify
-    steps and their commits are captured too, but drafting (k steps of the MTP layer) runs
-    eagerly, and an eager step of the 27B shape took 7x a graphed one on an H100 (169 against
-    22.8 ms, docs/kernels.md); no GPU run has yet measured a speculative round against a graphed
-    decode step. A count given explicitly is honoured."""
+    Auto drafts nothing where decode steps are CUDA graphs (``graph_batch`` > 0) until a GPU
+    run has measured a speculative round against a graphed decode step: the verify steps, their
+    commits and the draft chain are captured too, but the MTP pass over each step's kept rows
+    runs eagerly, and an eager step of the 27B shape took 7x a graphed one on an H100 (169
+    against 22.8 ms, docs/kernels.md). A count given explicitly is honoured."""
     from deepwell.engine_service.config import DEFAULT_SPECULATIVE_TOKENS
 
     has_mtp = bool(getattr(runner, "mtp_layers", 0))
@@ -242,8 +242,8 @@ def speculative_tokens(cfg: EngineConfig, runner: Any, graph_batch: int = 0) -> 
     if not has_mtp:
         return 0
     if cfg.speculative_tokens < 0 and graph_batch:
-        _log().info("speculative_decoding_off", reason="decode steps are CUDA graphs and drafting runs eagerly "
-                    "(not measured faster yet); --speculative-tokens N drafts anyway")
+        _log().info("speculative_decoding_off", reason="decode steps are CUDA graphs and a speculative round "
+                    "has not been measured faster than one yet; --speculative-tokens N drafts anyway")
         return 0
     return DEFAULT_SPECULATIVE_TOKENS if cfg.speculative_tokens < 0 else cfg.speculative_tokens
 

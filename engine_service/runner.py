@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from deepwell.logs import get_logger
+from deepwell.engine_service.draft_graphs import DraftGraphs
 from deepwell.engine_service.graphs import DecodeGraphs, Scratch
 from deepwell.engine_service.kv.calibration import KVCalibration, RecordingPool
 from deepwell.engine_service.kv.float_pool import KVPool
@@ -107,6 +108,7 @@ class TorchModelRunner:
         self._graph_verify = 0  # tokens per sequence of the verify steps to capture (0: none)
         self._scratch = Scratch(-1, -1)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (capture_graphs)
+        self.draft_graphs: DraftGraphs | None = None  # MTP drafting chains as CUDA graphs (with verify graphs)
         # a step of verify slices all of one length runs batched (``context.VerifyGroup``); off:
         # each slice alone, as a prefill chunk (tests compare the two)
         self.verify_groups = True
@@ -207,9 +209,14 @@ class TorchModelRunner:
             raise RuntimeError("capture_graphs() needs plan_graphs() and allocate() first")
         capture = self._device.type == "cuda" if capture is None else capture
         graphs = DecodeGraphs(self, self._graph_batch, self._scratch, capture, self._graph_verify)
+        drafts = None
+        if self.mtp_layers and graphs.verify_tokens and self._scratch.page >= 0:
+            drafts = DraftGraphs(self, graphs.verify_batch, graphs.verify_tokens - 1, self._scratch.page, capture)
         if capture:
             graphs.capture()
-        self.graphs = graphs
+            if drafts is not None:
+                drafts.capture()
+        self.graphs, self.draft_graphs = graphs, drafts
         return graphs
 
     # -- quantized KV ------------------------------------------------------------------
@@ -369,6 +376,14 @@ class TorchModelRunner:
             out = self._mtp_step(ids, seqs, h)
             last_rows = list(itertools.accumulate(len(d.tokens) for d in inputs))  # each input's last row + 1
             ends = torch.tensor([last_rows[i] - 1 for i in live], dtype=torch.long, device=dev)
+            wanted = [inputs[i].num_drafts for i in live]
+            chain = self.draft_graphs
+            if chain is not None and live and self.graphs is not None and chain.accepts(len(live), wanted):
+                got = chain.run(out.index_select(0, ends), [inputs[i].start + len(inputs[i].tokens) for i in live],
+                                wanted, [inputs[i].block_table for i in live])
+                for i, d in zip(live, got, strict=True):
+                    drafts[i] = d
+                return drafts
             for step in range(max((inputs[i].num_drafts for i in live), default=0)):
                 if not live:
                     break
