@@ -292,6 +292,9 @@ class DecodeGraphs:
         dev = self.runner.device
         t0 = time.perf_counter()
         torch.cuda.synchronize(dev)
+        # measured with the allocator's free cache released on both sides (entering a capture
+        # releases it too, which made the plain difference negative on the H100)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(dev)
         stream = torch.cuda.Stream(dev)
         inp = self.inputs
@@ -328,7 +331,8 @@ class DecodeGraphs:
                 self._commits[(b, t)] = commit
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
-        self.memory_bytes = torch.cuda.memory_reserved(dev) - before
+        torch.cuda.empty_cache()
+        self.memory_bytes = max(0, torch.cuda.memory_reserved(dev) - before)
 
     def check(self) -> tuple[float, float]:
         """Replay the smallest bucket of every shape and run it eagerly from the same scratch state
