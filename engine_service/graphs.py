@@ -175,6 +175,11 @@ class StaticInputs:
         self._lens_host[lo:hi] = t
         self._tables_host[lo:hi, 0] = max(sc.page, 0)
 
+    def pad(self, bucket: int, t: int = 1, token: int = 0) -> None:
+        """Every sequence of ``bucket`` padding (capture, the start-up check), uploaded."""
+        self.fill_padding(0, bucket, t, token)
+        self._upload(bucket, t, 1)
+
     def load(self, batch: ForwardBatch, bucket: int, t: int = 1) -> None:
         """Stage ``batch`` (validated by the caller; ``t`` tokens per slice) into sequences
         ``0..n-1``, pad to ``bucket``, upload."""
@@ -301,8 +306,7 @@ class DecodeGraphs:
         audited: set[int] = set()
         self.lengths.zero_()  # padding commits nothing
         for b, t in sorted(self.shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True):
-            inp.fill_padding(0, b, t)
-            inp._upload(b, t, 1)
+            inp.pad(b, t)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compile / autotune / lazy constants outside the capture
@@ -351,8 +355,7 @@ class DecodeGraphs:
             b = self.bucket(1, t)
             results = []
             for graphed in (True, False):
-                inp.fill_padding(0, b, t, token=1 % r.vocab_size)
-                inp._upload(b, t, 1)
+                inp.pad(b, t, token=1 % r.vocab_size)
                 reset()
                 out = self._replay(b, t) if graphed else self._forward(b, t)
                 logits = out[1][: b * t].clone()

@@ -196,21 +196,24 @@ def _llama64(directory: Path) -> None:
     getattr(mod, model_cls)(cfg).float().save_pretrained(directory)
 
 
+def _model(tmp_path: Path, hybrid64: Path, arch: str) -> Path:
+    if arch != "llama":
+        return hybrid64
+    _llama64(tmp_path / "llama64")
+    return tmp_path / "llama64"
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
 @pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
 def test_decode_step_has_no_capture_hazards_on_gpu(tmp_path: Path, hybrid64: Path, arch: str, kv: str) -> None:
-    path = hybrid64
-    if arch == "llama":
-        path = tmp_path / "llama64"
-        _llama64(path)
-    r = build_runner(open_model(path), device="cuda", dtype=torch.bfloat16, kv_dtype=kv, page_size=64)
+    r = build_runner(open_model(_model(tmp_path, hybrid64, arch)), device="cuda", dtype=torch.bfloat16, kv_dtype=kv,
+                     page_size=64)
     r.plan_graphs(4)
     r.allocate(PAGES, SLOTS)
     g = r.capture_graphs(capture=False)
-    g.inputs.fill_padding(0, 4)
-    g.inputs._upload(4, 1)
+    g.inputs.pad(4)
     g._forward(4)  # lazy constants and autotuning first, as the capture's warm-up does
     hazards = audit(lambda: g._forward(4), "cuda")
     for h in hazards:
@@ -225,10 +228,7 @@ def test_decode_step_has_no_capture_hazards_on_gpu(tmp_path: Path, hybrid64: Pat
 def test_captured_decode_agrees_with_eager_and_hf(tmp_path: Path, hybrid64: Path, arch: str, kv: str) -> None:
     from tests.engine.helpers_models import hf_logits
 
-    path = hybrid64
-    if arch == "llama":
-        path = tmp_path / "llama64"
-        _llama64(path)
+    path = _model(tmp_path, hybrid64, arch)
     ids = prompt(64)
     ref = hf_logits(_hf(path), ids)  # fp32 oracle [64, vocab]
     out = {}
