@@ -492,3 +492,55 @@ def test_graphed_drafting_drafts_what_the_eager_loop_drafts(mtp_model64: Path) -
             assert runner.draft_graphs is not None and runner.draft_graphs.replays > 0
     assert accepted[True] == accepted[False]
     assert any(len(d) == 3 for call in accepted[True][0] for d in call)  # whole chains were drafted
+
+
+def test_speculation_across_a_host_restore(mtp_model: Path) -> None:
+    """Turn 1 decodes with speculation (every acceptance length), its cache entries spill to a
+    real KV-cache daemon and leave the device; turn 2 is restored from the daemon (the MTP
+    layer's KV travels in the entry) and decodes, speculating, the tokens of a cold plain run."""
+    import time
+
+    from deepwell.engine_service.cache.host import HostTier
+    from deepwell.kvclient.client import KVClient
+    from tests.kvcache.kvtest_helpers import Daemon
+
+    turn1 = _prompt(21, 40)
+    plain = _core(mtp_model, 0)
+    a1 = _run(plain, [(21, 40, 10, 0)], prompts={21: turn1})[21]
+    turn2 = turn1 + a1 + _prompt(22, 12)
+    a2 = _run(plain, [(22, 0, 10, 0)], prompts={22: turn2})[22]
+    daemon = Daemon(arena_bytes=32 << 20, granule_bytes=1 << 20).start()
+    client = KVClient(daemon.address, "test", rpc_timeout_s=5.0)
+    try:
+        assert client.start(10.0)
+        core = _core(mtp_model, 3, cache=True)
+        host = HostTier(client, core.runner, fingerprint=b"spec-host", page_size=8,
+                        hybrid=core.runner.memory_spec().hybrid)
+        core.attach_host(host)
+        truth = {21: a1, 22: a2}
+        _oracle(core, truth, wrong=lambda i: i % 3 == 1)
+
+        def run(seed: int, prompt: list[int]) -> list[int]:
+            out: list[int] = []
+            core.submit(core.make_request(prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                                          sink=lambda ev: out.extend(ev.token_ids) if isinstance(ev, TokensEvent)
+                                          else None, request_id=str(seed)))
+            deadline = time.monotonic() + 60
+            while core.has_work() and time.monotonic() < deadline:
+                if core.step() == 0:
+                    time.sleep(0.001)  # a restore on the host tier's worker
+            return out
+
+        assert run(21, turn1) == a1
+        with core.lock:
+            for e in list(core.cache.entries.values()):
+                assert core.cache.spill(e)
+                core.cache.drop(e, "pressure")
+        assert not core.cache.entries
+        assert run(22, turn2) == a2
+        assert host.counters.restores == {"ok": 1, "failed": 0}
+        assert 0 < core.counters.spec_accepted < core.counters.spec_drafted
+        core.blocks.check()  # (the cache holds turn 2's entries)
+    finally:
+        client.close()
+        daemon.cleanup()
