@@ -166,16 +166,12 @@ def gated_delta_rule_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of B sequences (the reference's ``gated_delta_rule_decode``): q, k
     ``[B, Hk, Dk]``, v ``[B, Hv, Dv]``, g, beta ``[B, Hv]``, states ``[B, Hv, Dk, Dv]`` ->
-    ``(o [B, Hv, Dv] in q.dtype, new states fp32)``; fla's fused recurrent kernel, batch form."""
-    _check_gdn(q, k, v, g, beta)
-    _check_states(states, q.shape[0], q, v)
-    fla = entry_points()
-    o, final = fla.fused_recurrent_gated_delta_rule(
-        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g=g.unsqueeze(1), beta=beta.unsqueeze(1),
-        scale=q.shape[-1] ** -0.5, initial_state=states.float().contiguous(), output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
-    return o.squeeze(1), final.float()
+    ``(o [B, Hv, Dv] in q.dtype, new states fp32)``: ``gated_delta_rule_multi`` with T = 1."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hk, Dk], got {list(q.shape)}")
+    o, final = gated_delta_rule_multi(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.unsqueeze(1),
+                                      beta.unsqueeze(1), states)
+    return o.squeeze(1), final
 
 
 def gated_delta_rule_multi(

@@ -443,6 +443,27 @@ def test_interpreter_fused_recurrent_varlen(lengths: list[int]) -> None:
 
 
 @interp
+def test_interpreter_fused_recurrent_multi() -> None:
+    """B sequences of T tokens (speculative verify and its commit) in one call: the reference's
+    decode op token by token."""
+    b, t = 2, 3
+    q, k, v, g, beta, s0 = gdn_inputs(b * t, n=b, seed=11)
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(b, t, *x.shape[1:])
+    o, s = fla_ops.gated_delta_rule_multi(split(q), split(k), split(v), split(g), split(beta), s0)
+    ro, rs = REF.gated_delta_rule_multi(split(q), split(k), split(v), split(g), split(beta), s0)
+    torch.testing.assert_close(o.float(), ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, rs, rtol=1e-5, atol=1e-5)
+    # the group commit's masking: a zero gate and beta past token 1 leave the state after token 1
+    keep = (torch.arange(t) < 1)[None, :, None]
+    _, masked = fla_ops.gated_delta_rule_multi(split(q), split(k), split(v), torch.where(keep, split(g), 0.0),
+                                               torch.where(keep, split(beta), 0.0), s0)
+    _, short = fla_ops.gated_delta_rule_multi(split(q)[:, :1], split(k)[:, :1], split(v)[:, :1], split(g)[:, :1],
+                                              split(beta)[:, :1], s0)
+    torch.testing.assert_close(masked, short, rtol=0, atol=0)
+
+
+@interp
 def test_interpreter_fused_recurrent_decode() -> None:
     q, k, v, g, beta, s0 = gdn_inputs(3, n=3, seed=7)
     o, s = fla_ops.gated_delta_rule_decode(q, k, v, g, beta, s0)
