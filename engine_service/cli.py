@@ -326,7 +326,8 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
         return build_runner(source, device=device, dtype=dtype, kv_dtype=cfg.kv_dtype, page_size=cfg.page_size,
                             kv_hadamard=cfg.kv_hadamard, kv_center_k=cfg.kv_center_k,
                             kv_k_rounding=cfg.kv_k_rounding, kv_paged=cfg.kv_paged, random=cfg.random_weights,
-                            mtp=cfg.speculative_tokens != 0, weight_dtype=cfg.weight_dtype)
+                            mtp=cfg.speculative_tokens != 0, weight_dtype=cfg.weight_dtype,
+                            **({"batch_invariant": True} if cfg.batch_invariant else {}))
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
 

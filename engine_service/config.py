@@ -192,6 +192,11 @@ class EngineConfig:
                 "verified in one step (outputs exactly as without; 0 = off; -1 = auto: "
                 f"{DEFAULT_SPECULATIVE_TOKENS} where the checkpoint has MTP weights and decode steps are not CUDA "
                 "graphs, else off: verify rounds run eagerly)"})
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "CPU: every sequence's numbers independent of what shares its step (linear rows padded to 4, "
+                "attention per row over exactly its context): a speculative round leaves bit for bit the state "
+                "plain decoding would, and outputs do not depend on the load; about 2x slower linears at batch 1. "
+                "Needs device=cpu, a float kv_dtype, 16-bit or fp32 weights and one process"})
     random_weights: bool = field(default=False, metadata={"help": "fill the weights with random values instead of "
                                                                   "loading them (speed and memory measurements of "
                                                                   "full-size shapes: a HF directory then needs only "
@@ -257,6 +262,13 @@ class EngineConfig:
         c(self.shutdown_spill_s >= 0, "shutdown_spill_s", self.shutdown_spill_s, "must be >= 0")
         c(0.0 <= self.cache_fraction <= 1.0, "cache_fraction", self.cache_fraction, "must be in [0, 1]")
         c(self.cpu_threads >= 0, "cpu_threads", self.cpu_threads, "must be >= 0 (0 = torch's default)")
+        if self.batch_invariant:
+            c(self.device == "cpu", "device", self.device, "must be cpu with --batch-invariant (the CUDA kernels "
+              "are not batch-invariant)")
+            c(self.kv_dtype not in QUANT_KV_DTYPES, "kv_dtype", self.kv_dtype, "must be a float KV cache (auto, "
+              "bf16, fp16, fp32) with --batch-invariant")
+            c(self.weight_dtype != "fp8", "weight_dtype", self.weight_dtype, "must be auto with --batch-invariant")
+            c(self.tensor_parallel == 1, "tensor_parallel", self.tensor_parallel, "must be 1 with --batch-invariant")
         c(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
         c(self.token_budget >= 1, "token_budget", self.token_budget, "must be >= 1")
         c(self.chunk_tokens >= 0, "chunk_tokens", self.chunk_tokens, "must be >= 0 (0 = token_budget)")

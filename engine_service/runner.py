@@ -35,7 +35,7 @@ from deepwell.logs import get_logger
 from deepwell.engine_service.draft_graphs import DraftGraphs
 from deepwell.engine_service.graphs import DecodeGraphs, Scratch
 from deepwell.engine_service.kv.calibration import KVCalibration, RecordingPool
-from deepwell.engine_service.kv.float_pool import KVPool
+from deepwell.engine_service.kv.float_pool import QUANT_KV_DTYPES, KVPool
 from deepwell.engine_service.kv.pool import Region
 from deepwell.engine_service.kv.quant_pool import QuantKVPool
 from deepwell.engine_service.kv.selfcheck import KVKernelCheck
@@ -595,6 +595,7 @@ def build_runner(
     random: bool = False,
     mtp: bool = False,
     weight_dtype: str = "auto",
+    batch_invariant: bool = False,
 ) -> TorchModelRunner:
     """Build the model for ``source`` on ``device`` and stream its weights in (``random``: fill
     them with random values instead, ``models.random_weights``).
@@ -611,8 +612,21 @@ def build_runner(
     ``mtp``: give the checkpoint's MTP module its KV layers (``enable_mtp``) for speculative
     decoding; a model without (complete) MTP weights logs ``mtp_unavailable`` and has none.
 
+    ``batch_invariant``: the CPU reference made independent of the step's make-up
+    (``layers.invariant``: row-padded linear layers, per-row attention); CPU, a float KV cache
+    and 16-bit / fp32 weights only.
+
     The runner (and so every KV setting) is checked before the weights load."""
     dev = torch.device(device)
+    if batch_invariant:
+        from deepwell.engine_service.layers import invariant
+
+        if dev.type != "cpu" or backend not in ("auto", "reference", invariant.BatchInvariantBackend.name):
+            raise ValueError(f"batch_invariant needs the CPU reference backend, not device {dev} / backend {backend}")
+        if kv_dtype in QUANT_KV_DTYPES or weight_dtype == "fp8":
+            raise ValueError("batch_invariant needs a float KV cache and 16-bit or fp32 weights, not "
+                             f"kv_dtype={kv_dtype} / weight_dtype={weight_dtype}")
+        backend = invariant.BatchInvariantBackend.name
     if backend == "auto":
         backend, why = default_backend(dev)
     else:
@@ -635,6 +649,10 @@ def build_runner(
         log.info("weights_fp8", layers=len(names), block=list(block), source="checkpoint (native)")
     else:
         load_weights(model, family, text_cfg, source.iter_tensors())
+    if batch_invariant:
+        from deepwell.engine_service.layers.invariant import pad_linear_rows
+
+        log.info("batch_invariant", linear_layers=pad_linear_rows(model))
     if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
         log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")

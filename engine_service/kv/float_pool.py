@@ -73,9 +73,8 @@ class FloatLayerKV:
         for seq in ctx.multi:
             rows = slice(seq.offset, seq.offset + seq.num_tokens)
             assert seq.token_index is not None
-            out[rows] = self.ops.paged_attention(
-                q[rows], self.k_cache, self.v_cache, seq.token_index, seq.start, scale
-            )
+            attend = self.ops.verify_attention if seq.verify else self.ops.paged_attention
+            out[rows] = attend(q[rows], self.k_cache, self.v_cache, seq.token_index, seq.start, scale)
         dec = ctx.decode
         if dec is not None:
             assert dec.token_index is not None and dec.lengths is not None

@@ -98,6 +98,19 @@ class ReferenceBackend:
             out[lo:hi] = res.permute(2, 0, 1, 3).reshape(hi - lo, hq, d).to(q.dtype)
         return out
 
+    def verify_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        token_index: torch.Tensor,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """A speculative verify slice's T queries (``paged_attention``'s arguments): causal
+        attention, as a prefill chunk (``layers.invariant`` runs them as decode rows)."""
+        return self.paged_attention(q, k_cache, v_cache, token_index, start, scale)
+
     def paged_decode_attention(
         self,
         q: torch.Tensor,
@@ -226,20 +239,6 @@ class ReferenceBackend:
             return v.new_empty(v.shape, dtype=torch.float32), states
         return torch.stack(outs, 1), states
 
-    def gated_delta_rule_recurrent(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gated_delta_rule`` token by token (the decode form, whatever T): what a speculative
-        verify step and its commit use, so that replaying the first L tokens of a verified slice
-        gives bit for bit the state its outputs were computed with."""
-        return self.gated_delta_rule(q, k, v, g, beta, state, recurrent=True)
-
     # -- the small elementwise chains (one fused kernel each on CUDA: kernels.fused) ---------
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      zero_centered: bool, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,7 +273,15 @@ class ReferenceBackend:
         """``o * sigmoid(gate)`` in ``o``'s shape (the attention output gate)."""
         return fused_ref.sigmoid_gate_mul(o, gate)
 
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.sigmoid`` (the MoE shared expert's gate)."""
+        return torch.sigmoid(x)
+
     # -- mixture of experts -------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` of the products outside ``nn.Linear`` modules (MoE router, experts)."""
+        return F.linear(x, weight, bias)
+
     def moe_experts(
         self,
         x: torch.Tensor,
@@ -294,7 +301,7 @@ class ReferenceBackend:
             if n == 0:
                 continue
             tok = token_of[pos : pos + n]
-            y = F.linear(self.silu_and_mul(F.linear(x[tok], gate_up[e])), down[e])
+            y = self.linear(self.silu_and_mul(self.linear(x[tok], gate_up[e])), down[e])
             y = y * weight_of[pos : pos + n, None].to(x.dtype)
             out.index_add_(0, tok, y)
             pos += n

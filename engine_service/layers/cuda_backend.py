@@ -8,8 +8,7 @@ residual sums and RoPE; ``tests/kernels/test_fused_ops.py``). For CUDA tensors, 
 imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``kernels.gdn`` (fla):
 
 - ``gated_delta_rule``: fla's chunked kernels for a prefill chunk (T > 1), the fused recurrent
-  kernel for T == 1 and with ``recurrent`` (``gated_delta_rule_recurrent``: speculative verify
-  steps and their commit, any T); ``gated_delta_rule_decode``: the fused recurrent kernel over the B decode
+  kernel for T == 1 and with ``recurrent`` (any T); ``gated_delta_rule_decode``: the fused recurrent kernel over the B decode
   sequences at once (batch form, one token each); ``gated_delta_rule_multi``: the same kernel over
   B sequences of T tokens each (speculative verify steps and their group commit);
 - ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its

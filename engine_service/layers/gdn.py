@@ -186,21 +186,25 @@ class GatedDeltaNet(nn.Module):
 
     def _verify(self, seq: SeqInfo, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: StepContext,
                 conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
-        """A verify slice: outputs from the slot's state token by token, the slot left untouched;
-        the commit (``VerifyRecord``) replays the first L tokens from the same inputs, so the
-        state it writes is the one the L-th output was computed with."""
+        """A verify slice beside other slices: a group of one (``*_multi``, the decode ops'
+        arithmetic token by token), the slot left untouched; the commit (``VerifyRecord``) replays
+        the first L tokens from the same inputs, so the state it writes is the one the L-th output
+        was computed with, and the one L decode steps would have left."""
         assert ctx.verify is not None
         slot, weight = seq.state_slot, self.conv1d.weight.squeeze(1)
-        conv_out, _ = self.backend.causal_conv1d(mixed, conv_state[slot], weight)
-        q, k, v = self._qkv(conv_out)
-        o, _ = self.backend.gated_delta_rule_recurrent(q, k, v, g, beta, rec_state[slot])
+        x = mixed.unsqueeze(0)
+        conv_out, _ = self.backend.causal_conv1d_multi(x, conv_state[slot].unsqueeze(0), weight)
+        q, k, v = (t.unsqueeze(0) for t in self._qkv(conv_out[0]))
+        gb, betab = g.unsqueeze(0), beta.unsqueeze(0)
+        o, _ = self.backend.gated_delta_rule_multi(q, k, v, gb, betab, rec_state[slot].unsqueeze(0))
 
         def commit(n: int) -> None:
             if n == 0:  # nothing accepted: the slot stays at the slice's start
                 return
-            _, conv_state[slot] = self.backend.causal_conv1d(mixed[:n], conv_state[slot], weight)
-            _, rec_state[slot] = self.backend.gated_delta_rule_recurrent(
-                q[:n], k[:n], v[:n], g[:n], beta[:n], rec_state[slot])
+            _, conv = self.backend.causal_conv1d_multi(x[:, :n], conv_state[slot].unsqueeze(0), weight)
+            _, rec = self.backend.gated_delta_rule_multi(q[:, :n], k[:, :n], v[:, :n], gb[:, :n], betab[:, :n],
+                                                         rec_state[slot].unsqueeze(0))
+            conv_state[slot], rec_state[slot] = conv[0], rec[0]
 
         ctx.verify.add(slot, commit)
-        return o
+        return o[0]

@@ -9,7 +9,6 @@ top-k, renormalised when ``norm_topk_prob``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepwell.engine_service.layers.backend import ReferenceBackend
@@ -57,7 +56,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.gate.weight)
+        logits = self.backend.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -66,5 +65,5 @@ class SparseMoE(nn.Module):
             x, self.experts.gate_up_proj, self.experts.down_proj, top_i, top_w.to(x.dtype)
         )
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + self.backend.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

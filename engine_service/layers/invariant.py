@@ -1,0 +1,171 @@
+"""Batch-invariant CPU inference (``--batch-invariant``): a sequence's numbers never depend on
+what else shares its step.
+
+By default a row's result can change in its last bits with the step's make-up, on CPU as on
+GPU: MKL's fp32 GEMM takes another kernel below 4 rows (and, with several threads, for some
+row counts that are not multiples of 4), and the decode attention pads every row to the
+step's longest context. Bits do not change tokens in practice, but they make runs hard to
+compare: a speculative verify step (k + 1 rows) leaves a recurrent state that differs from
+plain decoding's by ~1e-6, and a request's logits depend on the load.
+
+This mode removes the dependence on the reference (CPU) path, measured on MKL (torch 2.13,
+1-8 threads, every linear shape of the tiny and SmolLM2 models):
+
+- every ``nn.Linear`` pads its rows to a multiple of ``ROW_MULTIPLE`` (4) with zeros, which
+  makes each row's product the same bits whatever the other rows (``RowPaddedLinear``);
+  MoE routers and expert products likewise (``BatchInvariantBackend.linear``);
+- the ops with a sigmoid, SiLU or softplus pad their rows to a multiple of 64, so that no
+  element falls in torch's scalar tail loop (``ACTIVATION_ROWS``);
+- decode attention runs each query over exactly its own context, never a padded one, and a
+  speculative verify slice's queries run as those decode rows (``paged_decode_attention``,
+  ``verify_attention``);
+- the Gated DeltaNet already computes verify slices through the decode ops token by token
+  (``layers.gdn``), so with the two above a state after a partial acceptance is the plain
+  run's bit for bit (tests/engine/test_batch_invariant.py).
+
+Cost (measured on this project's 2-core CPU, fp32): a one-row linear padded to four takes
+1.7-2.8x as long (MKL's GEMV is faster than its 4-row GEMM), and decode attention loses its
+batching; so the mode is off by default. It needs the reference backend and a float KV cache
+(the quantized pools' reference kernels are not covered) and one process (no tensor
+parallelism): ``EngineConfig`` refuses other combinations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
+
+ROW_MULTIPLE = 4  # MKL's fp32 GEMM is row-invariant for row counts that are multiples of this
+# torch's CPU sigmoid / silu / softplus compute a tensor's last (numel mod vector chunk) elements
+# with scalar code, other bits than the SIMD lanes': padding the rows to a multiple of 64 leaves
+# no such tail (exp, rsqrt, cos and IEEE arithmetic are the same bits either way; measured)
+ACTIVATION_ROWS = 64
+
+
+def _rows_padded(fn: Callable[..., Any], *rows: torch.Tensor) -> Any:
+    """``fn(*rows)`` over the tensors' first dim padded with zeros to a multiple of
+    ``ACTIVATION_ROWS``, the padding sliced off every output."""
+    n = rows[0].shape[0]
+    pad = (-n) % ACTIVATION_ROWS
+    if not pad:
+        return fn(*rows)
+    out = fn(*(torch.cat([r, r.new_zeros(pad, *r.shape[1:])]) for r in rows))
+    return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over ``x``'s rows padded with zeros to a multiple of ``ROW_MULTIPLE``."""
+    rows = x.reshape(-1, x.shape[-1])
+    pad = (-rows.shape[0]) % ROW_MULTIPLE
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = F.linear(rows, weight, bias)
+    if pad:
+        out = out[: out.shape[0] - pad]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class RowPaddedLinear(nn.Linear):
+    """``nn.Linear`` whose every call is ``padded_linear`` (the same parameters, no copy)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return padded_linear(x, self.weight, self.bias)
+
+    @classmethod
+    def adopt(cls, layer: nn.Linear) -> RowPaddedLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = layer.in_features, layer.out_features
+        new.weight = layer.weight
+        new.bias = layer.bias
+        return new
+
+
+def pad_linear_rows(model: nn.Module) -> int:
+    """Replace every plain ``nn.Linear`` of ``model`` (the LM head and the MTP module included)
+    by its ``RowPaddedLinear``; returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear]
+    for parent, name, child in swaps:
+        setattr(parent, name, RowPaddedLinear.adopt(child))
+    return len(swaps)
+
+
+class BatchInvariantBackend(ReferenceBackend):
+    """The reference ops with every row's arithmetic independent of the other rows of a step."""
+
+    name = "reference-invariant"
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        token_index: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query per row over exactly its ``lengths[b]`` keys (no padding to the longest)."""
+        b, hq, d = q.shape
+        out = torch.empty_like(q)
+        for i, n in enumerate(lengths.tolist()):
+            rows = token_index[i, :n]
+            keys = k_cache.index_select(0, rows).float()  # [L, Hkv, D]
+            vals = v_cache.index_select(0, rows).float()
+            hkv = keys.shape[1]
+            kf, vf = keys.permute(1, 0, 2), vals.permute(1, 0, 2)  # [Hkv, L, D]
+            qf = q[i].float().view(hkv, hq // hkv, d)  # [Hkv, G, D]
+            scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [Hkv, G, L]
+            out[i] = torch.matmul(torch.softmax(scores, dim=-1), vf).reshape(hq, d).to(q.dtype)
+        return out
+
+    def verify_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        token_index: torch.Tensor,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """A verify slice's T queries as T decode rows of contexts ``start + 1 .. start + T``."""
+        t = q.shape[0]
+        lengths = torch.arange(start + 1, start + t + 1, device=q.device)
+        return self.paged_decode_attention(q, k_cache, v_cache, token_index.expand(t, -1), lengths, scale)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return padded_linear(x, weight, bias)
+
+    # -- the ops with sigmoid / silu / softplus: rows padded (``ACTIVATION_ROWS``) ---------------
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return _rows_padded(lambda a, b: super(BatchInvariantBackend, self).gated_rms_norm(a, b, weight, eps), x, gate)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return _rows_padded(super().silu_mul, gate, up)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return _rows_padded(super().silu_and_mul, gate_up)
+
+    def gdn_gating(self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rows_padded(lambda x, y: super(BatchInvariantBackend, self).gdn_gating(x, y, A_log, dt_bias), a, b)
+
+    def sigmoid_gate_mul(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return _rows_padded(super().sigmoid_gate_mul, o, gate.reshape(o.shape))
+
+    def sigmoid(self, x: torch.Tensor) -> torch.Tensor:
+        return _rows_padded(super().sigmoid, x)
+
+    def causal_conv1d_decode(self, x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rows_padded(lambda a, b: super(BatchInvariantBackend, self).causal_conv1d_decode(a, b, weight),
+                            x, states)
+
+
+register_backend(BatchInvariantBackend.name, BatchInvariantBackend)

@@ -1,0 +1,124 @@
+"""``--batch-invariant`` (``layers.invariant``): on the CPU reference a sequence's numbers do not
+depend on what shares its step, so a speculative round leaves bit for bit the recurrent state,
+conv state and KV that plain decoding leaves at the same position (issue 45's acceptance), with
+requests arriving at different steps (batch 1 to 4, chunked prefill beside decodes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepwell.engine_service.config import EngineConfig
+from deepwell.configs import ConfigError
+from deepwell.engine_service.engine import EngineCore, EngineLimits
+from deepwell.engine_service.layers.invariant import BatchInvariantBackend, RowPaddedLinear, padded_linear
+from deepwell.engine_service.loading import open_model
+from deepwell.engine_service.runner import build_runner
+from tests.engine.test_spec_decode import SPECS, _oracle, _prompt, _run, mtp_model  # noqa: F401 - fixture
+
+SLOT_POS_KEY = tuple[str, int]
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_padded_linear_rows_are_their_own(threads: int) -> None:
+    """Each row of a padded product equals that row alone, for every row count (the plain
+    ``F.linear`` does not: MKL takes another kernel below 4 rows)."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(192, 96, generator=g), torch.randn(192, generator=g)
+    x = torch.randn(13, 96, generator=g)
+    alone = torch.cat([padded_linear(x[i:i + 1], w, b) for i in range(13)])
+    for m in range(1, 14):
+        assert torch.equal(padded_linear(x[:m], w, b), alone[:m]), m
+    assert padded_linear(x.view(13, 1, 96), w).shape == (13, 1, 192)
+    lin = torch.nn.Linear(96, 192)
+    padded = RowPaddedLinear.adopt(lin)
+    assert padded.weight is lin.weight and torch.equal(padded(x[:3]), padded_linear(x[:3], lin.weight, lin.bias))
+
+
+def test_decode_rows_and_verify_rows_attend_alike(threads: int) -> None:
+    """Per-row decode attention over exactly each row's context: a row alone, a row in a batch
+    of other lengths, and a verify slice's query at the same position give the same bits."""
+    ops = BatchInvariantBackend()
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, rows = 6, 2, 16, 40
+    kc, vc = torch.randn(rows, hkv, d, generator=g), torch.randn(rows, hkv, d, generator=g)
+    index = torch.randperm(rows, generator=g)
+    q = torch.randn(5, hq, d, generator=g)
+    lengths = torch.tensor([17, 3, 40, 18, 19])
+    batch = ops.paged_decode_attention(q, kc, vc, index.expand(5, -1), lengths, 0.25)
+    for i, n in enumerate(lengths.tolist()):
+        alone = ops.paged_decode_attention(q[i:i + 1], kc, vc, index[None, :n], torch.tensor([n]), 0.25)
+        assert torch.equal(batch[i], alone[0]), i
+    verify = ops.verify_attention(q[[0, 3, 4]], kc, vc, index[:19], 16, 0.25)  # positions 16, 17, 18
+    assert torch.equal(verify, batch[[0, 3, 4]])
+    ref = ops.paged_attention(q[[0, 3, 4]], kc, vc, index[:19], 16, 0.25)  # the causal form: same maths
+    assert torch.allclose(verify, ref, rtol=1e-5, atol=1e-6)
+
+
+def _core(path: Path, spec: int) -> EngineCore:
+    runner = build_runner(open_model(path), page_size=8, mtp=spec > 0, batch_invariant=True)
+    return EngineCore(runner, EngineLimits(num_pages=96, num_state_slots=12, max_concurrency=4, token_budget=64,
+                                           queue_size=8, max_context=512, chunk_tokens=24,
+                                           speculative_tokens=spec))
+
+
+def _recording(core: EngineCore) -> dict[SLOT_POS_KEY, list[torch.Tensor]]:
+    """After every step, each running request's state-slot tensors and KV rows, keyed by
+    (request, the position its slot holds)."""
+    seen: dict[SLOT_POS_KEY, list[torch.Tensor]] = {}
+    step, runner = core.step, core.runner
+
+    def recorded() -> None:
+        step()
+        kv = runner.kv_store.kv
+        for req in core.scheduler.running:
+            slot = core.scheduler.blocks.state_slot(req.request_id)
+            pos = runner._slot_pos[slot]
+            pages = core.scheduler.blocks.block_table(req.request_id)
+            rows = [p * 8 + i for p in pages for i in range(8)][:pos]
+            kv_rows = [t.view(-1, *t.shape[2:])[rows].clone() for t in kv.page_tensors()]
+            seen[(req.request_id, pos)] = [t[slot].clone() for t in runner.state.slot_tensors()] + kv_rows
+
+    core.step = recorded  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("specs", [SPECS[:1], SPECS], ids=["batch-1", "batch-4"])
+def test_states_after_partial_acceptance_are_plain_decodings_bit_for_bit(mtp_model: Path,  # noqa: F811
+                                                                        specs: list) -> None:
+    plain_core = _core(mtp_model, 0)
+    plain_seen = _recording(plain_core)
+    plain = _run(plain_core, specs)
+    for k in (1, 3, 5):
+        core = _core(mtp_model, k)
+        seen = _recording(core)
+        _oracle(core, plain, wrong=lambda i: i % 3 == 1)  # partial acceptances of every length
+        assert _run(core, specs) == plain, k
+        assert 0 < core.counters.spec_accepted < core.counters.spec_drafted
+        partial = 0
+        for key, tensors in seen.items():
+            want = plain_seen[key]  # the plain run passed every position one token at a time
+            assert len(tensors) == len(want) + 2  # + the MTP layer's K and V, last
+            for a, b in zip(tensors, want):
+                assert torch.equal(a, b), (k, key)
+            partial += 1
+        assert partial > len(specs) * 4, partial
+
+
+def test_batch_invariant_refuses_what_it_does_not_cover(mtp_model: Path) -> None:  # noqa: F811
+    with pytest.raises(ConfigError, match="device"):
+        EngineConfig(batch_invariant=True, device="cuda")
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        EngineConfig(batch_invariant=True, device="cpu", kv_dtype="nvfp4", page_size=64)
+    with pytest.raises(ValueError, match="float KV cache"):
+        build_runner(open_model(mtp_model), kv_dtype="int8", page_size=64, batch_invariant=True)
