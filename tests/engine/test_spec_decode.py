@@ -158,6 +158,17 @@ def test_all_drafts_right_takes_few_steps(mtp_model: Path) -> None:
     assert c.steps <= 1 + -(-14 // 5)  # prefill, then 5 tokens per verify step
 
 
+def test_all_drafts_wrong_takes_one_token_per_step(mtp_model: Path) -> None:
+    spec = [(2, 9, 15, 0)]
+    plain = _run(_core(mtp_model, 0), spec)
+    core = _core(mtp_model, 4)
+    _oracle(core, plain, wrong=lambda i: True)
+    assert _run(core, spec) == plain
+    c = core.counters
+    assert c.spec_accepted == 0 and c.spec_drafted > 0  # every draft rejected
+    assert c.steps == 15  # prefill (its token), then one token per verify step: the plain run's count
+
+
 def test_stop_token_and_max_tokens_inside_a_verify_slice(mtp_model: Path) -> None:
     spec = [(1, 37, 20, 0), (3, 70, 6, 0)]
     plain = _run(_core(mtp_model, 0), spec)
