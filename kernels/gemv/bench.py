@@ -30,16 +30,11 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from deepwell.kernels.fp8_gemm.bench import SHAPES as FP8_SHAPES
 from deepwell.kernels.gemv.triton_kernel import linear
 
-SHAPES = {  # name: (N, K) of the 27B shape's linear layers (kernels.fp8_gemm.bench's), plus the LM head
-    "gdn in_proj_qkv": (10240, 5120),
-    "attn q_proj (+gate)": (12288, 5120),
-    "mlp gate+up": (34816, 5120),
-    "mlp down": (5120, 17408),
-    "attn o_proj": (5120, 6144),
-    "lm_head": (248320, 5120),
-}
+# name: (N, K) of the 27B shape's linear layers (kernels.fp8_gemm.bench's), plus the LM head
+SHAPES = {**FP8_SHAPES, "lm_head": (248320, 5120)}
 WARMUP_MS, REP_MS = 5, 20
 
 
