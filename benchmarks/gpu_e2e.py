@@ -962,12 +962,16 @@ class Bench:
                      "EngineConfig / build_runner); skipped")
             weights.remove("fp8")
         for w in weights:
-            kw: dict[str, Any] = {opt: "fp8"} if w == "fp8" and opt is not None else {}
-            wl = w if w == "fp8" else short_dtype(self.dtype)
-            if src is not None:
-                self.run_weights(src, w, wl, kw)
-            if src_mtp is not None:
-                self.run_speculative(src_mtp, w, wl, kw)
+            for lk in a.linear_kernels:
+                kw: dict[str, Any] = {opt: "fp8"} if w == "fp8" and opt is not None else {}
+                wl = w if w == "fp8" else short_dtype(self.dtype)
+                if lk != "auto":
+                    kw["linear_kernel"] = lk
+                    wl = f"{wl}+{lk}"
+                if src is not None:
+                    self.run_weights(src, w, wl, kw)
+                if src_mtp is not None:
+                    self.run_speculative(src_mtp, w, wl, kw)
 
     def run_weights(self, src: Any, w: str, wl: str, kw: dict[str, Any]) -> None:
         """The decode / profile / prefill figures of one weight dtype's model (no MTP module)."""
@@ -1220,7 +1224,7 @@ class Bench:
         if ctx == self.at_128k and kv == "nvfp4":
             rep.target(f"{wl}-w {kv}-kv decode batch {b} at 128k, fraction of the weights + KV roofline",
                        fig["fraction_weights_kv"], T_DECODE_128K, "%",
-                       note="" if wl == "fp8" else f"the target is for FP8 weights; measured with {wl} weights")
+                       note="" if wl.startswith("fp8") else f"the target is for FP8 weights; measured with {wl} weights")
         return r
 
     def profile_one(self, core: EngineCore, eng: Engine, wl: str, kv: str, spec: Any, b: int, ctx: int) -> None:
@@ -1465,6 +1469,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--weight-dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                     help="weight formats (fp8 only where the engine has the option)")
     ap.add_argument("--kv-dtypes", nargs="+", default=["bf16", "nvfp4"], help="KV formats (as --kv-dtype)")
+    ap.add_argument("--linear-kernels", nargs="+", default=["auto"], choices=["auto", "torch", "gemv"],
+                    help="the engine's --linear-kernel per model built (several: one model each, labelled "
+                         "<weights>+<kernel>; gemv: decode steps' 16-bit linears through kernels.gemv)")
     ap.add_argument("--contexts", nargs="+", type=int, default=None,
                     help="decode contexts (default 4096 131072 409600)")
     ap.add_argument("--batches", nargs="+", type=int, default=None, help="decode batches (default 1 8 32)")

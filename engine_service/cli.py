@@ -327,6 +327,7 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
                             kv_hadamard=cfg.kv_hadamard, kv_center_k=cfg.kv_center_k,
                             kv_k_rounding=cfg.kv_k_rounding, kv_paged=cfg.kv_paged, random=cfg.random_weights,
                             mtp=cfg.speculative_tokens != 0, weight_dtype=cfg.weight_dtype,
+                            **({"linear_kernel": "gemv"} if cfg.linear_kernel == "gemv" else {}),
                             **({"batch_invariant": True} if cfg.batch_invariant else {}))
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None

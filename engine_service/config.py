@@ -74,6 +74,7 @@ KV_HADAMARD = ("auto", "on", "off", "layer")
 KV_CENTER_K = ("auto", "on", "off", "page")  # engine_service.kv.quant_pool.CENTER_K_MODES
 KV_K_ROUNDING = ("auto", "nearest", "feedback")  # engine_service.kv.quant_pool.K_ROUNDING_MODES
 KV_PAGED = ("auto", "on", "off")  # engine_service.kv.settings.PAGED_MODES
+LINEAR_KERNELS = ("auto", "torch", "gemv")  # layers.gemv_linear.LINEAR_KERNELS
 CUDA_GRAPHS = ("auto", "on", "off")
 WEIGHT_DTYPES = ("auto", "fp8")
 CALIBRATED_KV_DTYPES = ("fp8", "nvfp4")  # engine_service.kv.quant_pool.SCALED_FORMATS
@@ -109,6 +110,10 @@ class EngineConfig:
                                                                 "the embedding and LM head stay in dtype), or auto "
                                                                 "(fp8 for an FP8 checkpoint on CUDA, else dtype)",
                                                         "choices": WEIGHT_DTYPES})
+    linear_kernel: str = field(default="auto", metadata={
+        "help": "the 16-bit linear layers of decode steps (up to 16 rows): gemv (deepwell's split-K Triton GEMV, "
+                "CUDA), torch (cuBLAS), or auto (torch: the GEMV is not yet measured faster end to end); prefill "
+                "chunks always take torch's GEMM", "choices": LINEAR_KERNELS})
     kv_dtype: str = field(default="auto", metadata={"help": "KV cache format: auto (= dtype), bf16, fp16, fp32 "
                                                             "(float pool), or fp8, int8, nvfp4 (quantized paged "
                                                             "cache; needs --page-size 64 and head_dim 64/128/256)",
@@ -224,6 +229,12 @@ class EngineConfig:
         c(self.kv_dtype in KV_DTYPES, "kv_dtype", self.kv_dtype, f"must be one of {', '.join(KV_DTYPES)}")
         c(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", self.weight_dtype,
           f"must be one of {', '.join(WEIGHT_DTYPES)}")
+        c(self.linear_kernel in LINEAR_KERNELS, "linear_kernel", self.linear_kernel,
+          f"must be one of {', '.join(LINEAR_KERNELS)}")
+        c(self.linear_kernel != "gemv" or self.device != "cpu", "linear_kernel", self.linear_kernel,
+          "needs a CUDA device, not device=cpu; use auto or torch")
+        c(self.linear_kernel != "gemv" or self.tensor_parallel == 1, "linear_kernel", self.linear_kernel,
+          "applies to one process (tensor_parallel=1); use auto or torch")
         c(self.kv_hadamard in KV_HADAMARD, "kv_hadamard", self.kv_hadamard, f"must be one of {', '.join(KV_HADAMARD)}")
         c(self.kv_center_k in KV_CENTER_K, "kv_center_k", self.kv_center_k, f"must be one of {', '.join(KV_CENTER_K)}")
         c(self.kv_center_k not in ("on", "page") or self.kv_dtype in CALIBRATED_KV_DTYPES, "kv_center_k",

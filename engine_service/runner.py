@@ -45,6 +45,7 @@ from deepwell.engine_service.kv.store import KVStore
 from deepwell.engine_service.layers.backend import ReferenceBackend, get_backend
 from deepwell.engine_service.layers.context import (DecodeGroup, PageTables, SeqInfo, StepContext, VerifyGroup,
                                                     VerifyRecord)
+from deepwell.engine_service.layers import gemv_linear
 from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
 from deepwell.engine_service.layers.fp8_linear import prepare_linears, quantize_linears
@@ -596,6 +597,7 @@ def build_runner(
     mtp: bool = False,
     weight_dtype: str = "auto",
     batch_invariant: bool = False,
+    linear_kernel: str = "auto",
 ) -> TorchModelRunner:
     """Build the model for ``source`` on ``device`` and stream its weights in (``random``: fill
     them with random values instead, ``models.random_weights``).
@@ -616,8 +618,12 @@ def build_runner(
     (``layers.invariant``: row-padded linear layers, per-row attention); CPU, a float KV cache
     and 16-bit / fp32 weights only.
 
+    ``linear_kernel`` "gemv": the 16-bit linear layers run decode steps' few rows through the
+    split-K GEMV (``layers.gemv_linear``; CUDA); "auto": torch's GEMM.
+
     The runner (and so every KV setting) is checked before the weights load."""
     dev = torch.device(device)
+    linear_kernel = gemv_linear.resolve(linear_kernel, dev)
     if batch_invariant:
         from deepwell.engine_service.layers import invariant
 
@@ -656,6 +662,8 @@ def build_runner(
     if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
         log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")
+    if linear_kernel == "gemv":
+        log.info("linear_kernel", kernel="gemv", layers=gemv_linear.use_gemv(model))
     if mtp:
         if model.mtp is not None:
             runner.enable_mtp()

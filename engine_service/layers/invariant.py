@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
+from deepwell.engine_service.layers.mlp import replace_linears
 
 ROW_MULTIPLE = 4  # MKL's fp32 GEMM is row-invariant for row counts that are multiples of this
 # torch's CPU sigmoid / silu / softplus compute a tensor's last (numel mod vector chunk) elements
@@ -72,29 +73,16 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 class RowPaddedLinear(nn.Linear):
-    """``nn.Linear`` whose every call is ``padded_linear`` (the same parameters, no copy)."""
+    """``nn.Linear`` whose every call is ``padded_linear`` (``pad_linear_rows``: the same
+    parameters, no copy)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return padded_linear(x, self.weight, self.bias)
 
-    @classmethod
-    def adopt(cls, layer: nn.Linear) -> RowPaddedLinear:
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = layer.in_features, layer.out_features
-        new.weight = layer.weight
-        new.bias = layer.bias
-        return new
-
 
 def pad_linear_rows(model: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` of ``model`` (the LM head and the MTP module included)
-    by its ``RowPaddedLinear``; returns how many."""
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if type(child) is nn.Linear]
-    for parent, name, child in swaps:
-        setattr(parent, name, RowPaddedLinear.adopt(child))
-    return len(swaps)
+    """Make every plain ``nn.Linear`` of ``model`` a ``RowPaddedLinear``; returns how many."""
+    return replace_linears(model, RowPaddedLinear)
 
 
 class BatchInvariantBackend(ReferenceBackend):

@@ -20,6 +20,16 @@ def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear
     return layer
 
 
+def replace_linears(model: nn.Module, cls: type[nn.Linear]) -> int:
+    """Make every plain ``nn.Linear`` of ``model`` (the LM head and the MTP module included) an
+    instance of the subclass ``cls`` in place (the same parameters: its ``forward`` is all that
+    changes); returns how many."""
+    found = [m for m in model.modules() if type(m) is nn.Linear]
+    for m in found:
+        m.__class__ = cls
+    return len(found)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False,
                  backend: ReferenceBackend | None = None) -> None:

@@ -14,7 +14,8 @@ import torch
 from deepwell.engine_service.config import EngineConfig
 from deepwell.configs import ConfigError
 from deepwell.engine_service.engine import EngineCore, EngineLimits
-from deepwell.engine_service.layers.invariant import BatchInvariantBackend, RowPaddedLinear, padded_linear
+from deepwell.engine_service.layers.invariant import (BatchInvariantBackend, RowPaddedLinear, pad_linear_rows,
+                                                      padded_linear)
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
 from tests.engine.test_spec_decode import SPECS, _oracle, _prompt, _run, mtp_model  # noqa: F401 - fixture
@@ -40,9 +41,10 @@ def test_padded_linear_rows_are_their_own(threads: int) -> None:
     for m in range(1, 14):
         assert torch.equal(padded_linear(x[:m], w, b), alone[:m]), m
     assert padded_linear(x.view(13, 1, 96), w).shape == (13, 1, 192)
-    lin = torch.nn.Linear(96, 192)
-    padded = RowPaddedLinear.adopt(lin)
-    assert padded.weight is lin.weight and torch.equal(padded(x[:3]), padded_linear(x[:3], lin.weight, lin.bias))
+    model = torch.nn.Sequential(torch.nn.Linear(96, 192), torch.nn.ReLU())
+    weight = model[0].weight
+    assert pad_linear_rows(model) == 1 and isinstance(model[0], RowPaddedLinear) and model[0].weight is weight
+    assert torch.equal(model[0](x[:3]), padded_linear(x[:3], weight, model[0].bias))
 
 
 def test_decode_rows_and_verify_rows_attend_alike(threads: int) -> None:
