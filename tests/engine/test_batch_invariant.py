@@ -67,11 +67,23 @@ def test_decode_rows_and_verify_rows_attend_alike(threads: int) -> None:
     assert torch.allclose(verify, ref, rtol=1e-5, atol=1e-6)
 
 
-def _core(path: Path, spec: int) -> EngineCore:
+def _core(path: Path, spec: int, cache: bool = False) -> EngineCore:
     runner = build_runner(open_model(path), page_size=8, mtp=spec > 0, batch_invariant=True)
     return EngineCore(runner, EngineLimits(num_pages=96, num_state_slots=12, max_concurrency=4, token_budget=64,
-                                           queue_size=8, max_context=512, chunk_tokens=24,
+                                           queue_size=8, max_context=512, chunk_tokens=24, prefix_cache=cache,
                                            speculative_tokens=spec))
+
+
+def _same_states(seen: dict[SLOT_POS_KEY, list[torch.Tensor]], plain_seen: dict[SLOT_POS_KEY, list[torch.Tensor]],
+                 what: object) -> int:
+    """Every (request, position) the speculative run recorded equals the plain run's there, bit
+    for bit (the speculative runner's KV has the MTP layer's K and V last); returns how many."""
+    for key, tensors in seen.items():
+        want = plain_seen[key]  # the plain run passed every position one token at a time
+        assert len(tensors) == len(want) + 2
+        for a, b in zip(tensors, want):
+            assert torch.equal(a, b), (what, key)
+    return len(seen)
 
 
 def _recording(core: EngineCore) -> dict[SLOT_POS_KEY, list[torch.Tensor]]:
@@ -107,14 +119,26 @@ def test_states_after_partial_acceptance_are_plain_decodings_bit_for_bit(mtp_mod
         _oracle(core, plain, wrong=lambda i: i % 3 == 1)  # partial acceptances of every length
         assert _run(core, specs) == plain, k
         assert 0 < core.counters.spec_accepted < core.counters.spec_drafted
-        partial = 0
-        for key, tensors in seen.items():
-            want = plain_seen[key]  # the plain run passed every position one token at a time
-            assert len(tensors) == len(want) + 2  # + the MTP layer's K and V, last
-            for a, b in zip(tensors, want):
-                assert torch.equal(a, b), (k, key)
-            partial += 1
-        assert partial > len(specs) * 4, partial
+        assert _same_states(seen, plain_seen, k) > len(specs) * 4
+
+
+def test_states_bit_for_bit_across_a_prefix_cache_restore(mtp_model: Path) -> None:  # noqa: F811
+    """Turn 2 extends turn 1 and its reply and restores turn 1's cached state image in both runs;
+    the speculative run's states after every round are the plain run's."""
+    turn1 = _prompt(11, 40)
+    plain_core, spec_core = _core(mtp_model, 0, cache=True), _core(mtp_model, 3, cache=True)
+    plain_seen, seen = _recording(plain_core), _recording(spec_core)
+    truth: dict[int, list[int]] = {}  # the drafter's continuations, filled turn by turn
+    _oracle(spec_core, truth, wrong=lambda i: i % 3 == 1)
+    truth.update(a1 := _run(plain_core, [(11, 40, 10, 0)], prompts={11: turn1}))
+    assert _run(spec_core, [(11, 40, 10, 0)], prompts={11: turn1}) == a1
+    turn2 = turn1 + a1[11] + _prompt(12, 15)
+    truth.update(a2 := _run(plain_core, [(12, 0, 10, 0)], prompts={12: turn2}))
+    assert _run(spec_core, [(12, 0, 10, 0)], prompts={12: turn2}) == a2
+    assert spec_core.cache is not None and sum(spec_core.cache.counters.hit_tokens.values()) > 0
+    assert 0 < spec_core.counters.spec_accepted < spec_core.counters.spec_drafted
+    assert sum(rid == "12" for rid, _ in seen) >= 3  # turn 2's rounds recorded
+    _same_states(seen, plain_seen, "turns")
 
 
 def test_batch_invariant_refuses_what_it_does_not_cover(mtp_model: Path) -> None:  # noqa: F811
