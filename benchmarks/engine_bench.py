@@ -3,6 +3,7 @@
     python benchmarks/engine_bench.py                      # SmolLM2-135M GGUF (embedded default), CPU fp32
     python benchmarks/engine_bench.py --model DIR --device cuda --concurrency 1 4 16
     python benchmarks/engine_bench.py --kv-dtype nvfp4            # quantized KV (calibrated at start)
+    python benchmarks/engine_bench.py --batch-invariant           # the batch-invariant CPU mode's cost
 
 Runs the real ``EngineCore`` (scheduler + runner + sampler, no gRPC) in this process.
 Prefill: ``c`` requests of ``--prompt`` random tokens with ``max_tokens=1``; figure =
@@ -72,6 +73,8 @@ def main() -> None:
                     help="KV cache format (as deepwell engine --kv-dtype)")
     ap.add_argument("--kv-hadamard", default="auto", choices=list(KV_HADAMARD),
                     help="Hadamard rotation of K for quantized formats (as deepwell engine --kv-hadamard)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="as deepwell engine --batch-invariant (CPU: row-padded linears, per-row attention)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,7 +86,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     source = open_model(path)
     runner = build_runner(source, device=args.device, dtype=dtype, page_size=64, kv_dtype=args.kv_dtype,
-                          kv_hadamard=args.kv_hadamard)
+                          kv_hadamard=args.kv_hadamard, batch_invariant=args.batch_invariant)
     c_max = max(args.concurrency)
     pages = c_max * -(-(args.prompt + args.decode) // 64) + 1
     core = EngineCore(runner, EngineLimits(num_pages=pages, num_state_slots=c_max, max_concurrency=c_max,

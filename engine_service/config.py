@@ -200,7 +200,7 @@ class EngineConfig:
     batch_invariant: bool = field(default=False, metadata={
         "help": "CPU: every sequence's numbers independent of what shares its step (linear rows padded to 4, "
                 "attention per row over exactly its context): a speculative round leaves bit for bit the state "
-                "plain decoding would, and outputs do not depend on the load; about 2x slower linears at batch 1. "
+                "plain decoding would, and outputs do not depend on the load; decode ~20% slower. "
                 "Needs device=cpu, a float kv_dtype, 16-bit or fp32 weights and one process"})
     random_weights: bool = field(default=False, metadata={"help": "fill the weights with random values instead of "
                                                                   "loading them (speed and memory measurements of "

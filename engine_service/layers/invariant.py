@@ -23,9 +23,10 @@ This mode removes the dependence on the reference (CPU) path, measured on MKL (t
   (``layers.gdn``), so with the two above a state after a partial acceptance is the plain
   run's bit for bit (tests/engine/test_batch_invariant.py).
 
-Cost (measured on this project's 2-core CPU, fp32): a one-row linear padded to four takes
-1.7-2.8x as long (MKL's GEMV is faster than its 4-row GEMM), and decode attention loses its
-batching; so the mode is off by default. It needs the reference backend and a float KV cache
+Cost (this project's 2-core CPU, fp32): a one-row linear padded to four takes 1.7-2.8x as
+long (MKL's GEMV is faster than its 4-row GEMM) and decode attention loses its batching;
+SmolLM2-135M decodes at 0.77x (batch 1) and 0.83x (batch 4) the default's tokens/s
+(``benchmarks/engine_bench.py --batch-invariant``). So the mode is off by default. It needs the reference backend and a float KV cache
 (the quantized pools' reference kernels are not covered) and one process (no tensor
 parallelism): ``EngineConfig`` refuses other combinations.
 """
