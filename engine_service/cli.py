@@ -147,12 +147,14 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     from deepwell.engine_service.service import default_sampling, eos_ids_of
 
     from deepwell.engine_service.graphs import reserve_bytes
+    from deepwell.engine_service.layers.fp8_linear import dequant_bytes
 
     spec = runner.memory_spec()
     graph_batch = graph_plan(cfg, runner)
     drafts = speculative_tokens(cfg, runner, graph_batch)
     verify = drafts + 1 if graph_batch and drafts and drafts + 1 <= runner.page_size else 0
-    reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype, verify) if graph_batch else 0
+    reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype, verify,
+                            dequant_bytes(runner.model, runner.dtype)) if graph_batch else 0
     pages, slots = size_pools(cfg, spec, runner.max_context, runner.device, reserve_bytes=reserve)
     if graph_batch:
         runner.plan_graphs(graph_batch, verify)

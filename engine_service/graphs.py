@@ -52,6 +52,7 @@ from deepwell.engine_service.graph_audit import Hazard, audit
 from deepwell.engine_service.layers.context import (DecodeGroup, PageTables, SeqInfo, StepContext, VerifyGroup,
                                                     VerifyRecord)
 from deepwell.engine_service.runner_api import ForwardBatch
+from deepwell.kernels.fp8_gemm.triton_kernel import DEQUANT_MIN_TOKENS
 from deepwell.logs import get_logger
 
 if TYPE_CHECKING:
@@ -68,14 +69,17 @@ MAX_VERIFY_BATCH = 32
 CHECK_TOLERANCE = 1e-3
 
 
-def reserve_bytes(args: Any, spec: Any, max_batch: int, dtype: torch.dtype, verify_tokens: int = 0) -> int:
+def reserve_bytes(args: Any, spec: Any, max_batch: int, dtype: torch.dtype, verify_tokens: int = 0,
+                  dequant_bytes: int = 0) -> int:
     """What the graphs take beside the pools, reserved before the KV pool is sized: the scratch
     page and slot, and the captured steps' activations (one shared pool, the largest step's
     peak), estimated per row as the logits (fp32 and the LM head's own dtype), 32 buffers of the
     widest projection in fp32 and the attention's split-K partials (64 splits, fp32); with verify
     steps (``verify_tokens`` per sequence), every verify graph's kept outputs and commit inputs
-    (its logits, and per recurrent layer three conv-width rows in the model dtype). Logged
-    beside what the capture measured (``cuda_graphs``: ``memory_mib``)."""
+    (its logits, and per recurrent layer three conv-width rows in the model dtype); and where a
+    captured step has ``fp8_gemm.DEQUANT_MIN_TOKENS`` rows or more, ``dequant_bytes`` (FP8
+    weights: the largest layer dequantized into the model dtype, ``fp8_linear.dequant_bytes``).
+    Logged beside what the capture measured (``cuda_graphs``: ``memory_mib``)."""
     elem = torch.empty((), dtype=dtype).element_size()
     widths = [args.hidden, args.intermediate, args.attention.num_heads * args.attention.head_dim * 2]
     if args.gdn is not None:
@@ -88,7 +92,8 @@ def reserve_bytes(args: Any, spec: Any, max_batch: int, dtype: torch.dtype, veri
         rows = max(rows, vb[-1] * verify_tokens)
         gdn_layers = args.num_layers - len(args.attention_layers)
         kept = sum(vb) * verify_tokens * (args.vocab_size * 4 + gdn_layers * 3 * args.gdn.conv_dim * elem)
-    return spec.bytes_per_page + spec.bytes_per_state_slot + rows * per_row + kept
+    dequant = dequant_bytes if rows >= DEQUANT_MIN_TOKENS else 0
+    return spec.bytes_per_page + spec.bytes_per_state_slot + rows * per_row + kept + dequant
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:

@@ -93,3 +93,11 @@ def quantize_linears(model: nn.Module, min_features: int = 128, block: tuple[int
         saved += before - q.weight.numel() - q.weight_scale_inv.numel() * 4
         count += 1
     return count, saved
+
+
+def dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """The largest ``FP8Linear`` weight of ``model`` dequantized into ``dtype`` (what one call with
+    ``fp8_gemm.DEQUANT_MIN_TOKENS`` rows or more allocates for a moment); 0 without FP8 layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return max((m.out_features * m.in_features * elem for m in model.modules() if isinstance(m, FP8Linear)),
+               default=0)

@@ -20,6 +20,7 @@ from deepwell.engine_service.config import EngineConfig
 from deepwell.engine_service.engine import EngineCore, EngineLimits
 from deepwell.engine_service.graph_audit import audit
 from deepwell.engine_service.graphs import graph_buckets, reserve_bytes
+from deepwell.engine_service.layers.fp8_linear import FP8Linear, dequant_bytes, quantize_linears
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
 from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
@@ -160,6 +161,15 @@ def test_graph_settings(hybrid64: Path) -> None:
     spec = r.memory_spec()
     assert reserve_bytes(r.args, spec, 8, torch.bfloat16) > reserve_bytes(r.args, spec, 1, torch.bfloat16) > (
         spec.bytes_per_page + spec.bytes_per_state_slot)
+    # FP8 weights: a captured step of >= DEQUANT_MIN_TOKENS rows dequantizes its largest weight
+    plain = reserve_bytes(r.args, spec, 128, torch.bfloat16)
+    assert reserve_bytes(r.args, spec, 128, torch.bfloat16, dequant_bytes=1000) == plain + 1000
+    assert reserve_bytes(r.args, spec, 64, torch.bfloat16, dequant_bytes=1000) == reserve_bytes(
+        r.args, spec, 64, torch.bfloat16)
+    assert dequant_bytes(r.model, torch.bfloat16) == 0
+    quantize_linears(r.model, min_features=16)
+    widest = max(m.out_features * m.in_features for m in r.model.modules() if isinstance(m, FP8Linear))
+    assert dequant_bytes(r.model, torch.bfloat16) == 2 * widest
 
 
 def test_audit_finds_host_syncs() -> None:
