@@ -100,18 +100,12 @@ class BatchInvariantBackend(ReferenceBackend):
         lengths: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """One query per row over exactly its ``lengths[b]`` keys (no padding to the longest)."""
-        b, hq, d = q.shape
+        """One query per row over exactly its ``lengths[b]`` keys (no padding to the longest): the
+        reference's batched form, one row at a time."""
         out = torch.empty_like(q)
         for i, n in enumerate(lengths.tolist()):
-            rows = token_index[i, :n]
-            keys = k_cache.index_select(0, rows).float()  # [L, Hkv, D]
-            vals = v_cache.index_select(0, rows).float()
-            hkv = keys.shape[1]
-            kf, vf = keys.permute(1, 0, 2), vals.permute(1, 0, 2)  # [Hkv, L, D]
-            qf = q[i].float().view(hkv, hq // hkv, d)  # [Hkv, G, D]
-            scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [Hkv, G, L]
-            out[i] = torch.matmul(torch.softmax(scores, dim=-1), vf).reshape(hq, d).to(q.dtype)
+            out[i] = super().paged_decode_attention(q[i:i + 1], k_cache, v_cache, token_index[i:i + 1, :n],
+                                                    lengths[i:i + 1], scale)[0]
         return out
 
     def verify_attention(
