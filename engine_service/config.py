@@ -195,8 +195,7 @@ class EngineConfig:
     speculative_tokens: int = field(default=-1, metadata={
         "help": "MTP speculative decoding: tokens drafted per decode step by the checkpoint's own MTP layer and "
                 "verified in one step (outputs exactly as without; 0 = off; -1 = auto: "
-                f"{DEFAULT_SPECULATIVE_TOKENS} where the checkpoint has MTP weights and decode steps are not CUDA "
-                "graphs, else off: verify rounds run eagerly)"})
+                f"{DEFAULT_SPECULATIVE_TOKENS} where the checkpoint has MTP weights, else off)"})
     batch_invariant: bool = field(default=False, metadata={
         "help": "CPU: every sequence's numbers independent of what shares its step (linear rows padded to 4, "
                 "attention per row over exactly its context): a speculative round leaves bit for bit the state "

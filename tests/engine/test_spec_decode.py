@@ -318,18 +318,18 @@ def test_speculative_tokens_without_mtp_refuses_to_start(tmp_path: Path) -> None
     assert r.returncode == 2 and "no MTP weights" in r.stderr
 
 
-def test_auto_drafts_nothing_where_decode_steps_are_graphs() -> None:
+def test_auto_drafts_where_the_model_has_mtp() -> None:
     from types import SimpleNamespace
 
     from deepwell.engine_service.cli import speculative_tokens
     from deepwell.engine_service.config import DEFAULT_SPECULATIVE_TOKENS, EngineConfig
 
     mtp = SimpleNamespace(mtp_layers=1)
-    auto, two = EngineConfig(speculative_tokens=-1), EngineConfig(speculative_tokens=2)
-    assert speculative_tokens(auto, mtp, graph_batch=0) == DEFAULT_SPECULATIVE_TOKENS
-    assert speculative_tokens(auto, mtp, graph_batch=8) == 0  # verify rounds would run eagerly
-    assert speculative_tokens(two, mtp, graph_batch=8) == 2  # asked for: honoured
-    assert speculative_tokens(auto, SimpleNamespace(mtp_layers=0), graph_batch=0) == 0
+    auto, two, off = (EngineConfig(speculative_tokens=n) for n in (-1, 2, 0))
+    assert speculative_tokens(auto, mtp) == DEFAULT_SPECULATIVE_TOKENS  # graphed or eager alike
+    assert speculative_tokens(two, mtp) == 2
+    assert speculative_tokens(off, mtp) == 0
+    assert speculative_tokens(auto, SimpleNamespace(mtp_layers=0)) == 0
 
 
 # -- a step of verify slices of one length: batched (context.VerifyGroup) -------------------
