@@ -211,6 +211,9 @@ PREFILL_SEGMENT_MIN_PAGES = 64
 PREFILL_SPLIT_SCRATCH_BYTES = 256 << 20
 # the fewest pages a prefill split may hold (``prefill_splits``, and within segments)
 PREFILL_SPLIT_MIN_PAGES = 8
+# a bf16 cache's chunk with at least this many query rows per KV head goes through cuDNN over
+# dense K / V (``paged_attention.dense_prefill``), when the device has it
+DENSE_BF16_MIN_ROWS = 1024
 
 
 class TritonBackend:
@@ -220,7 +223,8 @@ class TritonBackend:
 
     def __init__(self, max_splits: int = 64, gluon_max_tokens: int = GLUON_MAX_TOKENS,
                  prefill_dequant_min_rows: int | None = None,
-                 prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES, append_impl: str = "auto") -> None:
+                 prefill_workspace_bytes: int = PREFILL_WORKSPACE_BYTES, append_impl: str = "auto",
+                 prefill_dense: bool = True) -> None:
         if append_impl not in APPEND_IMPLS:
             raise ValueError(f"append_impl must be one of {APPEND_IMPLS}, got {append_impl!r}")
         if (prefill_dequant_min_rows is not None and prefill_dequant_min_rows < 1) or prefill_workspace_bytes < 0:
@@ -234,6 +238,10 @@ class TritonBackend:
         # Gluon one where it applies; the engine's start-up check sets "triton" when the Gluon
         # kernel's bytes differ from the reference codec's (``engine_service.kv.selfcheck``)
         self.append_impl = append_impl
+        # long chunks through cuDNN's attention over dense K / V where the device has it
+        # (``paged_attention.dense_prefill``; ``DEEPWELL_PREFILL_CUDNN=0`` turns it off too)
+        self.prefill_dense = prefill_dense
+        self.dense_error = ""  # why a cuDNN call failed and turned ``prefill_dense`` off ("" if none did)
         self._budgets: dict[int, int] = {}  # CUDA device index -> workspace bytes (``_workspace_budget``)
 
     def append(self, layer: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -331,6 +339,15 @@ class TritonBackend:
             out = torch.empty_like(q)
         qr = _rotate_q(q, layer.layout)
         group = q.shape[1] // layer.layout.num_kv_heads
+        if self._dense(layer, max(lens, default=0) * group, q.device):
+            return self._prefill_dense(q, qr, layer, block_tables, context_lens, lens, sm_scale, out)
+        return self._prefill_triton(q, qr, layer, block_tables, context_lens, lens, sm_scale, out)
+
+    def _prefill_triton(self, q: Tensor, qr: Tensor, layer: KVCacheLayer, block_tables: Tensor,
+                        context_lens: Tensor, lens: list[int], sm_scale: float, out: Tensor) -> Tensor:
+        """The Triton kernel over the packed pages, or for long chunks of a quantized cache over an
+        fp16 workspace of them (one, one per sequence, or segments: module constants)."""
+        group = q.shape[1] // layer.layout.num_kv_heads
         if not self._dequantizes(layer.layout, max(lens, default=0) * group):
             return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, False,
                                  _page_terms(q, layer))
@@ -356,6 +373,80 @@ class TritonBackend:
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], True)
             elif not self._prefill_segments(qr[rows], layer, *one, sm_scale, out[rows], budget):
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, _page_terms(q[rows], layer))
+        return out
+
+    def _dense(self, layer: KVCacheLayer, rows: int, device: torch.device) -> bool:
+        """Whether a prefill whose longest chunk has ``rows`` query rows per KV head goes through
+        cuDNN (``paged_attention.dense_prefill``): enabled, a long chunk (the format's workspace
+        threshold; bf16 1024 rows), d <= 256, a quantized cache whose values stay finite in fp16
+        (``kv_dequant.reference.dense_fits``) or a bf16 one without page terms, and the device's
+        cuDNN attention available."""
+        from deepwell.kernels.kv_dequant.reference import FORMATS, dense_fits
+        from deepwell.kernels.paged_attention import dense_prefill
+
+        lay = layer.layout
+        if not self.prefill_dense or device.type != "cuda" or lay.head_dim > 256 or self.prefill_workspace_bytes <= 0:
+            return False
+        if lay.fmt in FORMATS:
+            if rows < self._min_rows(lay.fmt) or not dense_fits(lay, layer.scales):
+                return False
+        elif lay.fmt is not KVFormat.BF16 or layer.page_center is not None or rows < DENSE_BF16_MIN_ROWS:
+            return False
+        return dense_prefill.available(device)
+
+    def _prefill_dense(self, q: Tensor, qr: Tensor, layer: KVCacheLayer, block_tables: Tensor, context_lens: Tensor,
+                       lens: list[int], sm_scale: float, out: Tensor) -> Tensor:
+        """Each sequence's chunk over dense K / V through cuDNN (``dense_prefill.attend``): its
+        prefix in segments within the workspace budget, its own keys causally; a chunk with too
+        few rows, or a budget that holds fewer than ``PREFILL_SEGMENT_MIN_PAGES`` pages, goes
+        through ``_prefill`` as before. Reads the context lengths back (one sync per call)."""
+        from deepwell.kernels.kv_dequant import reference as dq_ref
+        from deepwell.kernels.kv_dequant import triton_kernel as dq
+        from deepwell.kernels.paged_attention import dense_prefill
+
+        lay = layer.layout
+        h, d, ps = lay.num_kv_heads, lay.head_dim, lay.page_size
+        group = q.shape[1] // h
+        quantized = lay.fmt in dq_ref.FORMATS
+        scales = dq_ref.dense_scales(lay, layer.scales) if quantized else None
+        centers = _workspace_centers(layer, block_tables.shape[1]) if quantized else None
+        page_bytes = 2 * h * ps * d * 2  # fp16 / bf16 K and V of one page
+        budget = self._workspace_budget(q.device)
+        ctx_host = [int(c) for c in context_lens.tolist()]
+        start = 0
+        for i, n in enumerate(lens):
+            rows = slice(start, start + n)
+            start += n
+            if n == 0:
+                continue
+            one = (block_tables[i : i + 1], context_lens[i : i + 1])
+            seg = (budget - 2 * n * q.shape[1] * (d + 1) * 4) // page_bytes - (-(-n // ps) + 1)
+            min_rows = self._min_rows(lay.fmt) if quantized else DENSE_BF16_MIN_ROWS
+            if n * group < min_rows:
+                self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, _page_terms(q[rows], layer))
+                continue
+            if seg < PREFILL_SEGMENT_MIN_PAGES and -(-ctx_host[i] // ps) > seg:
+                self._prefill_triton(q[rows], qr[rows], layer, *one, [n], sm_scale, out[rows])
+                continue
+
+            def dense_kv(lo: int, hi: int, i: int = i) -> tuple[Tensor, Tensor]:
+                if quantized:
+                    buf = torch.empty(2, h, (hi - lo) * ps, d, dtype=torch.float16, device=q.device)
+                    clen = (context_lens[i : i + 1] - lo * ps).clamp(0, (hi - lo) * ps).to(torch.int32)
+                    dq.dequantize_dense(layer.data, lay, block_tables[i : i + 1, lo:hi].contiguous(), clen, buf,
+                                        scales, None if centers is None else centers[lo:hi].contiguous())
+                    return buf[0], buf[1]
+                pages = layer.data.view(torch.bfloat16).view(-1, 2, h, ps, d)
+                kv = pages.index_select(0, block_tables[i, lo:hi].long()).permute(1, 2, 0, 3, 4)
+                kv = kv.reshape(2, h, (hi - lo) * ps, d)
+                return kv[0], kv[1]
+
+            try:
+                dense_prefill.attend(qr[rows], dense_kv, ctx_host[i], ps, max(1, seg), sm_scale, out[rows])
+            except RuntimeError as exc:  # a shape this cuDNN refuses: the Triton kernel from now on
+                self.prefill_dense = False
+                self.dense_error = f"{type(exc).__name__}: {exc}"
+                self._prefill_triton(q[rows], qr[rows], layer, *one, [n], sm_scale, out[rows])
         return out
 
     def _prefill_segments(self, qr: Tensor, layer: KVCacheLayer, block_table: Tensor, context_len: Tensor,

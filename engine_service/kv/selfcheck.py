@@ -14,12 +14,15 @@ compares:
   kernel, the backend falls back to the Triton append (``TritonBackend.append_impl``) and the
   bytes are compared again; unequal still: ``KVKernelCheckError``;
 - decode attention (the sample's last token over all of it), prefill attention (the whole
-  sample as one chunk) and a short chunk (its last ``SUFFIX_TOKENS`` over the rest), with
-  random queries over the reference's bytes: within ``ATTENTION_TOLERANCE`` relative L2 of
-  the reference attention (the kernels' own tests hold them to 1e-3 of an fp64 evaluation, so
-  only a broken kernel fails this). A Gluon decode that misses it (or raises) is replaced by
-  the Triton decode kernel (``TritonBackend.gluon_max_tokens = 0``; the layers checked before
-  are checked again on it); anything else that misses it: ``KVKernelCheckError``.
+  sample as one chunk, its second half over the first, and a short chunk: its last
+  ``SUFFIX_TOKENS`` over the rest), with random queries over the reference's bytes: within
+  ``ATTENTION_TOLERANCE`` relative L2 of the reference attention (the kernels' own tests hold
+  them to 1e-3 of an fp64 evaluation, so only a broken kernel fails this). A Gluon decode that
+  misses it (or raises) is replaced by the Triton decode kernel
+  (``TritonBackend.gluon_max_tokens = 0``; the layers checked before are checked again on it);
+  a long chunk through cuDNN (``paged_attention.dense_prefill``) that misses it is served by
+  the Triton kernel from then on (``TritonBackend.prefill_dense = False``); anything else that
+  misses it: ``KVKernelCheckError``.
 
 The first call also compiles each kernel the pool's layers use, ahead of the first request.
 """
@@ -62,6 +65,7 @@ class KVKernelCheck:
     seconds: float
     decode_kernel: str = ""  # the decode serving after the check ("gluon" / "triton")
     decode_fallback: str = ""  # why decode left the Gluon kernel ("" when it did not)
+    prefill_fallback: str = ""  # why long prefill chunks left cuDNN for the Triton kernel ("" when they did not)
 
 
 def synthetic_samples(num_layers: int, num_kv_heads: int, head_dim: int, tokens: int,
@@ -170,7 +174,7 @@ def check_pool(pool: QuantKVPool, samples: Sequence[tuple[torch.Tensor, torch.Te
     g = torch.Generator().manual_seed(seed)
     d = pool.layout.head_dim
     group = num_q_heads // pool.layout.num_kv_heads
-    decode_fallback = ""
+    decode_fallback = prefill_fallback = ""
     scale = 1.0 / math.sqrt(d)
     suffix = min(SUFFIX_TOKENS, n - 1)
     table = torch.arange(expected[0].data.shape[0], dtype=torch.int32, device=dev)[None]
@@ -178,9 +182,16 @@ def check_pool(pool: QuantKVPool, samples: Sequence[tuple[torch.Tensor, torch.Te
     worst = {"decode": 0.0, "prefill": 0.0}
     for i, cache in enumerate(expected):
         q = torch.randn(n, num_q_heads, d, generator=g).to(device=dev, dtype=dtype)
-        for kind, rows in (("decode", 1), ("prefill", n), ("prefill", suffix)):
+        # the whole sample, its second half over the first (a long chunk over a prefix: the
+        # cuDNN path's parts and merge where it serves), and a short chunk
+        for kind, rows in (("decode", 1), ("prefill", n), ("prefill", n - n // 2), ("prefill", suffix)):
             want = _attend(ref, kind, q[-rows:], cache, table, lens, scale)
             problem, err = _compare(be, kind, q[-rows:], cache, table, lens, scale, want)
+            if problem and kind == "prefill" and isinstance(be, TritonBackend) and \
+                    be._dense(cache, rows * group, dev):  # the Triton kernel instead, checked again
+                prefill_fallback = f"layer {i} ({describe(cache.layout)}): the cudnn prefill {problem}"
+                be.prefill_dense = False
+                problem, err = _compare(be, kind, q[-rows:], cache, table, lens, scale, want)
             gluon = kind == "decode" and isinstance(be, TritonBackend) and be.uses_gluon(cache.layout, group, 1, dev)
             if problem and gluon:  # the Triton decode kernel instead of the Gluon one, checked again
                 assert isinstance(be, TritonBackend)
@@ -204,7 +215,7 @@ def check_pool(pool: QuantKVPool, samples: Sequence[tuple[torch.Tensor, torch.Te
     decode = ("gluon" if be.uses_gluon(pool.layout, group, 1, dev) else "triton") if isinstance(be, TritonBackend) \
         else be.name
     return KVKernelCheck(be.name, len(caches), n, kernel, fallback, worst["decode"], worst["prefill"],
-                         time.perf_counter() - t0, decode, decode_fallback)
+                         time.perf_counter() - t0, decode, decode_fallback, prefill_fallback)
 
 
 def _triton_version() -> str:

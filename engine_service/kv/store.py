@@ -255,6 +255,8 @@ class KVStore:
             log.warning("kv_append_fallback", reason=check.fallback, append_kernel=check.append_kernel)
         if check.decode_fallback:
             log.warning("kv_decode_fallback", reason=check.decode_fallback, decode_kernel=check.decode_kernel)
+        if check.prefill_fallback:
+            log.warning("kv_prefill_fallback", reason=check.prefill_fallback)
         log.info("kv_kernels_checked", backend=check.backend, layers=check.layers, tokens=check.tokens,
                  append_kernel=check.append_kernel, decode_kernel=check.decode_kernel,
                  decode_error=f"{check.decode_error:.2e}",

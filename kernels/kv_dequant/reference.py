@@ -132,3 +132,57 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
             vals = (vals.float() + centers[dst % w][:, None]).to(torch.float16)
         out[dst, kv] = vals.transpose(1, 2)
     return workspace
+
+
+def dense_scales(layout: KVLayout, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[2, Hkv]`` factors that turn workspace values into the cache's dequantized values:
+    ``workspace_scales / 2**-14`` (nvfp4 / fp8: the global scale times ``2**14``; int8: 1). Powers
+    of two for nvfp4 / fp8 (their global scales are), so the product is exact in fp16 unless it
+    leaves fp16's range (``dense_fits``)."""
+    return (workspace_scales(layout, scales).float() / VALUE_SHIFT).contiguous()
+
+
+def dense_fits(layout: KVLayout, scales: torch.Tensor) -> bool:
+    """Whether every value a cache of ``layout`` with global ``scales`` can hold is finite in
+    fp16 once scaled (``dense_scales``): the largest code times its largest block scale times
+    the global scale below fp16's 65504 (nvfp4 6 x 448 x g, fp8 448 x g; int8 stores its values
+    in fp16 already). Reads ``scales`` back to the host."""
+    if layout.fmt is KVFormat.INT8:
+        return True
+    top = 6.0 * 448.0 if layout.fmt is KVFormat.NVFP4 else 448.0
+    return float(scales.float().max()) * top < 65504.0
+
+
+def check_dense(layout: KVLayout, block_table: torch.Tensor, context_len: torch.Tensor,
+                out_scales: torch.Tensor | None, out: torch.Tensor) -> None:
+    """ValueError unless ``block_table`` is int32 ``[1, W]``, ``context_len`` int32 ``[1]``,
+    ``out_scales`` fp32 ``[2, Hkv]`` (or None) and ``out`` contiguous fp16 ``[2, Hkv, W * 64, d]``."""
+    if block_table.dim() != 2 or block_table.shape[0] != 1 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [1, W], got {block_table.dtype} {list(block_table.shape)}")
+    w, h, d = block_table.shape[1], layout.num_kv_heads, layout.head_dim
+    want = (2, h, w * layout.page_size, d)
+    if out.dtype != torch.float16 or tuple(out.shape) != want or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float16 {list(want)}, got {out.dtype} {list(out.shape)}")
+    if out_scales is not None and (out_scales.dtype != torch.float32 or tuple(out_scales.shape) != (2, h)
+                                   or not out_scales.is_contiguous()):
+        raise ValueError(f"out_scales must be contiguous float32 [2, {h}], got {out_scales.dtype} "
+                         f"{list(out_scales.shape)}")
+
+
+def dequantize_dense(cache: torch.Tensor, layout: KVLayout, block_table: torch.Tensor, context_len: torch.Tensor,
+                     out: torch.Tensor, out_scales: torch.Tensor | None = None,
+                     centers: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's pages as dense K and V, ``out`` fp16 ``[2, Hkv, W * 64, d]`` (key ``i`` of
+    head ``h`` at ``out[0, h, i]``), the layout dense attention (cuDNN's) reads: the workspace
+    values of ``dequantize`` in key order, each multiplied in fp32 by ``out_scales[kv, h]``
+    (``dense_scales``: then they are the cache's dequantized values) and rounded to fp16. Rows
+    of pages at or past the context are not written. Returns ``out``."""
+    check_dense(layout, block_table, context_len, out_scales, out)
+    w, h, ps, d = block_table.shape[1], layout.num_kv_heads, layout.page_size, layout.head_dim
+    ws = dequantize(cache, layout, block_table, context_len, allocate(layout, block_table), centers)
+    vals = ws.view(torch.float16).view(w, 2, h, ps, d).permute(1, 2, 0, 3, 4)  # [2, H, W, 64, d]
+    if out_scales is not None:
+        vals = (vals.float() * out_scales.to(vals.device)[:, :, None, None, None]).to(torch.float16)
+    used = -(-int(context_len[0]) // ps)
+    out.view(2, h, w, ps, d)[:, :, :used] = vals[:, :, :used]
+    return out

@@ -26,7 +26,8 @@ VALUE_SHIFT = tl.constexpr(reference.VALUE_SHIFT)
 def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
                    stride_cp, stride_ckv, stride_ch, stride_wp, stride_wkv, stride_wh,
                    D: tl.constexpr, SCALE_OFF: tl.constexpr, PAGE: tl.constexpr, FMT: tl.constexpr,
-                   CENTER: tl.constexpr = False, FP8_HW: tl.constexpr = True):
+                   CENTER: tl.constexpr = False, FP8_HW: tl.constexpr = True, scale_ptr=None,
+                   OUT_SCALE: tl.constexpr = False):
     wp = tl.program_id(0)
     hd = tl.program_id(1)
     kv = tl.program_id(2)
@@ -49,6 +50,8 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
             if CENTER:  # K centered per page: the page's offset added in fp32 to the fp16 value (V as it is)
                 cv = tl.load(center_ptr + (i * tl.num_programs(1) + hd) * D + c)
                 val = tl.where(kv == 0, (val.to(tl.float32) + cv[None, :]).to(tl.float16), val)
+            if OUT_SCALE:  # dense K / V: the dequantized value (``reference.dense_scales``)
+                val = (val.to(tl.float32) * tl.load(scale_ptr + kv * tl.num_programs(1) + hd)).to(tl.float16)
             tl.store(out, val)
         else:
             HALF: tl.constexpr = D // 2
@@ -77,11 +80,14 @@ def dequant_kernel(cache_ptr, ws_ptr, bt_ptr, ctx_ptr, center_ptr, W,
                 crow = center_ptr + (i * tl.num_programs(1) + hd) * D + c
                 c_lo = tl.load(crow)
                 c_hi = tl.load(crow + HALF)
-                tl.store(out, tl.where(kv == 0, (lo.to(tl.float32) + c_lo[None, :]).to(tl.float16), lo))
-                tl.store(out + HALF, tl.where(kv == 0, (hi.to(tl.float32) + c_hi[None, :]).to(tl.float16), hi))
-            else:
-                tl.store(out, lo)
-                tl.store(out + HALF, hi)
+                lo = tl.where(kv == 0, (lo.to(tl.float32) + c_lo[None, :]).to(tl.float16), lo)
+                hi = tl.where(kv == 0, (hi.to(tl.float32) + c_hi[None, :]).to(tl.float16), hi)
+            if OUT_SCALE:  # dense K / V: the dequantized value (``reference.dense_scales``)
+                f = tl.load(scale_ptr + kv * tl.num_programs(1) + hd)
+                lo = (lo.to(tl.float32) * f).to(tl.float16)
+                hi = (hi.to(tl.float32) * f).to(tl.float16)
+            tl.store(out, lo)
+            tl.store(out + HALF, hi)
 
 
 def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -106,3 +112,29 @@ def dequantize(cache: torch.Tensor, layout: KVLayout, block_tables: torch.Tensor
         FP8_HW=has_fp8_conversion(cache.device) if fp8_hw is None else fp8_hw, num_warps=4,
     )
     return workspace
+
+
+def dequantize_dense(cache: torch.Tensor, layout: KVLayout, block_table: torch.Tensor, context_len: torch.Tensor,
+                     out: torch.Tensor, out_scales: torch.Tensor | None = None,
+                     centers: torch.Tensor | None = None, *, fp8_hw: bool | None = None) -> torch.Tensor:
+    """Same values as ``reference.dequantize_dense`` in one launch: the workspace kernel writing
+    page ``i`` of head ``h`` to rows ``64 i ..`` of ``out[kv, h]`` (its page, K|V and head
+    strides those of the dense tensor), each value scaled by ``out_scales`` before its store."""
+    reference.check_dense(layout, block_table, context_len, out_scales, out)
+    reference.check_centers(layout, block_table, centers)
+    if layout.fmt not in reference.FORMATS:
+        raise ValueError(f"only nvfp4, fp8 and int8 caches are dequantized, got {layout.fmt.value}")
+    if not block_table.is_contiguous():
+        raise ValueError("block_table must be contiguous")
+    w, ps, d = block_table.shape[1], layout.page_size, layout.head_dim
+    if w == 0:
+        return out
+    dequant_kernel[(w, layout.num_kv_heads, 2)](
+        cache, out, block_table, context_len, out if centers is None else centers, w,
+        cache.stride(0), cache.stride(1), cache.stride(2), ps * d, out.stride(0), out.stride(1),
+        D=d, SCALE_OFF=layout.scale_offset, PAGE=ps,
+        FMT={KVFormat.NVFP4: 0, KVFormat.FP8: 1, KVFormat.INT8: 2}[layout.fmt], CENTER=centers is not None,
+        FP8_HW=has_fp8_conversion(cache.device) if fp8_hw is None else fp8_hw,
+        scale_ptr=out if out_scales is None else out_scales, OUT_SCALE=out_scales is not None, num_warps=4,
+    )
+    return out
