@@ -12,6 +12,8 @@ against the bf16 product of the dequantized weight (relative L2) of:
   E4M3 weight, bf16 activations) without splitting K, with the default split, and with 32 and
   128 output columns per program (default split);
 - ``dequant+gemm``: the weight dequantized to bf16 by one Triton launch, then torch's GEMM;
+- ``fma`` / ``bn=32`` / ``bn=128`` / ``split=1`` (up to 16 tokens): ``fma_matmul``, without tensor
+  cores and with the block scale applied after each step's sum;
 - ``scaled_mm block``: ``torch._scaled_mm`` with the same 128x128 weight blocks and the
   activations quantized to E4M3 per token and 128 channels (W8A8, DeepSeek-V3's recipe), the
   activation quantization included in the time;
@@ -32,7 +34,7 @@ import torch
 from triton.testing import do_bench
 
 from deepwell.kernels import fp8_gemm
-from deepwell.kernels.fp8_gemm.triton_kernel import dequant_matmul, w8a16_matmul
+from deepwell.kernels.fp8_gemm.triton_kernel import dequant_matmul, fma_matmul, w8a16_matmul
 
 SHAPES = {  # name: (N, K) of the 27B shape's linear layers
     "gdn in_proj_qkv": (10240, 5120),
@@ -70,6 +72,11 @@ def _variants(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w: tor
         "w8a16 bn=128": lambda: w8a16_matmul(x, codes, scales, block_n=128),
         "dequant+gemm": lambda: dequant_matmul(x, codes, scales),
     }
+    if x.shape[0] <= 16:  # the few-token form without tensor cores
+        out["fma"] = lambda: fma_matmul(x, codes, scales)
+        out["fma bn=32"] = lambda: fma_matmul(x, codes, scales, block_n=32)
+        out["fma bn=128"] = lambda: fma_matmul(x, codes, scales, block_n=128)
+        out["fma split=1"] = lambda: fma_matmul(x, codes, scales, split_k=1)
     b = codes.t()  # [K, N] column-major, as _scaled_mm wants its second operand
     sb = scales.t().contiguous()  # [K / 128, N / 128]
 

@@ -28,6 +28,7 @@ import triton.language as tl
 from deepwell.kernels.e4m3_unpack import INTERPRET, e4m3_f16, has_fp8_conversion
 from deepwell.kernels.fp8_gemm import reference
 from deepwell.kernels.fused.common import KIND, round_to
+from deepwell.kernels.gemv.triton_kernel import REDUCE_BLOCK, _load_tile, _reduce_kernel, _row_sum, _store_row
 
 
 @triton.jit
@@ -68,6 +69,54 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
 
 
 @triton.jit
+def _fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
+                SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
+                FP8_HW: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``fma_matmul``: per ``BK`` step (inside one scale block along K) each of up to 4 rows sums
+    ``x * code`` in fp32 over the tile, then multiplies the sum by the row block's scale."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    m0 = pid_m * ROWS
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    n_ok = rn < N
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
+    s_ptrs = s_ptr + (rn // SBN) * stride_sn
+    x_ptrs = x_ptr + m0 * stride_xm + k_lo + rk
+    d1 = (tl.minimum(m0 + 1, M - 1) - m0) * stride_xm  # rows past M read row M - 1 (not stored)
+    d2 = (tl.minimum(m0 + 2, M - 1) - m0) * stride_xm
+    d3 = (tl.minimum(m0 + 3, M - 1) - m0) * stride_xm
+    acc0 = tl.zeros((BN,), dtype=tl.float32)
+    acc1 = tl.zeros((BN,), dtype=tl.float32)
+    acc2 = tl.zeros((BN,), dtype=tl.float32)
+    acc3 = tl.zeros((BN,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        k_ok = k0 + rk < k_hi
+        w = e4m3_f16(_load_tile(w_ptrs, n_ok, k_ok, EVEN_N, EVEN_K), FP8_HW).to(tl.float32)
+        sc = tl.load(s_ptrs + k0 // SBK, mask=n_ok, other=0.0)
+        acc0 += sc * _row_sum(w, x_ptrs, k_ok, EVEN_K)
+        if ROWS > 1:
+            acc1 += sc * _row_sum(w, x_ptrs + d1, k_ok, EVEN_K)
+        if ROWS > 2:
+            acc2 += sc * _row_sum(w, x_ptrs + d2, k_ok, EVEN_K)
+        if ROWS > 3:
+            acc3 += sc * _row_sum(w, x_ptrs + d3, k_ok, EVEN_K)
+        w_ptrs += BK
+        x_ptrs += BK
+    _store_row(o_ptr, b_ptr, acc0, m0, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if ROWS > 1:
+        _store_row(o_ptr, b_ptr, acc1, m0 + 1, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if ROWS > 2:
+        _store_row(o_ptr, b_ptr, acc2, m0 + 2, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if ROWS > 3:
+        _store_row(o_ptr, b_ptr, acc3, m0 + 3, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
                     KIND_X: tl.constexpr, FP8_HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -89,6 +138,14 @@ DEQUANT_MIN_TOKENS = 128
 # (MLP down: 80) leave most of an H100's 132 SMs idle while each walks all of K.
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_STEPS = 4  # BK steps per split at least
+# ``fma_matmul`` (no tensor cores, the block scale applied after each step's sum): rows per
+# program, output columns per program, K step. Not yet timed on a GPU: ``bench`` compares it
+# with the W8A16 kernel (``fma`` rows), and ``matmul`` serves with it from ``FMA_MAX_TOKENS``
+# = 0 (off) until it wins there.
+FMA_ROWS = 4
+FMA_BLOCK_N = 64
+FMA_BLOCK_K = 128
+FMA_MAX_TOKENS = 0
 
 
 def _tiles(m: int, block: tuple[int, int], block_n: int | None) -> tuple[int, int, int]:
@@ -154,6 +211,51 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
     return acc.to(x.dtype)
 
 
+def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
+               bias: torch.Tensor | None = None, block_n: int = FMA_BLOCK_N, split_k: int | None = None
+               ) -> torch.Tensor:
+    """Few tokens without tensor cores, the scale applied after the sum: per ``BK`` step each
+    row's ``sum_k x * code`` in fp32 (the code's exact value), times the weight block's scale,
+    added up; so a weight is never rounded to x's dtype, and the result differs from the
+    reference's (which multiplies rounded ``code * scale`` weights) by one such rounding per
+    weight at most, well inside the format's error. One E4M3 conversion and one FMA per weight
+    byte (``w8a16_matmul`` also scales and rounds each weight): meant to read the weight at HBM
+    speed. Rows in groups of ``FMA_ROWS`` (more rows: more programs, each reading the weight
+    again); K split as ``w8a16_matmul`` does, partial sums added in split order by one launch."""
+    _check_args(x, codes, scales, block)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    m, k = x.shape
+    n = codes.shape[0]
+    bk = min(FMA_BLOCK_K, block[1])
+    if block[1] % bk:
+        raise ValueError(f"scale block {block} needs its K side a multiple of {bk}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    rows = min(m, FMA_ROWS)
+    tiles_m, tiles_n = triton.cdiv(m, rows), triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, bk)
+    split = min(split_k or split_count(tiles_m * tiles_n, k, bk, x.device), max(steps, 1))
+    k_per = max(triton.cdiv(steps, split), 1) * bk
+    split = max(1, triton.cdiv(k, k_per))
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _fma_kernel[(tiles_m, tiles_n, split)](
+        x, codes.contiguous().view(torch.uint8), scales.contiguous(), bias if bias is not None else x, target,
+        m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
+        HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device), SPLIT=split > 1,
+        EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0, ROWS=rows, BN=block_n, BK=bk)
+    if split > 1:
+        _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target, bias if bias is not None else x, out, m * n, n, split, HAS_BIAS=bias is not None,
+            KIND_X=KIND[x.dtype], BLOCK=REDUCE_BLOCK)
+    return out
+
+
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``reference.dequantize`` in one Triton launch: every weight ``code * scale`` formed in fp32
@@ -189,5 +291,7 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tu
     if x.is_cuda or (kernel_on_cpu and INTERPRET):
         if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_TOKENS:
             return dequant_matmul(x, codes, scales, block, bias)
+        if x.dim() == 2 and x.shape[0] <= FMA_MAX_TOKENS:
+            return fma_matmul(x, codes, scales, block, bias)
         return w8a16_matmul(x, codes, scales, block, bias)
     return reference.w8a16_matmul(x, codes, scales, block, bias)

@@ -96,3 +96,43 @@ def test_kernel_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
     got = fp8_gemm.matmul(x, codes, scales).float()
     want = reference.w8a16_matmul(x, codes, scales).float()
     assert ((got - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("m", "n", "k", "dtype", "bias", "split"), [
+    (1, 70, 128, torch.float32, False, None), (3, 128, 448, torch.bfloat16, True, 2),
+    (6, 64, 256, torch.float16, False, 64), (5, 40, 300, torch.float32, True, 3),
+])
+def test_fma_form_matches_reference_in_the_interpreter(m: int, n: int, k: int, dtype: torch.dtype, bias: bool,
+                                                       split: int | None) -> None:
+    """The scale after each step's sum: fp32 activations agree to fp32 summation order (the
+    reference's weights are exact fp32 products then), 16-bit ones within the weights' one
+    rounding; more rows than one program serves (6, 5), K not a multiple of 128, splits."""
+    from deepwell.kernels.fp8_gemm.triton_kernel import fma_matmul
+
+    g = torch.Generator().manual_seed(m * n + k)
+    codes, scales = reference.quantize(torch.randn(n, k, generator=g), (128, 128))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    got = fma_matmul(x, codes, scales, bias=b, split_k=split)
+    want = reference.w8a16_matmul(x, codes, scales, bias=b)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+    with pytest.raises(ValueError, match="block_n"):
+        fma_matmul(x, codes, scales, block_n=48)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 5120), (4, 17408, 5120), (7, 5120, 17408)])
+def test_fma_form_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
+    from deepwell.kernels.fp8_gemm.triton_kernel import fma_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    codes, scales = reference.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, (128, 128))
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    got = fma_matmul(x, codes, scales).float()
+    want = reference.w8a16_matmul(x, codes, scales).float()
+    assert ((got - want).norm() / want.norm()) < 5e-3
