@@ -42,6 +42,8 @@ cached-only counters equal a recount, and no slot is the running slot of two hol
 
 from __future__ import annotations
 
+from array import array
+
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
@@ -62,6 +64,9 @@ class SeqAlloc:
     """What one holder holds."""
 
     block_table: list[int] = field(default_factory=list)
+    # the same page ids as an ``array('i')`` (kept equal to ``block_table`` by every method
+    # here): the runner turns a slice of it into a tensor by one memory copy
+    table_array: array = field(default_factory=lambda: array("i"))
     state_slot: int = -1
     cached: bool = False  # a prefix-cache entry (evictable), not a running sequence
     pinned_pages: list[int] = field(default_factory=list)
@@ -173,6 +178,10 @@ class BlockManager:
     def block_table(self, seq: SeqId) -> list[int]:
         return self._seqs[seq].block_table
 
+    def table_array(self, seq: SeqId) -> array:
+        """``block_table(seq)`` as an ``array('i')`` (the live one: slice it to keep a copy)."""
+        return self._seqs[seq].table_array
+
     def state_slot(self, seq: SeqId) -> int:
         return self._seqs[seq].state_slot
 
@@ -218,6 +227,7 @@ class BlockManager:
             raise OutOfPages(f"need {need} more pages, {len(self._pages.free)} free of {self.num_pages}")
         new = [self._pages.take(not alloc.cached) for _ in range(need)]
         alloc.block_table.extend(new)
+        alloc.table_array.extend(new)
         return new
 
     def truncate(self, seq: SeqId, num_tokens: int) -> list[int]:
@@ -228,6 +238,7 @@ class BlockManager:
         keep = pages_for(num_tokens, self.page_size)
         dropped = alloc.block_table[keep:]
         del alloc.block_table[keep:]
+        del alloc.table_array[keep:]
         for p in dropped:
             self._pages.drop(p, not alloc.cached)
         return dropped
@@ -241,6 +252,7 @@ class BlockManager:
         for s in (*(() if alloc.state_slot < 0 else (alloc.state_slot,)), *alloc.pinned_slots):
             self._slots.drop(s, live)
         alloc.block_table, alloc.pinned_pages, alloc.pinned_slots, alloc.state_slot = [], [], [], -1
+        alloc.table_array = array("i")
 
     def share(self, src: SeqId, dst: SeqId, num_tokens: int, *, copy_last: bool) -> int | None:
         """Give ``dst`` (an empty table) ``src``'s pages for positions ``[0, num_tokens)``.
@@ -262,6 +274,7 @@ class BlockManager:
         for p in shared:
             self._pages.hold(p, live)
         dst_alloc.block_table.extend(shared)
+        dst_alloc.table_array.extend(shared)
         if rest and copy_last:
             page = src_table[whole]
             self._pages.hold(page, live)
@@ -335,6 +348,7 @@ class BlockManager:
         self._check_counted(self._slots, self.num_state_slots,
                             ((a.cached, (*([a.state_slot] if a.state_slot >= 0 else []), *a.pinned_slots))
                              for a in self._seqs.values()), "slot")
+        assert all(list(a.table_array) == a.block_table for a in self._seqs.values()), "table_array != block_table"
         running = [a.state_slot for a in self._seqs.values() if a.state_slot >= 0]
         assert len(set(running)) == len(running), "a state slot is the slot of two holders"
 

@@ -31,6 +31,7 @@ import torch
 from deepwell.engine_service.graph_audit import audit
 from deepwell.engine_service.graphs import CaptureHazards, graph_buckets
 from deepwell.engine_service.layers.context import DecodeGroup, PageTables, SeqInfo, StepContext
+from deepwell.engine_service.runner_api import page_tensor
 
 if TYPE_CHECKING:
     from deepwell.engine_service.runner import TorchModelRunner
@@ -150,14 +151,15 @@ class DraftGraphs:
         num_pages = self.runner.kv.num_pages if self.runner.kv is not None else 0
         for i, (p, w, t) in enumerate(zip(starts, wanted, tables, strict=True)):
             need = -(-(p + w - 1) // ps)  # pages of positions < p + w - 1 (the last step's is p + w - 2)
-            if len(t) < need or need > self.width or any(not 0 <= x < num_pages or x == self.scratch_page
-                                                         for x in t[:need]):
-                raise ValueError(f"draft {i}: block table {list(t)[:need]} does not cover positions "
-                                 f"< {p + w - 1} with pool pages")
+            pages = page_tensor(t, need)
+            if len(t) < need or need > self.width or (need and (
+                    int(pages.min()) < 0 or int(pages.max()) >= num_pages or bool((pages == self.scratch_page).any()))):
+                raise ValueError(f"draft {i}: block table {list(t[:need])[:8]}... ({len(t)} pages) does not cover "
+                                 f"positions < {p + w - 1} with pool pages")
             if p < 1 or p + w - 1 > self.runner.max_context:
                 raise ValueError(f"draft {i}: positions {p}..{p + w - 2} outside the context")
             self._meta_host[0, i], self._meta_host[1, i] = p, w
-            self._tables_host[i, :need] = torch.as_tensor(list(t[:need]), dtype=torch.int32)
+            self._tables_host[i, :need] = pages
         self._stage_padding(n, b)
         self._upload(b)
         self.last[:n].copy_(last)

@@ -366,8 +366,8 @@ class EngineCore:
             req = s.request
             end = s.start + s.num_tokens
             ids.extend(req.tokens[s.start:end] if not s.verify else [req.tokens[s.start], *s.draft])
-            table = self.blocks.block_table(req.request_id)[: -(-end // ps)]
-            seqs.append(SeqSlice(state_slot=self.blocks.state_slot(req.request_id), block_table=tuple(table),
+            table = self.blocks.table_array(req.request_id)[: -(-end // ps)]  # a copy (one memcpy)
+            seqs.append(SeqSlice(state_slot=self.blocks.state_slot(req.request_id), block_table=table,
                                  start=s.start, num_tokens=s.num_tokens, need_logits=s.need_logits,
                                  verify=s.verify))
         # host ids: the runner checks them without a device sync and moves them itself
@@ -447,11 +447,11 @@ class EngineCore:
                 if req.status is not Status.RUNNING or (s.need_logits and not new):
                     continue  # cancelled meanwhile, or its logits failed
                 m = len(new) if s.verify else s.num_tokens
-                following = (req.tokens[: s.start + 1] + new if s.verify else req.tokens + new)[s.start + 1:
-                                                                                                 s.start + m + 1]
+                # the tokens after positions start .. start + m - 1 (never a copy of the whole context)
+                following = list(new[:m]) if s.verify else (req.tokens[s.start + 1:] + new)[:m]
                 ends = s.need_logits and self.scheduler.keep_until_stop(req, new)[1]
                 k = 0 if not s.need_logits or ends else self.scheduler.draft_room(req, self.spec_tokens, len(new))
-                inputs.append(DraftInput(tuple(self.blocks.block_table(req.request_id)), s.start, first,
+                inputs.append(DraftInput(self.blocks.table_array(req.request_id)[:], s.start, first,
                                          following, k))
                 owners.append(req.request_id)
         drafts = self.runner.propose(inputs)  # type: ignore[attr-defined]

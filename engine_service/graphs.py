@@ -51,7 +51,7 @@ import torch
 from deepwell.engine_service.graph_audit import Hazard, audit
 from deepwell.engine_service.layers.context import (DecodeGroup, PageTables, SeqInfo, StepContext, VerifyGroup,
                                                     VerifyRecord)
-from deepwell.engine_service.runner_api import ForwardBatch
+from deepwell.engine_service.runner_api import ForwardBatch, page_tensor
 from deepwell.kernels.fp8_gemm.triton_kernel import DEQUANT_MIN_TOKENS
 from deepwell.logs import get_logger
 
@@ -197,7 +197,7 @@ class StaticInputs:
         for i, s in enumerate(batch.seqs):
             pages = -(-(s.start + t) // ps)
             width = max(width, pages)
-            self._tables_host[i, :pages] = torch.as_tensor(s.block_table[:pages], dtype=torch.int32)
+            self._tables_host[i, :pages] = page_tensor(s.block_table, pages)
             for j in range(t):
                 pos = s.start + j
                 meta[1, i * t + j] = pos

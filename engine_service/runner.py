@@ -54,7 +54,7 @@ from deepwell.engine_service.layers.rope import inv_freq_and_scale
 from deepwell.engine_service.loading.source import ModelSource
 from deepwell.engine_service.models import build_model, load_weights, random_weights
 from deepwell.engine_service.models.decoder import CausalLM
-from deepwell.engine_service.runner_api import DraftInput, ForwardBatch, MemorySpec, SeqSlice
+from deepwell.engine_service.runner_api import DraftInput, ForwardBatch, MemorySpec, SeqSlice, page_tensor
 from deepwell.kernels.calibration import ScaleCounts
 
 log = get_logger(__name__)
@@ -457,13 +457,13 @@ class TorchModelRunner:
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         seqs: list[SeqInfo] = []
-        tables: list[list[int]] = []  # per slice, quantized pool only
+        tables: list[torch.Tensor] = []  # per slice, quantized pool only
         offset = 0
         for s, pages in zip(batch.seqs, self._check_slices(batch, kv, state, slot_pos), strict=True):
             end = s.start + s.num_tokens
             token_index = None
             if pages is not None:
-                table = torch.tensor(pages, dtype=torch.long)
+                table = pages.long()
                 if quant:
                     tables.append(pages)
                     pos = torch.arange(s.start, end)
@@ -506,11 +506,12 @@ class TorchModelRunner:
         )
 
     def _check_slices(self, batch: ForwardBatch, kv: Any, state: StatePool | None,
-                      slot_pos: Sequence[int]) -> list[list[int] | None]:
+                      slot_pos: Sequence[int]) -> list[torch.Tensor | None]:
         """The checks of every step, eager or graphed (``ValueError`` with the reason, nothing run):
         slices cover the tokens, positions within the context, distinct state slots at exactly
         ``start``, block tables covering ``start + num_tokens`` with page ids in the pool (the
-        graphs' scratch page and slot are not the scheduler's). Returns each slice's pages."""
+        graphs' scratch page and slot are not the scheduler's). Returns each slice's pages
+        (int32 CPU tensors, ``runner_api.page_tensor``)."""
         if not batch.seqs:
             raise ValueError("empty batch")
         total = sum(s.num_tokens for s in batch.seqs)
@@ -544,20 +545,20 @@ class TorchModelRunner:
                 need = -(-end // self.page_size)
                 if len(s.block_table) < need:
                     raise ValueError(f"block table has {len(s.block_table)} pages, {need} needed for {end} tokens")
-                pages = [int(p) for p in s.block_table[:need]]
-                if min(pages) < 0 or max(pages) >= num_pages:
+                pages = page_tensor(s.block_table, need)
+                if int(pages.min()) < 0 or int(pages.max()) >= num_pages:
                     raise ValueError(f"page ids must be in [0, {num_pages})")
             out.append(pages)
         return out
 
-    def _page_tables(self, seqs: list[SeqInfo], tables: list[list[int]]) -> PageTables | None:
+    def _page_tables(self, seqs: list[SeqInfo], tables: list[torch.Tensor]) -> PageTables | None:
         if not seqs:
             return None
         dev = self._device
         width = max(len(t) for t in tables)
         padded = torch.zeros(len(tables), width, dtype=torch.int32)
         for i, t in enumerate(tables):
-            padded[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            padded[i, : len(t)] = t
         rows = torch.cat([torch.arange(s.offset, s.offset + s.num_tokens) for s in seqs])
         lens = torch.tensor([s.start + s.num_tokens for s in seqs], dtype=torch.int32)
         return PageTables(rows=rows.to(dev), block_tables=padded.to(dev), context_lens=lens.to(dev),
