@@ -24,6 +24,10 @@ Shapes (T = tokens of one sequence unless stated, H* = heads, D = head dim):
   T == 1; fp32 state; returns ``(o[T,Hv,Dv] fp32, new_state fp32)``.
 - ``paged_decode_attention``, ``causal_conv1d_decode``, ``gated_delta_rule_decode``: the
   same maths for B single-token sequences at once (decode steps), batched.
+- ``gated_delta_rule_pool(q[B,T,Hk,Dk], k, v[B,T,Hv,Dv], g[B,T,Hv], beta, pool[S,Hv,Dk,Dv],
+  slots[B], lengths[B] | None, out, write_back)``: ``gated_delta_rule_decode`` token by token
+  on the states ``pool[slots]``, written back in place (after each sequence's first
+  ``lengths[b]`` tokens) — decode steps, speculative verify steps and their group commit.
 - ``moe_experts(x[N,H], gate_up[E,2I,H], down[E,H,I], topk_idx[N,k], topk_w[N,k])``.
 """
 
@@ -35,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from deepwell.kernels.fused import references as fused_ref
+from deepwell.kernels.gdn import pool_reference
 
 GDN_CHUNK = 64
 ATTN_SCORE_BYTES = 256 << 20  # fp32 score block budget of the reference attention
@@ -238,6 +243,28 @@ class ReferenceBackend:
         if not outs:
             return v.new_empty(v.shape, dtype=torch.float32), states
         return torch.stack(outs, 1), states
+
+    def gated_delta_rule_pool(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        out: bool = True,
+        write_back: bool = True,
+    ) -> torch.Tensor | None:
+        """T tokens for each of B sequences (``gated_delta_rule_multi``'s q, k, v, g, beta) from the
+        states ``pool [S, Hv, Dk, Dv]`` fp32 at ``slots [B]`` (distinct, on the device): returns o
+        ``[B, T, Hv, Dv]`` fp32 (None unless ``out``); with ``write_back``, ``pool[slots[b]]``
+        becomes the state after the first ``lengths[b]`` tokens (None: all T; 0: unchanged).
+        ``gated_delta_rule_decode`` token by token (``kernels.gdn.pool_reference``): the bits of
+        a gather, T decode steps and a scatter. No host sync (CUDA-graph capturable)."""
+        return pool_reference.gated_delta_rule_pool(q, k, v, g, beta, pool, slots, lengths, out, write_back,
+                                                    step=self.gated_delta_rule_decode)
 
     # -- the small elementwise chains (one fused kernel each on CUDA: kernels.fused) ---------
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

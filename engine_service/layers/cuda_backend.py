@@ -11,6 +11,11 @@ imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``
   kernel for T == 1 and with ``recurrent`` (any T); ``gated_delta_rule_decode``: the fused recurrent kernel over the B decode
   sequences at once (batch form, one token each); ``gated_delta_rule_multi``: the same kernel over
   B sequences of T tokens each (speculative verify steps and their group commit);
+- ``gated_delta_rule_pool`` (decode steps, speculative verify steps and their group commit:
+  the recurrent states read from and written back to the state pool by slot, no gather or
+  scatter around the kernel): deepwell's own Triton kernel (``kernels.gdn.pool_recurrent``; it
+  does not need fla) for CUDA tensors of the shapes it takes, else the reference op (whose
+  decode steps are this backend's ``gated_delta_rule_decode``);
 - ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its
   update kernel (decode), the engine's ``[C, K-1]`` conv state carried through fla's
   ``[C, K]`` layout with a zero column in front (``kernels.gdn.fla_ops``);
@@ -35,7 +40,7 @@ import torch
 
 from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
 from deepwell.kernels.fused.ops import FusedOps
-from deepwell.kernels.gdn import fla_ops
+from deepwell.kernels.gdn import fla_ops, pool_recurrent
 
 
 class CudaBackend(FusedOps, ReferenceBackend):
@@ -92,6 +97,23 @@ class CudaBackend(FusedOps, ReferenceBackend):
             return super().gated_delta_rule_multi(q, k, v, g, beta, states)
         o, final = fla_ops.gated_delta_rule_multi(q, k, v, g, beta, states)
         return o.float(), final
+
+    def gated_delta_rule_pool(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        lengths: torch.Tensor | None = None,
+        out: bool = True,
+        write_back: bool = True,
+    ) -> torch.Tensor | None:
+        if q.is_cuda and pool.is_cuda and pool_recurrent.supports(q, v, pool):
+            return pool_recurrent.gated_delta_rule_pool(q, k, v, g, beta, pool, slots, lengths, out, write_back)
+        return super().gated_delta_rule_pool(q, k, v, g, beta, pool, slots, lengths, out, write_back)
 
     def gated_delta_rule_varlen(
         self,

@@ -131,16 +131,17 @@ class GatedDeltaNet(nn.Module):
             )
             conv_state[slots] = new_conv
             q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
-            o, new_rec = self.backend.gated_delta_rule_decode(
-                q.reshape(n, s.num_k_heads, s.head_k_dim),
-                k.reshape(n, s.num_k_heads, s.head_k_dim),
-                v.reshape(n, s.num_v_heads, s.head_v_dim),
-                g[dec.rows],
-                beta[dec.rows],
-                rec_state[slots],
+            # one token each, the states read from and written back to their slots in place
+            o = self.backend.gated_delta_rule_pool(
+                q.reshape(n, 1, s.num_k_heads, s.head_k_dim),
+                k.reshape(n, 1, s.num_k_heads, s.head_k_dim),
+                v.reshape(n, 1, s.num_v_heads, s.head_v_dim),
+                g[dec.rows].unsqueeze(1),
+                beta[dec.rows].unsqueeze(1),
+                rec_state,
+                slots,
             )
-            rec_state[slots] = new_rec
-            core[dec.rows] = o
+            core[dec.rows] = o[:, 0]
         out = self.backend.gated_rms_norm_cast(core, z, self.norm.weight, self.norm.eps, x.dtype)
         return self.out_proj(out.reshape(t, s.value_dim))
 
@@ -153,32 +154,27 @@ class GatedDeltaNet(nn.Module):
     def _verify_group(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ctx: StepContext,
                       conv_state: torch.Tensor, rec_state: torch.Tensor) -> torch.Tensor:
         """B verify slices of T tokens from their slots' states, the slots left untouched: the
-        outputs token by token through the decode ops' arithmetic (``*_multi``), and a group
-        commit that replays each slice's first L_b tokens (the later ones masked: a zero gate
-        and a zero beta leave the recurrent state exactly as it was) and writes the states back."""
+        outputs token by token through the decode ops' arithmetic (``causal_conv1d_multi``,
+        ``gated_delta_rule_pool`` without write-back), and a group commit that replays each
+        slice's first L_b tokens from the slots' states and writes them back in place
+        (``gated_delta_rule_pool`` with ``lengths``; the conv states by ``conv_after``)."""
         assert ctx.verify is not None and ctx.verify_group is not None
         s, grp = self.spec, ctx.verify_group
         b, t = len(grp.slots), grp.tokens_per_seq
         slots, weight = grp.state_slots, self.conv1d.weight.squeeze(1)
         x = mixed.view(b, t, -1)
         conv0 = conv_state.index_select(0, slots)
-        rec0 = rec_state.index_select(0, slots)
         conv_out, _ = self.backend.causal_conv1d_multi(x, conv0, weight)
         q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = q.reshape(b, t, s.num_k_heads, s.head_k_dim)
         k = k.reshape(b, t, s.num_k_heads, s.head_k_dim)
         v = v.reshape(b, t, s.num_v_heads, s.head_v_dim)
         gb, betab = g.view(b, t, -1), beta.view(b, t, -1)
-        o, _ = self.backend.gated_delta_rule_multi(q, k, v, gb, betab, rec0)
-        steps = torch.arange(t, device=mixed.device)
+        o = self.backend.gated_delta_rule_pool(q, k, v, gb, betab, rec_state, slots, write_back=False)
 
         def commit(lengths: torch.Tensor) -> None:
-            keep = steps.unsqueeze(0) < lengths.unsqueeze(1)  # [B, T]
-            zero = torch.zeros((), dtype=gb.dtype, device=gb.device)
-            _, rec = self.backend.gated_delta_rule_multi(q, k, v, torch.where(keep[..., None], gb, zero),
-                                                         torch.where(keep[..., None], betab, zero),
-                                                         rec_state.index_select(0, slots))
-            rec_state.index_copy_(0, slots, rec.to(rec_state.dtype))
+            self.backend.gated_delta_rule_pool(q, k, v, gb, betab, rec_state, slots, lengths, out=False,
+                                               write_back=True)
             conv_state.index_copy_(0, slots, conv_after(conv_state.index_select(0, slots), x, weight, lengths))
 
         ctx.verify.add_group(commit)

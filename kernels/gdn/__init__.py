@@ -8,6 +8,11 @@ fp32, conv states ``[N, C, K-1]``, gathered from and scattered to the state pool
 return the reference's results within the kernels' rounding. See ``fla_ops`` for the
 conventions; ``engine_service.layers.cuda_backend`` calls them for CUDA tensors.
 
+``gated_delta_rule_pool`` (decode steps, speculative verify steps and their group commit) is
+deepwell's own: a Triton kernel (``pool_recurrent``, not imported here: it imports triton) that
+reads and writes the recurrent states in the pool by slot in place, beside its plain-torch
+meaning (``pool_reference``, exported here; tests: ``tests/kernels/test_gdn_pool.py``).
+
 Tests: ``tests/kernels/test_gdn_fla.py`` (adapter logic on CPU with fla's entry points replaced
 by reference maths; the fused recurrent kernel under ``TRITON_INTERPRET=1`` where fla is
 installed; fla on CUDA vs the reference, ``-m gpu``).
@@ -27,6 +32,7 @@ from deepwell.kernels.gdn.fla_ops import (
     packed_rows,
     scatter_states,
 )
+from deepwell.kernels.gdn.pool_reference import gated_delta_rule_pool as gated_delta_rule_pool_reference
 
 __all__ = [
     "FlaEntryPoints",
@@ -36,6 +42,7 @@ __all__ = [
     "cu_seqlens_from_lengths",
     "entry_points",
     "gated_delta_rule_decode",
+    "gated_delta_rule_pool_reference",
     "gated_delta_rule_varlen",
     "gather_states",
     "import_error",
