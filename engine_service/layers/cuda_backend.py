@@ -14,8 +14,9 @@ imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``
 - ``gated_delta_rule_pool`` (decode steps, speculative verify steps and their group commit:
   the recurrent states read from and written back to the state pool by slot, no gather or
   scatter around the kernel): deepwell's own Triton kernel (``kernels.gdn.pool_recurrent``; it
-  does not need fla) for CUDA tensors of the shapes it takes, else the reference op (whose
-  decode steps are this backend's ``gated_delta_rule_decode``);
+  does not need fla) for CUDA tensors of the shapes it takes, once it has matched the reference
+  at that head shape on this device (``pool_recurrent.self_check``, on the first call), else the
+  reference op (whose decode steps are this backend's ``gated_delta_rule_decode``);
 - ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its
   update kernel (decode), the engine's ``[C, K-1]`` conv state carried through fla's
   ``[C, K]`` layout with a zero column in front (``kernels.gdn.fla_ops``);
@@ -38,9 +39,16 @@ from __future__ import annotations
 
 import torch
 
+import structlog
+
 from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
 from deepwell.kernels.fused.ops import FusedOps
 from deepwell.kernels.gdn import fla_ops, pool_recurrent
+
+
+# relative error the Gated DeltaNet pool kernel may show against the reference at its start-up
+# check (fp32 throughout: ~1e-6 is expected; only a broken build misses this)
+POOL_CHECK_TOLERANCE = 1e-3
 
 
 class CudaBackend(FusedOps, ReferenceBackend):
@@ -48,6 +56,8 @@ class CudaBackend(FusedOps, ReferenceBackend):
 
     def __init__(self, use_fla_conv: bool = True) -> None:
         self.use_fla_conv = use_fla_conv
+        # (Hk, Dk, Hv, Dv, dtype, device index) -> whether the pool kernel passed its check there
+        self._pool_checked: dict[tuple, bool] = {}
 
     @staticmethod
     def _fla(*tensors: torch.Tensor) -> bool:
@@ -111,9 +121,27 @@ class CudaBackend(FusedOps, ReferenceBackend):
         out: bool = True,
         write_back: bool = True,
     ) -> torch.Tensor | None:
-        if q.is_cuda and pool.is_cuda and pool_recurrent.supports(q, v, pool):
+        if q.is_cuda and pool.is_cuda and pool_recurrent.supports(q, v, pool) and self._pool_kernel_ok(q, v):
             return pool_recurrent.gated_delta_rule_pool(q, k, v, g, beta, pool, slots, lengths, out, write_back)
         return super().gated_delta_rule_pool(q, k, v, g, beta, pool, slots, lengths, out, write_back)
+
+    def _pool_kernel_ok(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether the pool kernel serves these head shapes: checked against the reference once
+        per shape on this device (``pool_recurrent.self_check``, outside graph capture: the
+        engine's warm-up steps come first), within ``POOL_CHECK_TOLERANCE``; a miss logs
+        ``gdn_pool_kernel_fallback`` and the reference op serves that shape from then on."""
+        key = (q.shape[2], q.shape[3], v.shape[2], v.shape[3], q.dtype, q.device.index)
+        ok = self._pool_checked.get(key)
+        if ok is None:
+            if torch.cuda.is_current_stream_capturing():
+                return False  # never checked before a capture: the reference op (no host sync)
+            err = pool_recurrent.self_check(key[0], key[2], key[1], key[3], q.dtype, q.device)
+            ok = self._pool_checked[key] = err <= POOL_CHECK_TOLERANCE
+            if not ok:
+                structlog.get_logger("deepwell.engine").warning(
+                    "gdn_pool_kernel_fallback", error=err, tolerance=POOL_CHECK_TOLERANCE, shape=str(key[:4]),
+                    detail="the Gated DeltaNet pool kernel disagrees with the reference here; the torch ops serve")
+        return ok
 
     def gated_delta_rule_varlen(
         self,

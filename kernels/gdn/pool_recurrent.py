@@ -147,3 +147,41 @@ def gated_delta_rule_pool(
         HAS_LEN=lengths is not None, OUT=out, WRITE=write_back, num_warps=num_warps,
     )
     return o
+
+
+def self_check(num_k_heads: int, num_v_heads: int, dk: int, dv: int, dtype: torch.dtype,
+               device: torch.device) -> float:
+    """The kernel against ``pool_reference`` on this device at these head shapes (random inputs,
+    3 sequences x 5 tokens, lengths 5 / 2 / 0, one slot not named): the largest relative error
+    of the outputs and the written-back states, or ``inf`` if the kernel raised or touched a slot
+    it was not given. Reads back to the host: call it outside CUDA-graph capture, once per shape."""
+    from deepwell.kernels.gdn import pool_reference
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+    b, t = 3, 5
+    q, k = rnd(b, t, num_k_heads, dk).to(dtype), rnd(b, t, num_k_heads, dk).to(dtype)
+    v = rnd(b, t, num_v_heads, dv).to(dtype)
+    g = -torch.rand(b, t, num_v_heads, generator=gen).to(device)
+    beta = torch.rand(b, t, num_v_heads, generator=gen).to(device)
+    pool = rnd(4, num_v_heads, dk, dv, scale=0.1).contiguous()
+    slots = torch.tensor([2, 0, 3], dtype=torch.long, device=device)
+    lengths = torch.tensor([5, 2, 0], dtype=torch.long, device=device)
+    want_pool = pool.clone()
+    want = pool_reference.gated_delta_rule_pool(q, k, v, g, beta, want_pool, slots, lengths)
+    got_pool = pool.clone()
+    try:
+        got = gated_delta_rule_pool(q, k, v, g, beta, got_pool, slots, lengths)
+    except Exception:  # a kernel this Triton / GPU cannot build or run
+        return float("inf")
+    assert got is not None and want is not None
+    if not torch.equal(got_pool[1], pool[1]):  # the slot nobody named
+        return float("inf")
+
+    def rel(a: torch.Tensor, w: torch.Tensor) -> float:
+        return float((a.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
+
+    return max(rel(got, want), rel(got_pool, want_pool))

@@ -300,3 +300,17 @@ def test_gpu_timing(b: int) -> None:
         rows.append(("fla commit T=5 (where, gather, kernel, scatter)", fla_commit))
     for name, fn in rows:
         print(f"B={b} {name}: {bench(fn):.1f} us")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+def test_self_check_passes_in_the_interpreter_and_catches_a_broken_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepwell.kernels.gdn import pool_recurrent
+
+    assert pool_recurrent.self_check(2, 4, 16, 16, torch.float32, torch.device("cpu")) < 1e-4
+
+    def broken(q, k, v, g, beta, pool, slots, lengths=None, out=True, write_back=True, **_):
+        pool.mul_(2.0)  # writes every slot, the unnamed one too
+        return torch.zeros(*v.shape, dtype=torch.float32)
+
+    monkeypatch.setattr(pool_recurrent, "gated_delta_rule_pool", broken)
+    assert pool_recurrent.self_check(2, 4, 16, 16, torch.float32, torch.device("cpu")) == float("inf")
