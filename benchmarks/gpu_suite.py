@@ -54,6 +54,9 @@ DEVICE_WHEELS = [
     "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.55.0", "pydantic==2.14.4", "pydantic-core==2.50.5",
     "annotated-types==0.8.0", "annotated-doc==0.0.7", "typing-inspection==0.4.5", "typing-extensions==4.16.0",
     "anyio==4.16.0", "h11", "httpx", "httpcore", "sniffio", "idna", "certifi", "openai", "anthropic",
+    # openai 3.x and anthropic 2.x import httpx2 (not httpx); httpx2 needs httpcore2 and truststore,
+    # anthropic opentelemetry-api
+    "httpx2==2.17.0", "httpcore2==2.17.0", "truststore==0.10.5", "opentelemetry-api==1.45.3",
     "distro", "jiter", "docstring-parser", "pytest-asyncio", "pytest-timeout", "hypothesis", "sortedcontainers",
     "attrs", "pyyaml", "fla-core", "pytest-xdist", "execnet",
 ]
@@ -62,7 +65,9 @@ REQUIRED_MODULES = {
     "structlog": "structlog", "gguf": "gguf", "grpc": "grpcio", "grpc_health": "grpcio-health-checking",
     "grpc_reflection": "grpcio-reflection", "grpc_tools": "grpcio-tools", "google.protobuf": "protobuf",
     "prometheus_client": "prometheus-client", "fastapi": "fastapi", "uvicorn": "uvicorn", "pydantic": "pydantic",
-    "httpx": "httpx", "openai": "openai", "anthropic": "anthropic", "pytest_asyncio": "pytest-asyncio",
+    "httpx": "httpx", "httpx2": "httpx2", "httpcore2": "httpcore2", "truststore": "truststore",
+    "opentelemetry": "opentelemetry-api", "openai": "openai", "anthropic": "anthropic",
+    "pytest_asyncio": "pytest-asyncio",
     "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "yaml": "pyyaml", "fla": "fla-core",
     "torch": "torch", "triton": "triton", "transformers": "transformers",
 }
@@ -179,12 +184,15 @@ def _pytest(out: Path, name: str, pytest_args: list[str]) -> int:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
            f"--junitxml={out / (name + '.xml')}", *pytest_args]
     print(" ".join(cmd), flush=True)
-    with (out / f"{name}.log").open("w") as log:
+    # line-buffered: a run killed at the call's time limit still leaves every line it printed
+    with (out / f"{name}.log").open("w", buffering=1) as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
+            sys.stdout.flush()
             log.write(line)
+            log.flush()
         return proc.wait()
 
 

@@ -317,6 +317,7 @@ def internal_token(path: str, listen: str, log: Any) -> str:
 
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
     from deepwell.engine_service.kv.quant_pool import KVSettingsError
+    from deepwell.engine_service.layers.invariant import RowInvarianceError
 
     if cfg.tensor_parallel > 1:  # N ranks, this process rank 0 (engine_service.parallel)
         build_runner = _tp_builder(cfg)
@@ -329,6 +330,8 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
                             **({"batch_invariant": True} if cfg.batch_invariant else {}))
     except KVSettingsError as exc:  # KV settings this model cannot use (e.g. its head_dim for nvfp4)
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
+    except RowInvarianceError as exc:  # --batch-invariant on a BLAS that breaks its premise
+        raise configs.ConfigError(f"invalid batch_invariant=True: {exc}") from None
 
 
 def _tp_builder(cfg: EngineConfig) -> Any:

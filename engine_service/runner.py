@@ -657,9 +657,10 @@ def build_runner(
     else:
         load_weights(model, family, text_cfg, source.iter_tensors())
     if batch_invariant:
-        from deepwell.engine_service.layers.invariant import pad_linear_rows
+        from deepwell.engine_service.layers.invariant import check_row_invariance, pad_linear_rows
 
         log.info("batch_invariant", linear_layers=pad_linear_rows(model))
+        check_row_invariance(model)  # RowInvarianceError where this BLAS breaks the mode's premise
     if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
         log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")

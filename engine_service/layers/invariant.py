@@ -86,6 +86,32 @@ def pad_linear_rows(model: nn.Module) -> int:
     return replace_linears(model, RowPaddedLinear)
 
 
+class RowInvarianceError(RuntimeError):
+    """This CPU's BLAS gives a row of an fp32 product other bits with other rows beside it, even
+    at multiples of ``ROW_MULTIPLE`` rows: ``--batch-invariant`` cannot hold here."""
+
+
+def check_row_invariance(model: nn.Module, max_rows: int = 4 * ROW_MULTIPLE) -> None:
+    """``RowInvarianceError`` unless, for every distinct weight shape of ``model``'s linear layers,
+    each row of ``padded_linear`` over random fp32 rows gives the same bits with 1 to
+    ``max_rows`` rows in the call (at the current thread count). The mode rests on that
+    property of the BLAS (measured on MKL with AVX-512 for 1-8 threads, and not found on every
+    machine), so it is checked once at start-up rather than assumed."""
+    g = torch.Generator().manual_seed(7)
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)})
+    for n_out, n_in in shapes:
+        w = torch.randn(n_out, n_in, generator=g)
+        x = torch.randn(max_rows, n_in, generator=g)
+        alone = torch.cat([padded_linear(x[i : i + 1], w) for i in range(max_rows)])
+        for m in range(2, max_rows + 1):
+            if not torch.equal(padded_linear(x[:m], w), alone[:m]):
+                raise RowInvarianceError(
+                    f"--batch-invariant cannot hold on this machine: its BLAS gives a row of an fp32 "
+                    f"{n_out}x{n_in} product other bits in a call of {m} rows than alone ({torch.get_num_threads()} "
+                    f"threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, MKL "
+                    f"{'yes' if torch.backends.mkl.is_available() else 'no'}); serve without it")
+
+
 class BatchInvariantBackend(ReferenceBackend):
     """The reference ops with every row's arithmetic independent of the other rows of a step."""
 

@@ -14,13 +14,41 @@ import torch
 from deepwell.engine_service.config import EngineConfig
 from deepwell.configs import ConfigError
 from deepwell.engine_service.engine import EngineCore, EngineLimits
-from deepwell.engine_service.layers.invariant import (BatchInvariantBackend, RowPaddedLinear, pad_linear_rows,
+from deepwell.engine_service.layers.invariant import (ROW_MULTIPLE, BatchInvariantBackend, RowInvarianceError,
+                                                      RowPaddedLinear, check_row_invariance, pad_linear_rows,
                                                       padded_linear)
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
 from tests.engine.test_spec_decode import SPECS, _oracle, _prompt, _run, mtp_model  # noqa: F401 - fixture
 
 SLOT_POS_KEY = tuple[str, int]
+
+
+def require_row_invariant_gemm(shapes: list[tuple[int, int]]) -> None:
+    """Skip, with the reason, where this CPU's BLAS is not row-invariant at multiples of
+    ``ROW_MULTIPLE`` rows for these (out, in) weight shapes (``invariant.check_row_invariance``,
+    which makes ``--batch-invariant`` refuse to start there): the property the mode builds on."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(i, o, bias=False) for o, i in sorted(set(shapes))))
+    try:
+        check_row_invariance(model)
+    except RowInvarianceError as exc:
+        pytest.skip(str(exc))
+
+
+def test_a_blas_that_is_not_row_invariant_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepwell.engine_service.layers import invariant
+
+    real = torch.nn.functional.linear
+
+    def wobbly(x, w, b=None):  # a last-bit difference that depends on the row count
+        out = real(x, w, b)
+        return out if x.shape[0] <= ROW_MULTIPLE else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    invariant.check_row_invariance(model)  # this machine: passes (the module's measurements)
+    monkeypatch.setattr(invariant.F, "linear", wobbly)
+    with pytest.raises(RowInvarianceError, match="cannot hold on this machine"):
+        invariant.check_row_invariance(model)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -37,6 +65,7 @@ def test_padded_linear_rows_are_their_own(threads: int) -> None:
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(192, 96, generator=g), torch.randn(192, generator=g)
     x = torch.randn(13, 96, generator=g)
+    require_row_invariant_gemm([(192, 96)])
     alone = torch.cat([padded_linear(x[i:i + 1], w, b) for i in range(13)])
     for m in range(1, 14):
         assert torch.equal(padded_linear(x[:m], w, b), alone[:m]), m
@@ -111,6 +140,8 @@ def _recording(core: EngineCore) -> dict[SLOT_POS_KEY, list[torch.Tensor]]:
 def test_states_after_partial_acceptance_are_plain_decodings_bit_for_bit(mtp_model: Path,  # noqa: F811
                                                                         specs: list) -> None:
     plain_core = _core(mtp_model, 0)
+    require_row_invariant_gemm([tuple(m.weight.shape) for m in plain_core.runner.model.modules()
+                                if isinstance(m, torch.nn.Linear)])
     plain_seen = _recording(plain_core)
     plain = _run(plain_core, specs)
     for k in (1, 3, 5):

@@ -198,12 +198,16 @@ def test_tiny_checkpoint_matches_transformers(tmp_path, monkeypatch):
         torch.testing.assert_close(ours[name], ref, rtol=0, atol=0)
 
     import transformers.quantizers.quantizer_finegrained_fp8 as hf_fp8
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     # transformers refuses FP8 checkpoints without `accelerate` installed (not a deepwell
     # dependency), although its CPU path (dequantize on load) never calls into it.
     monkeypatch.setattr(hf_fp8, "is_accelerate_available", lambda: True)
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    # Dequantize on load explicitly: transformers picks that path by itself only when no CUDA/XPU
+    # device is visible; with one (compute capability >= 8.9) it keeps FP8Linear modules, whose
+    # state_dict holds the raw e4m3 weights and scales.
+    hf_config = FineGrainedFP8Config(activation_scheme="dynamic", weight_block_size=list(block), dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, quantization_config=hf_config)
     theirs = model.state_dict()
     for name, value in ours.items():
         # Both dequantize in fp32 (dtype=float32): bit-identical; bf16 tensors pass through.

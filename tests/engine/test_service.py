@@ -41,6 +41,7 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     with engine_process(run_dir, [
         "--model", str(model_dir), "--num-pages", "40", "--page-size", "8", "--max-concurrency", "4",
         "--token-budget", "24", "--queue-size", "8", "--log-level", "warning", "--cpu-threads", "1",
+        "--device", "cpu",  # what the tests expect (fp32 KV etc.), also where a GPU is visible
     ]) as (address, metrics_url):
         yield address, metrics_url  # type: ignore[misc]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -126,9 +128,18 @@ def test_pools_are_sized_per_batch_and_what_cannot_fit_is_skipped(tmp_path: Path
 
 def test_profile_cold_prefill_and_hf_paths_run(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
-    gpu_e2e.main(["--tiny", "--device", "cpu", "--contexts", "64", "--batches", "1", "--kv-dtypes", "nvfp4",
-                  "--skip-prefill", "--decode-steps", "2", "--profile", "--prefill-414k", "--cold-tokens", "512",
-                  "--hf", "--hf-context", "64", "--hf-prefill", "128", "--json", str(out)])
+    args = ["--tiny", "--device", "cpu", "--contexts", "64", "--batches", "1", "--kv-dtypes", "nvfp4",
+            "--skip-prefill", "--decode-steps", "2", "--profile", "--prefill-414k", "--cold-tokens", "512",
+            "--hf", "--hf-context", "64", "--hf-prefill", "128", "--json", str(out)]
+    # transformers' Qwen3.5 Gated DeltaNet takes fla's Triton kernels whenever fla imports, CPU
+    # tensors included ("Pointer argument cannot be accessed from Triton (cpu tensor?)"), and picks
+    # them when its modeling module is imported: the CPU run gets a process in which fla does not
+    # import (as where it is not installed), so HF takes its torch path.
+    code = ("import sys, json; sys.modules['fla'] = None; from benchmarks import gpu_e2e; "
+            f"gpu_e2e.main(json.loads({json.dumps(json.dumps(args))}))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["errors"] == []
     assert data["decode"][0]["fill"] == "prefill"  # 64 <= --fill-above: prefilled through the engine

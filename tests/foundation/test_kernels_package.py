@@ -19,7 +19,10 @@ def test_a_foreign_top_level_kernels_package_coexists(tmp_path: Path) -> None:
     fake = tmp_path / "site"
     (fake / "kernels").mkdir(parents=True)
     (fake / "kernels" / "__init__.py").write_text('"""Not deepwell\'s kernels."""\nFOREIGN = True\n')
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(ROOT)]))
+    # keep the inherited entries (after ours): where the dependencies are not installed in the
+    # interpreter (the GPU suite puts them on PYTHONPATH, /tmp/site) the engine needs them
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), str(ROOT), *inherited]))
     code = ("import kernels, deepwell.engine_service.runner, deepwell.kernels.backend as b; "
             "print(kernels.FOREIGN, kernels.__file__); print(b.__file__)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -107,8 +107,10 @@ def _shutdown_spills(stderr_log: Path) -> list[int]:
 def test_session_affinity_and_failover_restore_from_the_daemon(tmp_path: Path) -> None:
     model = smollm2_gguf_path()
     # small pools so each engine starts in a few seconds on two shared cores
+    # --device cpu: fp32 on the CPU, where a restored prefix and a cold prefill give the same greedy
+    # tokens (device auto takes CUDA where a GPU is visible: bf16, other kernels for prefill and decode)
     args = ["--model", str(model), "--num-pages", "32", "--max-concurrency", "2", "--cpu-threads", "1",
-            "--log-level", "info"]
+            "--log-level", "info", "--device", "cpu"]
     engine_stacks = {name: ExitStack() for name in ("a", "b")}
     with ExitStack() as stack:
         daemon = Daemon(arena_bytes=64 << 20, granule_bytes=1 << 20)

@@ -39,8 +39,10 @@ async def test_engine_process_serves_with_two_ranks(tiny_dir: Callable[[str], Pa
         while core.has_work():
             core.step()
         want.append(col.tokens)
+    # --device cpu: two CPU ranks with gloo (device auto would take CUDA where a GPU is visible)
     with engine_process(tmp_path, ["--model", str(path), "--tensor-parallel", "2", "--num-pages", "40",
-                                   "--page-size", "8", "--token-budget", "24", "--cpu-threads", "1"]) as (addr, _):
+                                   "--page-size", "8", "--token-budget", "24", "--cpu-threads", "1",
+                                   "--device", "cpu"]) as (addr, _):
         pids = _worker_pids(tmp_path / "stderr.log")
         assert len(pids) == 1
         os.kill(pids[0], 0)  # alive while the engine serves
