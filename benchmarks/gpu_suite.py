@@ -19,12 +19,19 @@ memory) and writes the log and a JUnit XML under ``$OUT`` (or ``--out``). With `
 the tests not marked ``gpu`` run first in N pytest-xdist workers (the device has 16 cores; the
 serial suite takes longer than one 10-minute call), then the ``gpu``-marked ones serially.
 
-Typical device calls (the wheels are ~22 MiB, the GGUF four parts of 28 MiB or less: two calls,
-the second on the machine the first left warm)::
+Typical device calls (the wheels are ~23 MiB, the GGUF four parts of 28 MiB or less, the
+working tree ~5 MiB, and one call carries at most 64 MiB: three calls, each on the machine the
+one before left warm, so each must follow within its 30 s)::
 
-    run(carry=[".model/part-0", ".model/part-1"], command="python3 benchmarks/gpu_suite.py run --stage-only")
-    run(carry=[".whl", ".model/part-2", ".model/part-3", ".model/manifest.json"],
+    run(carry=[".model/part-0", ".model/part-1", ".model/manifest.json"],
+        command="python3 benchmarks/gpu_suite.py run --stage-only")
+    run(carry=[".model/part-2", ".model/manifest.json"], command="python3 benchmarks/gpu_suite.py run --stage-only")
+    run(carry=[".whl", ".model/part-3", ".model/manifest.json"],
         command="python3 benchmarks/gpu_suite.py run --workers 12")
+
+The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host, the ``gpu``-marked ones
+serially more than the rest of a 10-minute call: pass ``-m gpu`` (serial) in a call of its own
+if the first run stops at its limit.
 
 Without the GGUF the SmolLM2 tests skip (they say so); everything else still runs.
 """
