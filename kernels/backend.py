@@ -50,7 +50,7 @@ Contract:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -360,12 +360,7 @@ class TritonBackend:
             return self._prefill(qr, layer, block_tables, context_lens, lens, sm_scale, out, True)
         # one sequence at a time (within the budget: the table's width bounds its pages), a
         # longer one in segments of its pages, each through the workspace
-        start = 0
-        for i, n in enumerate(lens):
-            rows = slice(start, start + n)
-            start += n
-            if n == 0:
-                continue
+        for i, n, rows in _sequences(lens):
             one = (block_tables[i : i + 1], context_lens[i : i + 1])
             if n * group < self._min_rows(layer.layout.fmt):
                 self._prefill(qr[rows], layer, *one, [n], sm_scale, out[rows], False, _page_terms(q[rows], layer))
@@ -413,12 +408,7 @@ class TritonBackend:
         page_bytes = 2 * h * ps * d * 2  # fp16 / bf16 K and V of one page
         budget = self._workspace_budget(q.device)
         ctx_host = [int(c) for c in context_lens.tolist()]
-        start = 0
-        for i, n in enumerate(lens):
-            rows = slice(start, start + n)
-            start += n
-            if n == 0:
-                continue
+        for i, n, rows in _sequences(lens):
             one = (block_tables[i : i + 1], context_lens[i : i + 1])
             seg = (budget - 2 * n * q.shape[1] * (d + 1) * 4) // page_bytes - (-(-n // ps) + 1)
             min_rows = self._min_rows(lay.fmt) if quantized else DENSE_BF16_MIN_ROWS
@@ -584,6 +574,15 @@ class TritonBackend:
         return triton_kernel.paged_attention(qr, ws, dq_ref.workspace_layout(lay),
                                              dq_ref.workspace_scales(lay, layer.scales), dq_ref.workspace_tables(tables),
                                              context_lens, starts, q_len, sm_scale, dequantized=True, **kw)
+
+
+def _sequences(lens: Sequence[int]) -> Iterator[tuple[int, int, slice]]:
+    """``(index, tokens, rows)`` of each sequence of a packed prefill with tokens (empty ones skipped)."""
+    start = 0
+    for i, n in enumerate(lens):
+        if n:
+            yield i, n, slice(start, start + n)
+        start += n
 
 
 def _sm_count(device: torch.device) -> int:

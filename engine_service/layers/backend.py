@@ -171,18 +171,9 @@ class ReferenceBackend:
         states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token for each of B sequences: q,k ``[B,Hk,Dk]``, v ``[B,Hv,Dv]``, g/beta
-        ``[B,Hv]``, states ``[B,Hv,Dk,Dv]`` fp32 -> (o ``[B,Hv,Dv]`` fp32, new states)."""
-        hk, hv = q.shape[1], v.shape[1]
-        if hk != hv:
-            q = q.repeat_interleave(hv // hk, dim=1)
-            k = k.repeat_interleave(hv // hk, dim=1)
-        q, k, v = _l2norm(q.float()), _l2norm(k.float()), v.float()
-        q = q * (q.shape[-1] ** -0.5)
-        s = states.float() * g.float().exp()[..., None, None]
-        pred = torch.einsum("bhk,bhkv->bhv", k, s)
-        delta = (v - pred) * beta.float()[..., None]
-        s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-        return torch.einsum("bhk,bhkv->bhv", q, s), s
+        ``[B,Hv]``, states ``[B,Hv,Dk,Dv]`` fp32 -> (o ``[B,Hv,Dv]`` fp32, new states)
+        (``kernels.gdn.pool_reference.decode_step``: the one place of this arithmetic)."""
+        return pool_reference.decode_step(q, k, v, g, beta, states)
 
     def gated_delta_rule(
         self,
@@ -335,8 +326,7 @@ class ReferenceBackend:
         return out
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+_l2norm = pool_reference.l2norm  # x * rsqrt(sum(x^2) + 1e-6), the decode step's and the kernels'
 
 
 def _delta_recurrent(

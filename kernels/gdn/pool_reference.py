@@ -32,20 +32,20 @@ MAX_TOKENS = 16  # T the kernel is written for (decode: 1; a speculative verify 
 Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def _l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of B sequences: q, k ``[B,Hk,Dk]``, v ``[B,Hv,Dv]``, g, beta ``[B,Hv]``, states
-    ``[B,Hv,Dk,Dv]`` -> (o ``[B,Hv,Dv]`` fp32, new states fp32); the expression of
-    ``ReferenceBackend.gated_delta_rule_decode``, op for op."""
+    ``[B,Hv,Dk,Dv]`` -> (o ``[B,Hv,Dv]`` fp32, new states fp32); what
+    ``ReferenceBackend.gated_delta_rule_decode`` runs."""
     hk, hv = q.shape[1], v.shape[1]
     if hk != hv:
         q = q.repeat_interleave(hv // hk, dim=1)
         k = k.repeat_interleave(hv // hk, dim=1)
-    q, k, v = _l2norm(q.float()), _l2norm(k.float()), v.float()
+    q, k, v = l2norm(q.float()), l2norm(k.float()), v.float()
     q = q * (q.shape[-1] ** -0.5)
     s = states.float() * g.float().exp()[..., None, None]
     pred = torch.einsum("bhk,bhkv->bhv", k, s)

@@ -6,39 +6,17 @@ output norm — takes its kernel and agrees)."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from deepwell.kernels.fused import ops as fused_ops
+from tests.engine.helpers_interpreter import in_the_interpreter, interpreter_rerun
 
 
-# These tests run the Triton kernels on CPU tensors through the interpreter. tests/conftest.py
-# sets TRITON_INTERPRET=1 only where no GPU is visible (triton reads it when a kernel is
-# defined), so under CUDA this process compiles kernels for the GPU and cannot run them: there
-# test_in_a_triton_interpreter_process runs this file in a child process with the interpreter
-# and no GPU, as on a CPU machine.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-in_the_interpreter = pytest.mark.skipif(not INTERPRETED, reason="no Triton interpreter in this process: run by "
-                                        "test_in_a_triton_interpreter_process")
-
-
-EXPECTED_PASSED = 3  # the architectures below
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this process has the Triton interpreter: the tests run here")
-def test_in_a_triton_interpreter_process() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert re.search(rf"\b{EXPECTED_PASSED} passed", proc.stdout), proc.stdout[-2000:]
+# Triton on CPU tensors: under CUDA this module reruns itself in an interpreter process
+test_in_a_triton_interpreter_process = interpreter_rerun(__file__, expected_passed=3)  # the architectures below
 
 
 def _logits(path: Path, backend: str, calls: list[str] | None = None) -> torch.Tensor:
