@@ -191,6 +191,16 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(draft) + 1:
             raise ValueError(f"logits {tuple(logits.shape)} do not match a draft of {len(draft)} tokens")
         p, out = row.params, []
+        if (p.greedy and p.logprobs == 0 and not (p.presence_penalty or p.frequency_penalty)
+                and p.repetition_penalty == 1.0 and len(row.output_ids) >= p.min_tokens):
+            # nothing changes a row's logits: every row's argmax in one host read (the loop below
+            # reads each row's, one sync per row); the same tokens (argmax ties: the first index)
+            best = torch.argmax(logits.float(), dim=-1).tolist()
+            for j, tok in enumerate(best):
+                out.append(Sampled(token_id=int(tok)))
+                if j == len(draft) or tok != draft[j]:
+                    break
+            return out
         history = list(row.output_ids)
         raw_lp = torch.log_softmax(logits.float(), dim=-1) if p.logprobs > 0 else None
         for j in range(len(draft) + 1):

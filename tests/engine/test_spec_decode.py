@@ -257,6 +257,31 @@ def test_greedy_verify_is_sequential_sampling_with_penalties() -> None:
     assert got == seq[:2]  # the first draft, then the model's own token where the second was wrong
 
 
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_plain_greedy_verify_reads_every_row_at_once_with_the_same_tokens(min_tokens: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy without penalties or logprobs: one argmax over all rows (one host read), the same
+    tokens as row-by-row sampling; min_tokens still pending keeps the row-by-row path (EOS banned)."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 12, generator=g)
+    logits[2, 7] = logits[2].max() + 1  # row 2's argmax: the EOS id below
+    p = SamplingParams(temperature=0.0, min_tokens=min_tokens)
+    row = SampleRow(params=p, prompt_ids=[1], output_ids=[4], generator=None, eos_ids=(7,))
+    s = Sampler()
+    seq: list[int] = []
+    for j in range(5):
+        r = SampleRow(params=p, prompt_ids=[1], output_ids=[4, *seq], generator=None, eos_ids=(7,))
+        seq.append(s.sample(logits[j: j + 1], [r])[0].token_id)
+    calls: list[int] = []
+    real_argmax = torch.argmax
+    monkeypatch.setattr(torch, "argmax", lambda x, *a, **kw: calls.append(x.dim()) or real_argmax(x, *a, **kw))
+    got = [x.token_id for x in s.verify(logits, row, seq[:4])]
+    assert got == seq and (7 in seq) == (min_tokens == 0)
+    assert (calls == [2]) == (min_tokens == 0)  # one call over every row, or one per row
+    wrong = [seq[0], seq[1], (seq[2] + 1) % 12, seq[3]]
+    assert [x.token_id for x in s.verify(logits, row, wrong)] == seq[:3]
+
+
 def test_rejection_sampling_keeps_the_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
     p = SamplingParams(temperature=0.9, top_k=5)
