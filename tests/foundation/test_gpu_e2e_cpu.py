@@ -135,10 +135,13 @@ def test_profile_cold_prefill_and_hf_paths_run(tmp_path: Path) -> None:
     # tensors included ("Pointer argument cannot be accessed from Triton (cpu tensor?)"), and picks
     # them when its modeling module is imported: the CPU run gets a process in which fla does not
     # import (as where it is not installed), so HF takes its torch path.
-    code = ("import sys, json; sys.modules['fla'] = None; from benchmarks import gpu_e2e; "
+    # The child runs in tmp_path with the repository appended to its path (not first, as a cwd
+    # would be: the checkout's top-level ``kernels/`` would then shadow any installed package of
+    # that name, which transformers probes for).
+    repo = str(Path(__file__).resolve().parents[2])
+    code = (f"import sys, json; sys.path.append({repo!r}); sys.modules['fla'] = None; from benchmarks import gpu_e2e; "
             f"gpu_e2e.main(json.loads({json.dumps(json.dumps(args))}))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["errors"] == []
