@@ -28,7 +28,7 @@ import triton.language as tl
 from deepwell.kernels.e4m3_unpack import INTERPRET, e4m3_f16, has_fp8_conversion
 from deepwell.kernels.fp8_gemm import reference
 from deepwell.kernels.fused.common import KIND, round_to
-from deepwell.kernels.gemv.triton_kernel import REDUCE_BLOCK, _load_tile, _reduce_kernel, _row_sum, _store_row
+from deepwell.kernels.gemv.triton_kernel import REDUCE_BLOCK, _fma_kernel, _reduce_kernel
 
 
 @triton.jit
@@ -66,54 +66,6 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _fma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
-                SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
-                FP8_HW: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``fma_matmul``: per ``BK`` step (inside one scale block along K) each of up to 4 rows sums
-    ``x * code`` in fp32 over the tile, then multiplies the sum by the row block's scale."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    m0 = pid_m * ROWS
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    n_ok = rn < N
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(K, k_lo + K_PER)
-    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
-    s_ptrs = s_ptr + (rn // SBN) * stride_sn
-    x_ptrs = x_ptr + m0 * stride_xm + k_lo + rk
-    d1 = (tl.minimum(m0 + 1, M - 1) - m0) * stride_xm  # rows past M read row M - 1 (not stored)
-    d2 = (tl.minimum(m0 + 2, M - 1) - m0) * stride_xm
-    d3 = (tl.minimum(m0 + 3, M - 1) - m0) * stride_xm
-    acc0 = tl.zeros((BN,), dtype=tl.float32)
-    acc1 = tl.zeros((BN,), dtype=tl.float32)
-    acc2 = tl.zeros((BN,), dtype=tl.float32)
-    acc3 = tl.zeros((BN,), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        k_ok = k0 + rk < k_hi
-        w = e4m3_f16(_load_tile(w_ptrs, n_ok, k_ok, EVEN_N, EVEN_K), FP8_HW).to(tl.float32)
-        sc = tl.load(s_ptrs + k0 // SBK, mask=n_ok, other=0.0)
-        acc0 += sc * _row_sum(w, x_ptrs, k_ok, EVEN_K)
-        if ROWS > 1:
-            acc1 += sc * _row_sum(w, x_ptrs + d1, k_ok, EVEN_K)
-        if ROWS > 2:
-            acc2 += sc * _row_sum(w, x_ptrs + d2, k_ok, EVEN_K)
-        if ROWS > 3:
-            acc3 += sc * _row_sum(w, x_ptrs + d3, k_ok, EVEN_K)
-        w_ptrs += BK
-        x_ptrs += BK
-    _store_row(o_ptr, b_ptr, acc0, m0, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
-    if ROWS > 1:
-        _store_row(o_ptr, b_ptr, acc1, m0 + 1, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
-    if ROWS > 2:
-        _store_row(o_ptr, b_ptr, acc2, m0 + 2, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
-    if ROWS > 3:
-        _store_row(o_ptr, b_ptr, acc3, m0 + 3, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
 
 
 @triton.jit
@@ -244,11 +196,12 @@ def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     k_per = max(triton.cdiv(steps, split), 1) * bk
     split = max(1, triton.cdiv(k, k_per))
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _fma_kernel[(tiles_m, tiles_n, split)](
-        x, codes.contiguous().view(torch.uint8), scales.contiguous(), bias if bias is not None else x, target,
-        m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
-        HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device), SPLIT=split > 1,
-        EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0, ROWS=rows, BN=block_n, BK=bk)
+    _fma_kernel[(tiles_m, tiles_n, split)](  # gemv's FMA form, reading E4M3 codes (FP8=True)
+        x, codes.contiguous().view(torch.uint8), bias if bias is not None else x, target,
+        m, n, k, k_per, x.stride(0), k, out.stride(0), scales.contiguous(), scales.shape[1],
+        HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], SPLIT=split > 1, EVEN_N=n % block_n == 0,
+        EVEN_K=k % bk == 0, ROWS=rows, BN=block_n, BK=bk, FP8=True, SBN=block[0], SBK=block[1],
+        FP8_HW=has_fp8_conversion(x.device))
     if split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, bias if bias is not None else x, out, m * n, n, split, HAS_BIAS=bias is not None,

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepwell.kernels.e4m3_unpack import e4m3_f16
 from deepwell.kernels.fused.common import INTERPRET, KIND, round_to
 
 #: Rows (tokens) the kernel is meant for; ``supports`` is False above (torch's GEMM then wins).
@@ -99,9 +100,12 @@ def _store_row(o_ptr, b_ptr, acc, m, M, N, rn, n_ok, pid_k, stride_om, SPLIT: tl
 
 
 @triton.jit
-def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
+def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om, s_ptr, stride_sn,
                 HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
-                EVEN_K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                EVEN_K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                FP8: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8_HW: tl.constexpr = True):
+    """16-bit weights, or (``FP8``: ``kernels.fp8_gemm.fma_matmul``) E4M3 codes whose step sums are
+    multiplied by their block scale ``s[n // SBN, k // SBK]`` (``BK`` divides ``SBK``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -112,6 +116,7 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
+    s_ptrs = s_ptr + (rn // SBN) * stride_sn
     x_ptrs = x_ptr + m0 * stride_xm + k_lo + rk
     # rows past M (the last group of M % ROWS rows) read row M - 1 again; their sums are not stored
     d1 = (tl.minimum(m0 + 1, M - 1) - m0) * stride_xm
@@ -123,14 +128,19 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
     acc3 = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         k_ok = k0 + rk < k_hi
-        w = _load_tile(w_ptrs, n_ok, k_ok, EVEN_N, EVEN_K).to(tl.float32)
-        acc0 += _row_sum(w, x_ptrs, k_ok, EVEN_K)
+        if FP8:  # the codes' exact values; each step's sums times the block's scale
+            w = e4m3_f16(_load_tile(w_ptrs, n_ok, k_ok, EVEN_N, EVEN_K), FP8_HW).to(tl.float32)
+            sc = tl.load(s_ptrs + k0 // SBK, mask=n_ok, other=0.0)
+        else:
+            w = _load_tile(w_ptrs, n_ok, k_ok, EVEN_N, EVEN_K).to(tl.float32)
+            sc = 1.0  # exact: the 16-bit form's sums unchanged
+        acc0 += sc * _row_sum(w, x_ptrs, k_ok, EVEN_K)
         if ROWS > 1:
-            acc1 += _row_sum(w, x_ptrs + d1, k_ok, EVEN_K)
+            acc1 += sc * _row_sum(w, x_ptrs + d1, k_ok, EVEN_K)
         if ROWS > 2:
-            acc2 += _row_sum(w, x_ptrs + d2, k_ok, EVEN_K)
+            acc2 += sc * _row_sum(w, x_ptrs + d2, k_ok, EVEN_K)
         if ROWS > 3:
-            acc3 += _row_sum(w, x_ptrs + d3, k_ok, EVEN_K)
+            acc3 += sc * _row_sum(w, x_ptrs + d3, k_ok, EVEN_K)
         w_ptrs += BK
         x_ptrs += BK
     _store_row(o_ptr, b_ptr, acc0, m0, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
@@ -295,7 +305,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     if variant == "dot":
         _dot_kernel[grid](*args, IEEE=x.dtype == torch.float32 or INTERPRET, BM=rows, **common)
     else:
-        _fma_kernel[grid](*args, ROWS=rows, **common)
+        _fma_kernel[grid](*args, x, 0, ROWS=rows, **common)
     if split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, bias if bias is not None else x, out, m * n, n, split, HAS_BIAS=bias is not None,
