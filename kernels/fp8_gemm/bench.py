@@ -12,7 +12,7 @@ against the bf16 product of the dequantized weight (relative L2) of:
   E4M3 weight, bf16 activations) without splitting K, with the default split, and with 32 and
   128 output columns per program (default split);
 - ``dequant+gemm``: the weight dequantized to bf16 by one Triton launch, then torch's GEMM;
-- ``fma`` / ``bn=32`` / ``bn=128`` / ``split=1`` (up to 16 tokens): ``fma_matmul``, without tensor
+- ``fma`` / ``bn=32`` / ``bn=128`` / ``split=1`` / ``warps=2`` / ``warps=8`` (up to 16 tokens): ``fma_matmul``, without tensor
   cores and with the block scale applied after each step's sum;
 - ``scaled_mm block``: ``torch._scaled_mm`` with the same 128x128 weight blocks and the
   activations quantized to E4M3 per token and 128 channels (W8A8, DeepSeek-V3's recipe), the
@@ -77,6 +77,8 @@ def _variants(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w: tor
         out["fma bn=32"] = lambda: fma_matmul(x, codes, scales, block_n=32)
         out["fma bn=128"] = lambda: fma_matmul(x, codes, scales, block_n=128)
         out["fma split=1"] = lambda: fma_matmul(x, codes, scales, split_k=1)
+        out["fma warps=2"] = lambda: fma_matmul(x, codes, scales, num_warps=2)
+        out["fma warps=8"] = lambda: fma_matmul(x, codes, scales, num_warps=8)
     b = codes.t()  # [K, N] column-major, as _scaled_mm wants its second operand
     sb = scales.t().contiguous()  # [K / 128, N / 128]
 

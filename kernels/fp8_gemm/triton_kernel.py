@@ -164,8 +164,8 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
 
 
 def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
-               bias: torch.Tensor | None = None, block_n: int = FMA_BLOCK_N, split_k: int | None = None
-               ) -> torch.Tensor:
+               bias: torch.Tensor | None = None, block_n: int = FMA_BLOCK_N, split_k: int | None = None,
+               num_warps: int = 4) -> torch.Tensor:
     """Few tokens without tensor cores, the scale applied after the sum: per ``BK`` step each
     row's ``sum_k x * code`` in fp32 (the code's exact value), times the weight block's scale,
     added up; so a weight is never rounded to x's dtype, and the result differs from the
@@ -173,7 +173,8 @@ def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     weight at most, well inside the format's error. One E4M3 conversion and one FMA per weight
     byte (``w8a16_matmul`` also scales and rounds each weight): meant to read the weight at HBM
     speed. Rows in groups of ``FMA_ROWS`` (more rows: more programs, each reading the weight
-    again); K split as ``w8a16_matmul`` does, partial sums added in split order by one launch."""
+    again); K split as ``w8a16_matmul`` does, partial sums added in split order by one launch;
+    ``num_warps`` per program (Triton's launch option)."""
     _check_args(x, codes, scales, block)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -201,7 +202,7 @@ def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
         m, n, k, k_per, x.stride(0), k, out.stride(0), scales.contiguous(), scales.shape[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], SPLIT=split > 1, EVEN_N=n % block_n == 0,
         EVEN_K=k % bk == 0, ROWS=rows, BN=block_n, BK=bk, FP8=True, SBN=block[0], SBK=block[1],
-        FP8_HW=has_fp8_conversion(x.device))
+        FP8_HW=has_fp8_conversion(x.device), num_warps=num_warps)
     if split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             target, bias if bias is not None else x, out, m * n, n, split, HAS_BIAS=bias is not None,
