@@ -94,7 +94,7 @@ MIN_SPLIT_STEPS = 4  # BK steps per split at least
 # program, output columns per program, K step. Not yet timed on a GPU: ``bench`` compares it
 # with the W8A16 kernel (``fma`` rows), and ``matmul`` serves with it from ``FMA_MAX_TOKENS``
 # = 0 (off) until it wins there.
-FMA_ROWS = 4
+FMA_ROWS = 8  # one program's rows: a verify step of K = 4 drafts (5 rows) reads the weight once
 FMA_BLOCK_N = 64
 FMA_BLOCK_K = 128
 FMA_MAX_TOKENS = 0

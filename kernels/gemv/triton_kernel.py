@@ -51,8 +51,9 @@ VARIANTS = ("auto", "dot", "fma")
 #: (fewer rows waste more of the 16-row tensor-core tile) until ``bench`` has run on an H100;
 #: the block defaults below are likewise untuned.
 FMA_MAX_TOKENS = 4
-#: Rows one ``"fma"`` program serves (unrolled in the kernel); more rows, more programs.
+#: Rows one ``"fma"`` program serves (the kernel unrolls up to ``FMA_ROWS_MAX``); more rows, more programs.
 FMA_ROWS = 4
+FMA_ROWS_MAX = 8
 DOT_BM = 16  # the dot variant's row tile: tl.dot's smallest M
 # Split K until a launch has this many programs per SM (as the FP8 kernel), each split at
 # least MIN_SPLIT_STEPS BK steps.
@@ -122,10 +123,18 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
     d1 = (tl.minimum(m0 + 1, M - 1) - m0) * stride_xm
     d2 = (tl.minimum(m0 + 2, M - 1) - m0) * stride_xm
     d3 = (tl.minimum(m0 + 3, M - 1) - m0) * stride_xm
+    d4 = (tl.minimum(m0 + 4, M - 1) - m0) * stride_xm
+    d5 = (tl.minimum(m0 + 5, M - 1) - m0) * stride_xm
+    d6 = (tl.minimum(m0 + 6, M - 1) - m0) * stride_xm
+    d7 = (tl.minimum(m0 + 7, M - 1) - m0) * stride_xm
     acc0 = tl.zeros((BN,), dtype=tl.float32)
     acc1 = tl.zeros((BN,), dtype=tl.float32)
     acc2 = tl.zeros((BN,), dtype=tl.float32)
     acc3 = tl.zeros((BN,), dtype=tl.float32)
+    acc4 = tl.zeros((BN,), dtype=tl.float32)
+    acc5 = tl.zeros((BN,), dtype=tl.float32)
+    acc6 = tl.zeros((BN,), dtype=tl.float32)
+    acc7 = tl.zeros((BN,), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BK):
         k_ok = k0 + rk < k_hi
         if FP8:  # the codes' exact values; each step's sums times the block's scale
@@ -141,6 +150,14 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
             acc2 += sc * _row_sum(w, x_ptrs + d2, k_ok, EVEN_K)
         if ROWS > 3:
             acc3 += sc * _row_sum(w, x_ptrs + d3, k_ok, EVEN_K)
+        if ROWS > 4:
+            acc4 += sc * _row_sum(w, x_ptrs + d4, k_ok, EVEN_K)
+        if ROWS > 5:
+            acc5 += sc * _row_sum(w, x_ptrs + d5, k_ok, EVEN_K)
+        if ROWS > 6:
+            acc6 += sc * _row_sum(w, x_ptrs + d6, k_ok, EVEN_K)
+        if ROWS > 7:
+            acc7 += sc * _row_sum(w, x_ptrs + d7, k_ok, EVEN_K)
         w_ptrs += BK
         x_ptrs += BK
     _store_row(o_ptr, b_ptr, acc0, m0, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
@@ -150,6 +167,14 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
         _store_row(o_ptr, b_ptr, acc2, m0 + 2, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
     if ROWS > 3:
         _store_row(o_ptr, b_ptr, acc3, m0 + 3, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if ROWS > 4:
+        _store_row(o_ptr, b_ptr, acc4, m0 + 4, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if ROWS > 5:
+        _store_row(o_ptr, b_ptr, acc5, m0 + 5, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if ROWS > 6:
+        _store_row(o_ptr, b_ptr, acc6, m0 + 6, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if ROWS > 7:
+        _store_row(o_ptr, b_ptr, acc7, m0 + 7, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
 
 
 @triton.jit

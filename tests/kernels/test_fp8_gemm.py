@@ -102,12 +102,14 @@ def test_kernel_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
 @pytest.mark.parametrize(("m", "n", "k", "dtype", "bias", "split"), [
     (1, 70, 128, torch.float32, False, None), (3, 128, 448, torch.bfloat16, True, 2),
     (6, 64, 256, torch.float16, False, 64), (5, 40, 300, torch.float32, True, 3),
+    (11, 32, 128, torch.float32, False, None),
 ])
 def test_fma_form_matches_reference_in_the_interpreter(m: int, n: int, k: int, dtype: torch.dtype, bias: bool,
                                                        split: int | None) -> None:
     """The scale after each step's sum: fp32 activations agree to fp32 summation order (the
     reference's weights are exact fp32 products then), 16-bit ones within the weights' one
-    rounding; more rows than one program serves (6, 5), K not a multiple of 128, splits."""
+    rounding; 5 to 8 rows in one program (every unrolled row), more than one program serves
+    (11), K not a multiple of 128, splits."""
     from deepwell.kernels.fp8_gemm.triton_kernel import fma_matmul
 
     g = torch.Generator().manual_seed(m * n + k)
@@ -126,7 +128,8 @@ def test_fma_form_matches_reference_in_the_interpreter(m: int, n: int, k: int, d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 5120), (4, 17408, 5120), (7, 5120, 17408)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 5120), (4, 17408, 5120), (7, 5120, 17408),
+                                           (13, 5120, 5120)])
 def test_fma_form_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
     from deepwell.kernels.fp8_gemm.triton_kernel import fma_matmul
 
