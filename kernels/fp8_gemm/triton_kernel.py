@@ -5,7 +5,8 @@ block's ``bk``, so one scale per row of the tile and step) the program loads the
 tile in its dtype and the weight tile as E4M3 bytes (one byte per weight: the bandwidth
 half of bf16's that makes decode faster), turns the bytes into their exact values
 (``kernels.e4m3_unpack.e4m3_f16``), multiplies by the block scale in fp32 and rounds to the
-activation dtype (``kernels.fused.common.round_to``: ties to even, also in the interpreter),
+activation dtype (ties to even: the hardware's cast on a GPU, ``kernels.fused.common.round_to``
+in the interpreter, whose bf16 cast truncates),
 and accumulates ``tl.dot`` products in fp32 (fp32 activations, and every dtype in the
 interpreter, whose 16-bit dot misreads its inputs: IEEE fp32 products of the same values, no
 TF32). So the
@@ -53,11 +54,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         c = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         s = tl.load(s_ptr + (rn // SBN) * stride_sn + k0 // SBK, mask=n_ok, other=0.0)
-        w = round_to(e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None], KIND_X)
+        w = e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None]
         if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += tl.dot(x.to(tl.float32), tl.trans(round_to(w, KIND_X)), input_precision="ieee")
+        else:  # a GPU (the interpreter takes IEEE): the hardware's round-to-nearest-even cast,
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # the bits round_to gives, in 1/6 the instructions
     if SPLIT:  # fp32 partial sums [splits, M, N]: summed (and the bias added) after the launch
         o_ptr += pid_k * M * N
         tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -70,13 +71,16 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
-                    KIND_X: tl.constexpr, FP8_HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    KIND_X: tl.constexpr, FP8_HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    HW_ROUND: tl.constexpr):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     ok = (rn < N)[:, None] & (k < K)[None, :]
     c = tl.load(w_ptr + rn[:, None] * K + k[None, :], mask=ok, other=0)
     s = tl.load(s_ptr + (rn // SBN)[:, None] * stride_sn + (k // SBK)[None, :], mask=ok, other=0.0)
-    w = round_to(e4m3_f16(c, FP8_HW).to(tl.float32) * s, KIND_X)
+    w = e4m3_f16(c, FP8_HW).to(tl.float32) * s
+    if not HW_ROUND:  # the interpreter's bf16 cast truncates; a GPU's rounds to nearest even
+        w = round_to(w, KIND_X)
     tl.store(o_ptr + rn[:, None] * K + k[None, :], w.to(o_ptr.dtype.element_ty), mask=ok)
 
 
@@ -222,7 +226,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
     if out.numel():
         _dequant_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64))](
             codes.contiguous().view(torch.uint8), scales.contiguous(), out, n, k, scales.shape[1],
-            SBN=block[0], SBK=block[1], KIND_X=KIND[dtype], FP8_HW=has_fp8_conversion(codes.device), BN=64, BK=64)
+            SBN=block[0], SBK=block[1], KIND_X=KIND[dtype], FP8_HW=has_fp8_conversion(codes.device), BN=64, BK=64,
+            HW_ROUND=not INTERPRET)
     return out
 
 
