@@ -730,6 +730,8 @@ def run_rounds(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace,
         elif tokens != batch * steps:
             out["warning"] = f"{tokens} tokens in {steps} steps of {batch} requests"
         walls: list[float] = []
+        dg = getattr(core.runner, "draft_graphs", None)
+        mtp_graphed = dg.verify_replays if dg is not None else 0
         with PhaseTimer(core.runner, drafts + 1) as pt:
             for _ in range(steps):
                 sync(dev)
@@ -744,6 +746,7 @@ def run_rounds(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace,
                            "accept_s": phases["accept_many"], "propose_s": phases["propose"],
                            "other_s": step_p - sum(phases.values()), "full_forwards": pt.full_forwards,
                            "graphed_forwards": pt.graphed_forwards,
+                           "graphed_mtp": (dg.verify_replays if dg is not None else 0) - mtp_graphed,
                            "calls": {name: len(v) for name, v in pt.seconds.items()}}
         return out
     finally:
@@ -1322,7 +1325,8 @@ class Bench:
                  f"verify forward ({k + 1} tokens/seq) {verify_s * 1e3:.2f} ms{vs_verify}; commit (accept_many) "
                  f"{p['accept_s'] * 1e3:.2f} ms; propose ({k} MTP drafting forwards) {p['propose_s'] * 1e3:.2f} ms; "
                  f"rest (scheduler, sampler, acceptance) {p['other_s'] * 1e3:.2f} ms; verify forwards graphed "
-                 f"{p['graphed_forwards']}/{p['steps']}{partial}")
+                 f"{p['graphed_forwards']}/{p['steps']}, MTP pass + chain graphed {p.get('graphed_mtp', 0)}/{p['steps']}"
+                 f"{partial}")
         rep.line(f"    projection (acceptance ASSUMED, p = {acc:g} per draft token; random weights cannot measure it): "
                  f"(1 - p^{k + 1}) / (1 - p) = {per_round:.2f} tokens/round/seq -> {b} x {per_round:.2f} / "
                  f"{round_s * 1e3:.2f} ms = {projected:.1f} tok/s{vs_plain}")

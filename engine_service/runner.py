@@ -101,6 +101,7 @@ class TorchModelRunner:
         self._slot_pos: list[int] = []  # tokens each state slot's contents correspond to
         self.mtp_layers = 0  # > 0 once enable_mtp(): the MTP module's KV layers follow the model's
         self._last_hidden: torch.Tensor | None = None  # the last forward's hidden states (MTP drafting)
+        self._last_verify_t = 0  # T when the last forward was a verify group of T rows per slice, else 0
         self._verify: VerifyRecord | None = None  # the last forward's verify slices, until accepted
         self._verify_start: dict[int, int] = {}
         self._verify_tokens: dict[int, int] = {}  # slot -> tokens its verify slice ran
@@ -268,6 +269,7 @@ class TorchModelRunner:
             self._verify_start = {s.state_slot: s.start for s in ctx.seqs if s.verify}
             self._verify_tokens = {s.state_slot: s.num_tokens for s in ctx.seqs if s.verify}
             self._group_slots = ctx.verify_group.slots if ctx.verify_group is not None else ()
+            self._last_verify_t = ctx.verify_group.tokens_per_seq if ctx.verify_group is not None else 0
             if self.state is not None:
                 for s in ctx.seqs:
                     if not s.verify:
@@ -296,6 +298,7 @@ class TorchModelRunner:
         hidden, logits, commit = self.graphs.run(batch)
         self._last_hidden = hidden.clone() if self.mtp_layers else None
         self._verify, self._verify_start, self._verify_tokens, self._group_slots = None, {}, {}, ()
+        self._last_verify_t = t if commit is not None else 0
         if commit is not None:  # a verify step: the slots stay at their starts until accept_many
             self._verify = VerifyRecord(group=[commit])
             self._verify_start = {s.state_slot: s.start for s in batch.seqs}
@@ -367,6 +370,9 @@ class TorchModelRunner:
         if not inputs:
             return []
         dev, model, hid = self._device, self.model, self._last_hidden
+        after_verify = self._draft_after_verify(inputs, hid)
+        if after_verify is not None:
+            return after_verify
         drafts: list[list[int]] = [[] for _ in inputs]
         with torch.inference_mode():
             rows = torch.cat([torch.arange(d.hidden_row, d.hidden_row + len(d.tokens)) for d in inputs]).to(dev)
@@ -402,6 +408,25 @@ class TorchModelRunner:
                     0, torch.tensor(live_next, dtype=torch.long, device=dev)))
                 ends = torch.arange(len(live), dtype=torch.long, device=dev)
         return drafts
+
+    def _draft_after_verify(self, inputs: Sequence[DraftInput], hid: torch.Tensor) -> list[list[int]] | None:
+        """After a verify group of ``T`` rows per slice, the MTP pass over all ``T`` rows and the
+        draft chain as one graph (``DraftGraphs.run_after_verify``); None where it does not apply
+        (another step, more sequences than its buckets)."""
+        chain, t = self.draft_graphs, self._last_verify_t
+        if chain is None or self.graphs is None or t != chain.verify_tokens:
+            return None
+        if any(d.hidden_row % t or d.hidden_row + t > hid.shape[0] for d in inputs) or not chain.accepts_verify(
+                len(inputs), [len(d.tokens) for d in inputs], [d.num_drafts for d in inputs]):
+            return None
+        firsts = [d.hidden_row for d in inputs]
+        if firsts == list(range(0, len(inputs) * t, t)):  # every slice of the step, in order
+            rows = hid[: len(inputs) * t]
+        else:
+            index = torch.cat([torch.arange(f, f + t) for f in firsts]).to(self._device)
+            rows = hid.index_select(0, index)
+        return chain.run_after_verify(rows, [d.start for d in inputs], [d.tokens for d in inputs],
+                                      [d.num_drafts for d in inputs], [d.block_table for d in inputs])
 
     def _mtp_step(self, ids: list[int], seqs: list[SeqSlice], hidden: torch.Tensor) -> torch.Tensor:
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long), seqs)

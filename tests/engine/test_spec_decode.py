@@ -473,7 +473,14 @@ def test_graphed_verify_steps_give_the_plain_tokens(mtp_model64: Path) -> None:
     _oracle(core, plain, wrong=lambda i: i % 5 in (1, 3))
     assert _run(core, SPECS) == plain
     assert g.verify_replays > 0 and 0 < core.counters.spec_accepted < core.counters.spec_drafted
-    assert runner.draft_graphs is not None and runner.draft_graphs.replays > 0
+    dg = runner.draft_graphs
+    assert dg is not None and dg.verify_replays > 0
+    hidden = torch.zeros(k + 1, runner.args.hidden, dtype=runner.dtype)
+    with pytest.raises(ValueError, match="does not cover"):  # checked before anything runs
+        dg.run_after_verify(hidden, [70], [[1, 2]], [2], [[0]])
+    with pytest.raises(ValueError, match="kept rows"):
+        dg.run_after_verify(hidden, [5], [[1] * (k + 2)], [1], [[0]])
+    assert not dg.accepts_verify(1, [k + 2], [1]) and not dg.accepts_verify(5, [1] * 5, [1] * 5)
     # a verify slice of another length, or mixed with a decode slice, runs eagerly
     assert not g.accepts(ForwardBatch(torch.tensor([1, 2]), [SeqSlice(0, [0], 5, 2, verify=True)]))
     assert not g.accepts(ForwardBatch(torch.tensor([1] * 5), [SeqSlice(0, [0], 5, 4, verify=True),
@@ -503,13 +510,14 @@ def test_captured_verify_steps_equal_plain_on_gpu(mtp_model64: Path) -> None:
     assert g.describe()["verify_captured"] == [1, 2, 4]
     _oracle(core, plain, wrong=lambda i: i % 5 in (1, 3))
     assert _run(core, SPECS) == plain
-    assert g.verify_replays > 0 and runner.draft_graphs is not None and runner.draft_graphs.replays > 0
+    assert g.verify_replays > 0 and runner.draft_graphs is not None and runner.draft_graphs.verify_replays > 0
 
 
 def test_graphed_drafting_drafts_what_the_eager_loop_drafts(mtp_model64: Path) -> None:
     """The MTP draft chain through ``draft_graphs.DraftGraphs`` (static buffers, masked steps for
-    sequences wanting fewer drafts, padding rows) drafts the eager loop's tokens: the same number
-    accepted, and the plain tokens."""
+    sequences wanting fewer drafts, padding rows; after verify steps the MTP pass over every
+    verify row in front of it, filler rows on the scratch page) drafts the eager loop's tokens:
+    the same number accepted, and the plain tokens."""
     plain = _run(_core(mtp_model64, 0, page_size=64, kv_dtype="nvfp4"), SPECS)
     accepted = {}
     for graphs in (False, True):
@@ -524,8 +532,9 @@ def test_graphed_drafting_drafts_what_the_eager_loop_drafts(mtp_model64: Path) -
         runner.propose = lambda inputs, f=propose: seen.append(f(inputs)) or seen[-1]  # type: ignore[method-assign]
         assert _run(core, SPECS) == plain
         accepted[graphs] = (seen, core.counters.spec_drafted, core.counters.spec_accepted)
-        if graphs:
+        if graphs:  # chains after prefill steps, and MTP passes + chains after verify steps
             assert runner.draft_graphs is not None and runner.draft_graphs.replays > 0
+            assert runner.draft_graphs.verify_replays > 0
     assert accepted[True] == accepted[False]
     assert any(len(d) == 3 for call in accepted[True][0] for d in call)  # whole chains were drafted
 
