@@ -754,6 +754,17 @@ def run_rounds(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace,
             core.cancel(r.request_id)
 
 
+def fp8_kernels(weights: str) -> str:
+    """Up to how many rows the FP8 weights' few-token kernel is the FMA one (the engine times it
+    at load on CUDA, ``layers.fp8_linear.tune``; log ``fp8_gemm_tuned``)."""
+    if weights != "fp8":
+        return ""
+    from deepwell.kernels.fp8_gemm import triton_kernel
+
+    n = triton_kernel.FMA_MAX_TOKENS
+    return f"; FP8 GEMV: FMA kernel up to {n} rows" if n else "; FP8 GEMV: tensor-core kernel at every row count"
+
+
 def run_prefill(core: EngineCore, tokens: int, args: argparse.Namespace, warm: bool = True,
                 seed: int = 1) -> dict[str, Any]:
     """Time to the first token of one ``tokens``-token prompt (chunks of the token budget)."""
@@ -990,7 +1001,7 @@ class Bench:
         rep.line(f"model {wl}-w: {st['layers']} layers ({st['attention_layers']} attention, "
                  f"{st['recurrent_layers']} GDN), {st['total_params'] / 1e9:.2f}B params, "
                  f"{gb(st['weight_bytes_streamed'])} streamed per decode step, random weights on "
-                 f"{self.dev} in {time.perf_counter() - t0:.1f} s")
+                 f"{self.dev} in {time.perf_counter() - t0:.1f} s" + fp8_kernels(w))
         if wl == "fp32":
             rep.note("weights and activations in float32 (CPU run: float32 is the fast path there); the "
                      "'bf16' KV pool is still bf16")

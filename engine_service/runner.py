@@ -49,6 +49,7 @@ from deepwell.engine_service.layers import gemv_linear
 from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
 from deepwell.engine_service.layers.fp8_linear import prepare_linears, quantize_linears
+from deepwell.engine_service.layers.fp8_linear import tune as tune_fp8
 from deepwell.engine_service.loading.fp8 import block_size as fp8_block_size
 from deepwell.engine_service.layers.rope import inv_freq_and_scale
 from deepwell.engine_service.loading.source import ModelSource
@@ -689,6 +690,9 @@ def build_runner(
     if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
         log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")
+    tuned = tune_fp8(model, dev, dtype)
+    if tuned is not None:
+        log.info("fp8_gemm_tuned", **tuned)
     if linear_kernel == "gemv":
         log.info("linear_kernel", kernel="gemv", layers=gemv_linear.use_gemv(model))
     if mtp:

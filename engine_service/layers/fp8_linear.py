@@ -15,9 +15,16 @@ decoder layers (and the MTP module) whose sides are both at least ``min_features
 form (scale = block amax / 448); the embedding, the LM head, MoE routers (``mlp.gate``) and
 small projections (the Gated DeltaNet's per-head ``in_proj_a`` / ``in_proj_b``) stay in the
 model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, for now.
+
+``tune(model)`` (CUDA, after loading) picks up to how many rows the few-token FMA kernel serves
+instead of the tensor-core one, timed at the model's shapes (``kernels.fp8_gemm.tune``);
+``DEEPWELL_FP8_FMA_MAX_TOKENS`` pins the number instead (0: the tensor-core kernel always).
 """
 
 from __future__ import annotations
+
+import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,3 +108,30 @@ def dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return max((m.out_features * m.in_features * elem for m in model.modules() if isinstance(m, FP8Linear)),
                default=0)
+
+
+FMA_ENV = "DEEPWELL_FP8_FMA_MAX_TOKENS"
+
+
+def tune(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
+    """Set ``fp8_gemm``'s FMA row limit for ``model``'s FP8 layers on ``device`` (``FMA_ENV`` if
+    set, else timed); returns what was chosen and why (for the log), None without FP8 layers or
+    off CUDA."""
+    from deepwell.kernels.fp8_gemm import tune as fp8_tune
+
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    if not layers or device.type != "cuda":
+        return None
+    pinned = os.environ.get(FMA_ENV)
+    if pinned is not None:
+        try:
+            rows = int(pinned)
+            fp8_tune.apply(rows)
+        except ValueError as exc:
+            raise ValueError(f"{FMA_ENV}={pinned!r}: {exc}") from None
+        return {"fma_max_tokens": rows, "source": FMA_ENV}
+    shapes = {(m.out_features, m.in_features) for m in layers}
+    rows, times = fp8_tune.tune_fma_rows(shapes, device, dtype, layers[0].block)
+    fp8_tune.apply(rows)
+    return {"fma_max_tokens": rows, "source": "timed", "shapes": len(shapes),
+            "us_fma_w8a16": {m: [round(f * 1e6, 1), round(d * 1e6, 1)] for m, (f, d) in times.items()}}

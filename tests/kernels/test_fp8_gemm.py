@@ -139,3 +139,59 @@ def test_fma_form_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
     got = fma_matmul(x, codes, scales).float()
     want = reference.w8a16_matmul(x, codes, scales).float()
     assert ((got - want).norm() / want.norm()) < 5e-3
+
+
+def test_fma_row_limit_is_the_longest_winning_run() -> None:
+    """``tune.choose``: FMA for every row count from 1 while its time (summed over the shapes)
+    is below the tensor-core kernel's; 0 when it loses at one row; ``apply`` checks its range."""
+    from deepwell.kernels.fp8_gemm import triton_kernel, tune
+
+    def timer(wins_up_to: int):  # fma costs 10 us per row, w8a16 a flat 10 * (wins_up_to + 0.5)
+        return lambda kind, m, n, k: (10e-6 * m if kind == "fma" else 10e-6 * (wins_up_to + 0.5)) * n / 1000
+
+    shapes = [(1000, 128), (2000, 256), (1000, 128)]
+    for wins in (0, 1, 5, 8):
+        rows, times = tune.choose(shapes, timer(wins))
+        assert rows == wins
+        assert sorted(times) == list(range(1, min(wins + 1, tune.MAX_ROWS) + 1))
+        assert times[1][0] == pytest.approx(30e-6)  # the duplicate shape counted once
+    before = triton_kernel.FMA_MAX_TOKENS
+    try:
+        tune.apply(4)
+        assert triton_kernel.FMA_MAX_TOKENS == 4
+        with pytest.raises(ValueError, match="FMA max tokens"):
+            tune.apply(triton_kernel.DEQUANT_MIN_TOKENS)
+    finally:
+        triton_kernel.FMA_MAX_TOKENS = before
+
+
+def test_fp8_tune_is_pinned_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fp8_linear.tune``: nothing off CUDA or without FP8 layers; ``DEEPWELL_FP8_FMA_MAX_TOKENS``
+    pins the limit without timing anything, and a bad value names the variable."""
+    from deepwell.engine_service.layers.fp8_linear import FMA_ENV, FP8Linear, tune
+    from deepwell.kernels.fp8_gemm import triton_kernel
+
+    model = torch.nn.Sequential(FP8Linear.from_linear(torch.nn.Linear(256, 128)))
+    cuda = torch.device("cuda")  # a device object only: the pinned path touches no GPU
+    assert tune(model, torch.device("cpu"), torch.bfloat16) is None
+    assert tune(torch.nn.Sequential(torch.nn.Linear(4, 4)), cuda, torch.bfloat16) is None
+    before = triton_kernel.FMA_MAX_TOKENS
+    try:
+        monkeypatch.setenv(FMA_ENV, "3")
+        assert tune(model, cuda, torch.bfloat16) == {"fma_max_tokens": 3, "source": FMA_ENV}
+        assert triton_kernel.FMA_MAX_TOKENS == 3
+        monkeypatch.setenv(FMA_ENV, "many")
+        with pytest.raises(ValueError, match=FMA_ENV):
+            tune(model, cuda, torch.bfloat16)
+    finally:
+        triton_kernel.FMA_MAX_TOKENS = before
+
+
+@pytest.mark.gpu
+def test_fma_rows_timed_on_cuda() -> None:
+    from deepwell.kernels.fp8_gemm import tune
+
+    rows, times = tune.tune_fma_rows([(5120, 5120), (17408, 5120)], torch.device("cuda"), torch.bfloat16)
+    assert 0 <= rows <= tune.MAX_ROWS and all(f > 0 and d > 0 for f, d in times.values())
+    print(f"fma rows {rows}; us per row count (fma, w8a16): "
+          + ", ".join(f"{m}: {f * 1e6:.1f}/{d * 1e6:.1f}" for m, (f, d) in times.items()))
