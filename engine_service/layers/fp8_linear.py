@@ -131,7 +131,11 @@ def tune(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str
             raise ValueError(f"{FMA_ENV}={pinned!r}: {exc}") from None
         return {"fma_max_tokens": rows, "source": FMA_ENV}
     shapes = {(m.out_features, m.in_features) for m in layers}
-    rows, times = fp8_tune.tune_fma_rows(shapes, device, dtype, layers[0].block)
+    try:
+        rows, times = fp8_tune.tune_fma_rows(shapes, device, dtype, layers[0].block)
+    except RuntimeError as exc:  # the FMA kernel failed its check: the tensor-core kernel serves
+        fp8_tune.apply(0)
+        return {"fma_max_tokens": 0, "source": "check failed", "error": str(exc)}
     fp8_tune.apply(rows)
     return {"fma_max_tokens": rows, "source": "timed", "shapes": len(shapes),
             "us_fma_w8a16": {m: [round(f * 1e6, 1), round(d * 1e6, 1)] for m, (f, d) in times.items()}}

@@ -57,9 +57,38 @@ def cuda_timer(device: torch.device, dtype: torch.dtype, block: tuple[int, int])
     return timer
 
 
+def check(shape: tuple[int, int], device: torch.device, dtype: torch.dtype, block: tuple[int, int] = (128, 128),
+          rows: Iterable[int] = (1, 5, MAX_ROWS)) -> float:
+    """The largest relative L2 difference between ``fma_matmul`` and ``w8a16_matmul`` over
+    ``rows`` at ``shape`` (random codes): the two differ by the rounding of each weight to the
+    activation dtype, ~1e-3 for bf16."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n, k = shape
+    codes, scales = reference.quantize(torch.randn(n, k, device=device, generator=g) * 0.02, block)
+    worst = 0.0
+    for m in rows:
+        x = torch.randn(m, k, device=device, generator=g).to(dtype)
+        want = tk.w8a16_matmul(x, codes, scales, block).float()
+        got = tk.fma_matmul(x, codes, scales, block).float()
+        worst = max(worst, float((got - want).norm() / want.norm().clamp(min=1e-30)))
+    return worst
+
+
+CHECK_TOLERANCE = 1e-2  # bf16 / fp16 weights rounded once each: ~1e-3; a wrong kernel: ~1
+
+
 def tune_fma_rows(shapes: Iterable[tuple[int, int]], device: torch.device, dtype: torch.dtype,
                   block: tuple[int, int] = (128, 128)) -> tuple[int, dict[int, tuple[float, float]]]:
-    """``choose`` with ``cuda_timer``: on ``device`` (CUDA) for activations of ``dtype``."""
+    """``choose`` with ``cuda_timer``: on ``device`` (CUDA) for activations of ``dtype``; 0 with
+    no times when the FMA kernel misses ``check`` at the smallest shape (``RuntimeError``
+    there is the caller's to log)."""
+    shapes = sorted(set(shapes))
+    if not shapes:
+        return 0, {}
+    err = check(min(shapes, key=lambda s: s[0] * s[1]), device, dtype, block)
+    if not err < CHECK_TOLERANCE:
+        raise RuntimeError(f"fma_matmul differs from w8a16_matmul by {err:.3g} (relative L2, tolerance "
+                           f"{CHECK_TOLERANCE:g}): not served")
     return choose(shapes, cuda_timer(device, dtype, block))
 
 

@@ -191,7 +191,18 @@ def test_fp8_tune_is_pinned_by_the_environment(monkeypatch: pytest.MonkeyPatch) 
 def test_fma_rows_timed_on_cuda() -> None:
     from deepwell.kernels.fp8_gemm import tune
 
+    assert tune.check((5120, 5120), torch.device("cuda"), torch.bfloat16) < tune.CHECK_TOLERANCE
     rows, times = tune.tune_fma_rows([(5120, 5120), (17408, 5120)], torch.device("cuda"), torch.bfloat16)
     assert 0 <= rows <= tune.MAX_ROWS and all(f > 0 and d > 0 for f, d in times.values())
     print(f"fma rows {rows}; us per row count (fma, w8a16): "
           + ", ".join(f"{m}: {f * 1e6:.1f}/{d * 1e6:.1f}" for m, (f, d) in times.items()))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+def test_fma_check_passes_in_the_interpreter() -> None:
+    """The start-up check ``tune_fma_rows`` runs before serving with the FMA kernel: its error
+    against the tensor-core kernel is the weights' one rounding to bf16, far inside the bound."""
+    from deepwell.kernels.fp8_gemm import tune
+
+    assert tune.check((64, 256), torch.device("cpu"), torch.bfloat16) < tune.CHECK_TOLERANCE / 2
+    assert tune.check((64, 256), torch.device("cpu"), torch.float32) < 1e-5
