@@ -136,6 +136,8 @@ def tune(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str
     except RuntimeError as exc:  # the FMA kernel failed its check: the tensor-core kernel serves
         fp8_tune.apply(0)
         return {"fma_max_tokens": 0, "source": "check failed", "error": str(exc)}
+    finally:  # the timing's random weights go back to the device before the KV pool is sized
+        torch.cuda.empty_cache()
     fp8_tune.apply(rows)
     return {"fma_max_tokens": rows, "source": "timed", "shapes": len(shapes),
             "us_fma_w8a16": {m: [round(f * 1e6, 1), round(d * 1e6, 1)] for m, (f, d) in times.items()}}
