@@ -761,6 +761,9 @@ def fp8_kernels(weights: str) -> str:
         return ""
     from deepwell.kernels.fp8_gemm import triton_kernel
 
+    by_shape = triton_kernel.FMA_ROWS_BY_SHAPE
+    if by_shape:
+        return "; FP8 GEMV: FMA kernel up to " + ", ".join(f"{r} rows at {n}x{k}" for (n, k), r in sorted(by_shape.items()))
     n = triton_kernel.FMA_MAX_TOKENS
     return f"; FP8 GEMV: FMA kernel up to {n} rows" if n else "; FP8 GEMV: tensor-core kernel at every row count"
 

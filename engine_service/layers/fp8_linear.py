@@ -16,8 +16,8 @@ form (scale = block amax / 448); the embedding, the LM head, MoE routers (``mlp.
 small projections (the Gated DeltaNet's per-head ``in_proj_a`` / ``in_proj_b``) stay in the
 model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, for now.
 
-``tune(model)`` (CUDA, after loading) picks up to how many rows the few-token FMA kernel serves
-instead of the tensor-core one, timed at the model's shapes (``kernels.fp8_gemm.tune``);
+``tune(model)`` (CUDA, after loading) picks, per weight shape, up to how many rows the few-token
+FMA kernel serves instead of the tensor-core one, timed there (``kernels.fp8_gemm.tune``);
 ``DEEPWELL_FP8_FMA_MAX_TOKENS`` pins the number instead (0: the tensor-core kernel always).
 """
 
@@ -138,6 +138,7 @@ def tune(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str
         return {"fma_max_tokens": 0, "source": "check failed", "error": str(exc)}
     finally:  # the timing's random weights go back to the device before the KV pool is sized
         torch.cuda.empty_cache()
-    fp8_tune.apply(rows)
-    return {"fma_max_tokens": rows, "source": "timed", "shapes": len(shapes),
-            "us_fma_w8a16": {m: [round(f * 1e6, 1), round(d * 1e6, 1)] for m, (f, d) in times.items()}}
+    fp8_tune.apply(0, rows)
+    return {"source": "timed", "fma_rows": {f"{n}x{k}": r for (n, k), r in rows.items()},
+            "us_fma_w8a16": {f"{n}x{k}": {m: [round(f * 1e6, 1), round(d * 1e6, 1)] for m, (f, d) in t.items()}
+                             for (n, k), t in times.items()}}

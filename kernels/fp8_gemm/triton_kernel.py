@@ -102,6 +102,9 @@ FMA_ROWS = 8  # one program's rows: a verify step of K = 4 drafts (5 rows) reads
 FMA_BLOCK_N = 64
 FMA_BLOCK_K = 128
 FMA_MAX_TOKENS = 0
+# per weight shape (N, K): what ``tune`` measured at load on the serving GPU (FMA_MAX_TOKENS
+# for shapes not listed)
+FMA_ROWS_BY_SHAPE: dict[tuple[int, int], int] = {}
 
 
 def _tiles(m: int, block: tuple[int, int], block_n: int | None) -> tuple[int, int, int]:
@@ -250,7 +253,7 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tu
     if x.is_cuda or (kernel_on_cpu and INTERPRET):
         if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_TOKENS:
             return dequant_matmul(x, codes, scales, block, bias)
-        if x.dim() == 2 and x.shape[0] <= FMA_MAX_TOKENS:
+        if x.dim() == 2 and x.shape[0] <= FMA_ROWS_BY_SHAPE.get(tuple(codes.shape), FMA_MAX_TOKENS):
             return fma_matmul(x, codes, scales, block, bias)
         return w8a16_matmul(x, codes, scales, block, bias)
     return reference.w8a16_matmul(x, codes, scales, block, bias)

@@ -4,9 +4,10 @@
 weight byte, up to ``FMA_ROWS`` rows per program) for calls of at most ``FMA_MAX_TOKENS`` rows,
 and ``w8a16_matmul`` (tensor cores over a 16-row tile) above. Which is faster depends on the
 card and the shapes, so ``tune_fma_rows`` times both at the model's own linear shapes for 1 ..
-``MAX_ROWS`` rows and keeps the FMA kernel for the longest run of row counts from 1 where it
-wins (their sum over the shapes). ``apply`` sets ``FMA_MAX_TOKENS``; the engine calls it once
-after loading FP8 weights on CUDA, before capturing graphs (``layers.fp8_linear.tune``).
+``MAX_ROWS`` rows and keeps, per shape, the FMA kernel for the longest run of row counts from 1
+where it wins. ``apply`` sets ``FMA_ROWS_BY_SHAPE`` (and ``FMA_MAX_TOKENS`` for other shapes); the
+engine calls it once after loading FP8 weights on CUDA, before capturing graphs
+(``layers.fp8_linear.tune``).
 """
 
 from __future__ import annotations
@@ -23,20 +24,25 @@ KERNELS = ("fma", "w8a16")
 Timer = Callable[[str, int, int, int], float]  # (kernel, rows, N, K) -> seconds
 
 
-def choose(shapes: Iterable[tuple[int, int]], timer: Timer, max_rows: int = MAX_ROWS
-           ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """(the largest ``m`` such that FMA is faster at every row count ``1..m``, summed over
-    ``shapes``; 0 if it loses at one row), and per row count (fma, w8a16) seconds."""
-    shapes = sorted(set(shapes))
-    times: dict[int, tuple[float, float]] = {}
-    best = 0
-    for m in range(1, max_rows + 1):
-        fma, dot = (sum(timer(kind, m, n, k) for n, k in shapes) for kind in KERNELS)
-        times[m] = (fma, dot)
-        if fma >= dot:
-            break
-        best = m
-    return best, times
+Shape = tuple[int, int]  # (N, K) of a weight
+
+
+def choose(shapes: Iterable[Shape], timer: Timer, max_rows: int = MAX_ROWS
+           ) -> tuple[dict[Shape, int], dict[Shape, dict[int, tuple[float, float]]]]:
+    """Per shape, the largest ``m`` such that FMA is faster at every row count ``1..m`` (0 if it
+    loses at one row), and per shape and row count the (fma, w8a16) seconds timed."""
+    rows: dict[Shape, int] = {}
+    times: dict[Shape, dict[int, tuple[float, float]]] = {}
+    for n, k in sorted(set(shapes)):
+        times[(n, k)] = {}
+        rows[(n, k)] = 0
+        for m in range(1, max_rows + 1):
+            fma, dot = (timer(kind, m, n, k) for kind in KERNELS)
+            times[(n, k)][m] = (fma, dot)
+            if fma >= dot:
+                break
+            rows[(n, k)] = m
+    return rows, times
 
 
 def cuda_timer(device: torch.device, dtype: torch.dtype, block: tuple[int, int]) -> Timer:
@@ -77,14 +83,15 @@ def check(shape: tuple[int, int], device: torch.device, dtype: torch.dtype, bloc
 CHECK_TOLERANCE = 1e-2  # bf16 / fp16 weights rounded once each: ~1e-3; a wrong kernel: ~1
 
 
-def tune_fma_rows(shapes: Iterable[tuple[int, int]], device: torch.device, dtype: torch.dtype,
-                  block: tuple[int, int] = (128, 128)) -> tuple[int, dict[int, tuple[float, float]]]:
-    """``choose`` with ``cuda_timer``: on ``device`` (CUDA) for activations of ``dtype``; 0 with
-    no times when the FMA kernel misses ``check`` at the smallest shape (``RuntimeError``
-    there is the caller's to log)."""
+def tune_fma_rows(shapes: Iterable[Shape], device: torch.device, dtype: torch.dtype,
+                  block: tuple[int, int] = (128, 128)
+                  ) -> tuple[dict[Shape, int], dict[Shape, dict[int, tuple[float, float]]]]:
+    """``choose`` with ``cuda_timer``: on ``device`` (CUDA) for activations of ``dtype``. First
+    the FMA kernel must pass ``check`` at the smallest shape (else ``RuntimeError``, the
+    caller's to log)."""
     shapes = sorted(set(shapes))
     if not shapes:
-        return 0, {}
+        return {}, {}
     err = check(min(shapes, key=lambda s: s[0] * s[1]), device, dtype, block)
     if not err < CHECK_TOLERANCE:
         raise RuntimeError(f"fma_matmul differs from w8a16_matmul by {err:.3g} (relative L2, tolerance "
@@ -92,8 +99,11 @@ def tune_fma_rows(shapes: Iterable[tuple[int, int]], device: torch.device, dtype
     return choose(shapes, cuda_timer(device, dtype, block))
 
 
-def apply(max_tokens: int) -> None:
-    """Serve calls of up to ``max_tokens`` rows with ``fma_matmul`` (0: never)."""
-    if not 0 <= max_tokens < tk.DEQUANT_MIN_TOKENS:
-        raise ValueError(f"FMA max tokens must be in [0, {tk.DEQUANT_MIN_TOKENS - 1}], got {max_tokens}")
+def apply(max_tokens: int, by_shape: dict[Shape, int] | None = None) -> None:
+    """Serve calls of up to ``by_shape[(N, K)]`` rows (a weight shape listed there) or
+    ``max_tokens`` rows (any other) with ``fma_matmul`` (0: never)."""
+    for name, v in [("FMA max tokens", max_tokens), *((f"FMA rows of {s}", r) for s, r in (by_shape or {}).items())]:
+        if not 0 <= v < tk.DEQUANT_MIN_TOKENS:
+            raise ValueError(f"{name} must be in [0, {tk.DEQUANT_MIN_TOKENS - 1}], got {v}")
     tk.FMA_MAX_TOKENS = max_tokens
+    tk.FMA_ROWS_BY_SHAPE = dict(by_shape or {})

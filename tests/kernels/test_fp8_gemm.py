@@ -142,27 +142,51 @@ def test_fma_form_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
 
 
 def test_fma_row_limit_is_the_longest_winning_run() -> None:
-    """``tune.choose``: FMA for every row count from 1 while its time (summed over the shapes)
-    is below the tensor-core kernel's; 0 when it loses at one row; ``apply`` checks its range."""
+    """``tune.choose``: per weight shape, FMA for every row count from 1 while it is faster than
+    the tensor-core kernel; 0 when it loses at one row. ``apply`` installs the limits
+    (``matmul`` picks by the weight's shape) and checks their range."""
     from deepwell.kernels.fp8_gemm import triton_kernel, tune
 
-    def timer(wins_up_to: int):  # fma costs 10 us per row, w8a16 a flat 10 * (wins_up_to + 0.5)
-        return lambda kind, m, n, k: (10e-6 * m if kind == "fma" else 10e-6 * (wins_up_to + 0.5)) * n / 1000
+    wins = {(1000, 128): 0, (2000, 256): 1, (3000, 128): 5, (4000, 128): 8}
 
-    shapes = [(1000, 128), (2000, 256), (1000, 128)]
-    for wins in (0, 1, 5, 8):
-        rows, times = tune.choose(shapes, timer(wins))
-        assert rows == wins
-        assert sorted(times) == list(range(1, min(wins + 1, tune.MAX_ROWS) + 1))
-        assert times[1][0] == pytest.approx(30e-6)  # the duplicate shape counted once
-    before = triton_kernel.FMA_MAX_TOKENS
+    def timer(kind: str, m: int, n: int, k: int) -> float:  # fma: 10 us a row; w8a16 flat
+        return 10e-6 * m if kind == "fma" else 10e-6 * (wins[(n, k)] + 0.5)
+
+    rows, times = tune.choose([*wins, (1000, 128)], timer)
+    assert rows == wins
+    for shape, w in wins.items():  # timed up to the first loss (or MAX_ROWS)
+        assert sorted(times[shape]) == list(range(1, min(w + 1, tune.MAX_ROWS) + 1))
+    before = triton_kernel.FMA_MAX_TOKENS, triton_kernel.FMA_ROWS_BY_SHAPE
     try:
-        tune.apply(4)
-        assert triton_kernel.FMA_MAX_TOKENS == 4
+        tune.apply(0, {(64, 256): 4})
+        assert triton_kernel.FMA_MAX_TOKENS == 0 and triton_kernel.FMA_ROWS_BY_SHAPE == {(64, 256): 4}
+        tune.apply(3)
+        assert triton_kernel.FMA_MAX_TOKENS == 3 and triton_kernel.FMA_ROWS_BY_SHAPE == {}
         with pytest.raises(ValueError, match="FMA max tokens"):
             tune.apply(triton_kernel.DEQUANT_MIN_TOKENS)
+        with pytest.raises(ValueError, match="FMA rows of"):
+            tune.apply(0, {(64, 256): -1})
     finally:
-        triton_kernel.FMA_MAX_TOKENS = before
+        triton_kernel.FMA_MAX_TOKENS, triton_kernel.FMA_ROWS_BY_SHAPE = before
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+def test_matmul_takes_the_fma_kernel_by_weight_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``matmul`` (kernel on CPU) routes a call to ``fma_matmul`` up to the rows its weight's
+    shape was given, ``w8a16_matmul`` above and for other shapes."""
+    from deepwell.kernels.fp8_gemm import triton_kernel
+
+    calls: list[str] = []
+    monkeypatch.setattr(triton_kernel, "fma_matmul", lambda *a, **k: calls.append("fma"))
+    monkeypatch.setattr(triton_kernel, "w8a16_matmul", lambda *a, **k: calls.append("w8a16"))
+    monkeypatch.setattr(triton_kernel, "FMA_ROWS_BY_SHAPE", {(64, 256): 4})
+    monkeypatch.setattr(triton_kernel, "FMA_MAX_TOKENS", 0)
+    codes, scales = reference.quantize(torch.randn(64, 256), (128, 128))
+    other, other_scales = reference.quantize(torch.randn(32, 256), (128, 128))
+    for m in (1, 4, 5):
+        triton_kernel.matmul(torch.randn(m, 256), codes, scales, kernel_on_cpu=True)
+    triton_kernel.matmul(torch.randn(1, 256), other, other_scales, kernel_on_cpu=True)
+    assert calls == ["fma", "fma", "w8a16", "w8a16"]
 
 
 def test_fp8_tune_is_pinned_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,9 +217,10 @@ def test_fma_rows_timed_on_cuda() -> None:
 
     assert tune.check((5120, 5120), torch.device("cuda"), torch.bfloat16) < tune.CHECK_TOLERANCE
     rows, times = tune.tune_fma_rows([(5120, 5120), (17408, 5120)], torch.device("cuda"), torch.bfloat16)
-    assert 0 <= rows <= tune.MAX_ROWS and all(f > 0 and d > 0 for f, d in times.values())
-    print(f"fma rows {rows}; us per row count (fma, w8a16): "
-          + ", ".join(f"{m}: {f * 1e6:.1f}/{d * 1e6:.1f}" for m, (f, d) in times.items()))
+    for shape, r in rows.items():
+        assert 0 <= r <= tune.MAX_ROWS and all(f > 0 and d > 0 for f, d in times[shape].values())
+        print(f"{shape}: fma rows {r}; us per row count (fma, w8a16): "
+              + ", ".join(f"{m}: {f * 1e6:.1f}/{d * 1e6:.1f}" for m, (f, d) in times[shape].items()))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
