@@ -147,37 +147,32 @@ class DraftGraphs:
         for b in sorted(self.buckets, reverse=True):
             self._stage_padding(0, b)
             self._upload(b)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._chain(b)
-                if b == self.buckets[-1]:
-                    hazards = audit(lambda: self._chain(b), dev)
-                    if hazards:
-                        raise CaptureHazards(hazards)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                self._chain(b)
-            self._pool = graph.pool()
-            self._graphs[b] = graph
+            self._graphs[b] = self._capture_one(lambda b=b: self._chain(b), b == self.buckets[-1], stream)
             self._stage_verify_padding(0, b)
             self._upload_verify(b)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._after_verify(b)
-                if b == self.buckets[-1]:
-                    hazards = audit(lambda: self._after_verify(b), dev)
-                    if hazards:
-                        raise CaptureHazards(hazards)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                self._after_verify(b)
-            self._verify_graphs[b] = graph
+            self._verify_graphs[b] = self._capture_one(lambda b=b: self._after_verify(b), b == self.buckets[-1],
+                                                       stream)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
+
+    def _capture_one(self, step: Any, check: bool, stream: Any) -> Any:
+        """``step`` warmed up twice on ``stream``, audited for host syncs (``check``: once, on the
+        smallest bucket), then captured into the shared pool."""
+        dev = self.runner.device
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+            if check:
+                hazards = audit(step, dev)
+                if hazards:
+                    raise CaptureHazards(hazards)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            step()
+        self._pool = graph.pool()
+        return graph
 
     # -- serving -------------------------------------------------------------------------
     def accepts(self, n: int, wanted: Sequence[int]) -> bool:
@@ -270,14 +265,8 @@ class DraftGraphs:
         self._stage_verify_padding(n, b)
         self._upload_verify(b)
         self.hidden[:n * t].copy_(hidden)
-        graph = self._verify_graphs.get(b)
-        if graph is None:
-            self._after_verify(b)
-        else:
-            graph.replay()
         self.verify_replays += 1
-        got = self.drafts[:n].tolist()
-        return [row[:w] for row, w in zip(got, wanted, strict=True)]
+        return self._replay(self._verify_graphs.get(b), lambda: self._after_verify(b), wanted)
 
     def run(self, last: torch.Tensor, starts: Sequence[int], wanted: Sequence[int],
             tables: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -297,11 +286,15 @@ class DraftGraphs:
         self._stage_padding(n, b)
         self._upload(b)
         self.last[:n].copy_(last)
-        graph = self._graphs.get(b)
+        self.replays += 1
+        return self._replay(self._graphs.get(b), lambda: self._chain(b), wanted)
+
+    def _replay(self, graph: Any, eager: Any, wanted: Sequence[int]) -> list[list[int]]:
+        """The captured ``graph`` (else ``eager()``, the same static-buffer steps), then each
+        sequence's first ``wanted`` drafts: the one host read."""
         if graph is None:
-            self._chain(b)
+            eager()
         else:
             graph.replay()
-        self.replays += 1
-        got = self.drafts[:n].tolist()
+        got = self.drafts[: len(wanted)].tolist()
         return [row[:w] for row, w in zip(got, wanted, strict=True)]
