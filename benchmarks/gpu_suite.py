@@ -29,9 +29,11 @@ one before left warm, so each must follow within its 30 s)::
     run(carry=[".whl", ".model/part-3", ".model/manifest.json"],
         command="python3 benchmarks/gpu_suite.py run --workers 12")
 
-The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host, the ``gpu``-marked ones
-serially more than the rest of a 10-minute call: pass ``-m gpu`` (serial) in a call of its own
-if the first run stops at its limit.
+The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The 291 ``gpu``-marked ones
+take about 18 minutes serially (an H200: 144 in 540 s), so they run as three calls on the warm
+machine, ``run -m gpu --shard K/3 tests`` for K = 0, 1, 2 (every third test from the K-th: the
+slow ones of a module spread over the calls). The log has a line per test and each failure's
+traceback as it happens, so a call stopped at its limit still says what failed.
 
 Without the GGUF the SmolLM2 tests skip (they say so); everything else still runs.
 """
@@ -185,10 +187,16 @@ def stage_model(parts_dir: Path = PARTS, cache: Path | None = None) -> str:
     return f"model assembled: {target}"
 
 
-def _pytest(out: Path, name: str, pytest_args: list[str]) -> int:
-    """One pytest run, its output echoed and written to ``out/<name>.log`` (JUnit: ``<name>.xml``)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
+def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "") -> int:
+    """One pytest run, its output echoed and written to ``out/<name>.log`` (JUnit: ``<name>.xml``):
+    a line per test as it ends and each failure's traceback when it happens
+    (``DEEPWELL_REPORT_EARLY``, tests/conftest.py), so a run stopped at the call's time limit
+    still names what failed and why; ``shard`` "K/N": every N-th test from the K-th."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", DEEPWELL_REPORT_EARLY="1")
+    if shard:
+        env["DEEPWELL_TEST_SHARD"] = shard
+        name = f"{name}-{shard.replace('/', 'of')}"
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs",
            f"--junitxml={out / (name + '.xml')}", *pytest_args]
     print(" ".join(cmd), flush=True)
     # line-buffered: a run killed at the call's time limit still leaves every line it printed
@@ -201,6 +209,11 @@ def _pytest(out: Path, name: str, pytest_args: list[str]) -> int:
             log.write(line)
             log.flush()
         return proc.wait()
+
+
+def _valid_shard(spec: str) -> bool:
+    k, _, n = spec.partition("/")
+    return k.isdigit() and n.isdigit() and int(k) < int(n)
 
 
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
@@ -218,11 +231,11 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tests = pytest_args or ["tests"]
     if not args.workers:
-        return _pytest(out, "gpu_suite", tests)
+        return _pytest(out, "gpu_suite", tests, args.shard)
     # the tests not marked gpu in parallel workers (small models, little GPU memory each), then
     # the gpu-marked ones serially (their large kernels fail for memory when they share the card)
-    rc_cpu = _pytest(out, "gpu_suite_not_gpu", ["-n", str(args.workers), "-m", "not gpu", *tests])
-    rc_gpu = _pytest(out, "gpu_suite_gpu", ["-m", "gpu", *tests])
+    rc_cpu = _pytest(out, "gpu_suite_not_gpu", ["-n", str(args.workers), "-m", "not gpu", *tests], args.shard)
+    rc_gpu = _pytest(out, "gpu_suite_gpu", ["-m", "gpu", *tests], args.shard)
     print(f"not gpu-marked (-n {args.workers}): exit {rc_cpu}; gpu-marked (serial): exit {rc_gpu}", flush=True)
     return rc_cpu or rc_gpu
 
@@ -239,7 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--allow-missing", action="store_true", help="run even if a needed package is absent")
     r.add_argument("--workers", type=int, default=0, help="run the tests not marked gpu in this many pytest-xdist "
                    "workers first, then the gpu-marked ones serially (0 = everything serially)")
+    r.add_argument("--shard", default="", metavar="K/N",
+                   help="run every N-th test from the K-th (0 <= K < N), counted after -m / -k: a suite longer "
+                        "than one call as N calls")
     args, rest = ap.parse_known_args(argv)
+    if args.cmd == "run" and args.shard and not _valid_shard(args.shard):
+        ap.error(f"--shard {args.shard!r} must be K/N with 0 <= K < N")
     if args.cmd == "prepare":
         if rest:
             ap.error(f"unexpected arguments: {rest}")

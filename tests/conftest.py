@@ -66,7 +66,52 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+SHARD_ENV = "DEEPWELL_TEST_SHARD"  # "K/N": run every N-th test from the K-th (benchmarks/gpu_suite.py --shard)
+EARLY_ENV = "DEEPWELL_REPORT_EARLY"  # "1": print each failure's traceback when it happens
+
+
+def _shard(spec: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"{SHARD_ENV}={spec!r} must be K/N with 0 <= K < N") from None
+    if not 0 <= k < n:
+        raise pytest.UsageError(f"{SHARD_ENV}={spec!r} must be K/N with 0 <= K < N")
+    return k, n
+
+
+class _Shard:
+    """Keeps the tests whose index (after -m / -k) is K modulo N: a suite too long for one device
+    call runs as N calls, the slow tests of a module spread over them."""
+
+    def __init__(self, k: int, n: int) -> None:
+        self.k, self.n = k, n
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        keep = [it for i, it in enumerate(items) if i % self.n == self.k]
+        drop = [it for i, it in enumerate(items) if i % self.n != self.k]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+class _EarlyReport:
+    """Each failure's traceback on the terminal when it happens (a device call killed at its time
+    limit never reaches pytest's summary)."""
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            sys.stdout.write(f"\n{'=' * 20} {report.when} FAILED: {report.nodeid}\n{report.longreprtext}\n"
+                             f"{report.capstdout[-4000:]}\n")
+            sys.stdout.flush()
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(SHARD_ENV):
+        config.pluginmanager.register(_Shard(*_shard(os.environ[SHARD_ENV])), "deepwell-shard")
+    if os.environ.get(EARLY_ENV) == "1":
+        config.pluginmanager.register(_EarlyReport(), "deepwell-early-report")
     # Two cores are shared by the test process and the servers it starts; torch's intra-op
     # threads oversubscribe them (tiny-model steps got ~20x slower with 2 threads under load).
     try:

@@ -43,3 +43,51 @@ def test_a_corrupt_part_is_refused(tmp_path: Path) -> None:
     (parts / "part-1").write_bytes(b"x" * 2_000)
     assert "part-1 is corrupt" in gpu_suite.stage_model(parts, tmp_path / "cache")
     assert not (tmp_path / "cache" / "m.gguf").exists()
+
+
+def _collected(env: dict[str, str], *args: str) -> list[str]:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                         cwd=root, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    return [line for line in out.stdout.splitlines() if "::" in line] if out.returncode == 0 else [out.stdout + out.stderr]
+
+
+def test_shards_split_the_tests_without_overlap() -> None:
+    """``--shard K/N`` (tests/conftest.py, ``DEEPWELL_TEST_SHARD``): the N shards together are
+    the suite, each test in exactly one, after -k has chosen."""
+    args = ("tests/foundation/test_gpu_suite.py", "-k", "not nothing_matches_this")
+    whole = _collected({}, *args)
+    shards = [_collected({"DEEPWELL_TEST_SHARD": f"{k}/2"}, *args) for k in range(2)]
+    assert len(whole) >= 3 and all(shards)
+    assert sorted(shards[0] + shards[1]) == sorted(whole)
+    assert not set(shards[0]) & set(shards[1])
+    for bad in ("2/2", "x"):
+        assert "must be K/N" in _collected({"DEEPWELL_TEST_SHARD": bad}, *args)[0]
+
+
+def test_run_refuses_a_bad_shard() -> None:
+    import pytest
+
+    for bad in ("3/3", "a/b", "1"):
+        with pytest.raises(SystemExit):
+            gpu_suite.main(["run", "--shard", bad, "--stage-only"])
+
+
+def test_a_failure_is_reported_when_it_happens(capsys) -> None:
+    """``DEEPWELL_REPORT_EARLY=1`` (set by ``gpu_suite run``): the traceback and captured output
+    of a failing test reach the log at once, not only in the summary a killed run never prints."""
+    from types import SimpleNamespace
+
+    from tests.conftest import _EarlyReport
+
+    plugin = _EarlyReport()
+    plugin.pytest_runtest_logreport(SimpleNamespace(failed=False, when="call", nodeid="t::ok", longreprtext="",
+                                                    capstdout=""))
+    plugin.pytest_runtest_logreport(SimpleNamespace(failed=True, when="call", nodeid="t::bad",
+                                                    longreprtext="AssertionError: 1 == 2", capstdout="kl 1.2e-02"))
+    out = capsys.readouterr().out
+    assert "t::ok" not in out
+    assert "call FAILED: t::bad" in out and "AssertionError: 1 == 2" in out and "kl 1.2e-02" in out
