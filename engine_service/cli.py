@@ -230,11 +230,11 @@ def speculative_tokens(cfg: EngineConfig, runner: Any) -> int:
     """Drafts per decode step: the configured count where the runner has its MTP module enabled
     (auto: ``DEFAULT_SPECULATIVE_TOKENS``), else 0; ``ConfigError`` when asked for without MTP.
 
-    Auto drafts with CUDA graphs too: on an H100 (random-weight 27B shape, FP8 weights, nvfp4
-    KV; docs/kernels.md "Speculative rounds") a graphed round of 2-4 drafts costs 1.35-1.54x a
-    graphed plain step at batch 1 and 1.60-1.90x at batch 8, so it wins once the drafts'
-    acceptance gives more tokens per round than that (about 35% per token at batch 1, 55% at
-    batch 8 for 3 drafts; Qwen's MTP layers are reported far above)."""
+    Auto drafts with CUDA graphs too: on an H200 (random-weight 27B shape, FP8 weights, nvfp4
+    KV, 128k; docs/kernels.md "Speculative rounds") a graphed round of 4 drafts costs 1.69x a
+    graphed plain step at batch 1 and 1.85x at batch 8, so it wins once the drafts' acceptance
+    gives more tokens per round than that (about 42% per token at batch 1, 47% at batch 8;
+    Qwen's MTP layers are reported far above)."""
     from deepwell.engine_service.config import DEFAULT_SPECULATIVE_TOKENS
 
     has_mtp = bool(getattr(runner, "mtp_layers", 0))
