@@ -236,7 +236,9 @@ def test_bad_input_is_refused():
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "int8"])
 def test_full_size_workspace_bytes_and_prefill_on_the_gpu(fmt):
     """27B layout: a 4k chunk over a 33k prefix and a 1000-token chunk over nothing, through the
-    backend's workspace path (bytes equal to the reference's; attention within 1e-3 of fp64)."""
+    backend's workspace path (bytes equal to the reference's; attention within 1e-3 of fp64).
+    ``prefill_dense=False``: such chunks go through cuDNN by default on Hopper
+    (tests/kernels/test_prefill_cudnn.py covers that path, within 2e-3 of fp64)."""
     from tests.kernels.test_gpu_large import _oracle_gpu
 
     layout = KVLayout.make(fmt, 4, 256)
@@ -249,7 +251,7 @@ def test_full_size_workspace_bytes_and_prefill_on_the_gpu(fmt):
     q = torch.randn(sum(ql), 24, 256, device="cuda").to(torch.bfloat16)
     layer = KVCacheLayer(layout, case.cache, case.scales)
     out = torch.empty(q.shape, device="cuda")
-    TritonBackend().prefill_attention(q, layer, tables, lens, ql, sm_scale=256**-0.5, out=out)
+    TritonBackend(prefill_dense=False).prefill_attention(q, layer, tables, lens, ql, sm_scale=256**-0.5, out=out)
     starts = torch.tensor([0, ql[0]], dtype=torch.int32, device="cuda")
     ref = _oracle_gpu(case, rotate_q(q, layout), starts, torch.tensor(ql, dtype=torch.int32, device="cuda"))
     assert rel_l2(out, ref) <= 1e-3
@@ -258,7 +260,8 @@ def test_full_size_workspace_bytes_and_prefill_on_the_gpu(fmt):
 @pytest.mark.gpu
 def test_full_size_segmented_prefill_on_the_gpu():
     """27B layout: a 4k chunk over a 40k context through a workspace budget that holds a third
-    of it (three segments): within 1e-5 of the one-workspace path and 1e-3 of fp64."""
+    of it (three segments): within 1e-5 of the one-workspace path and 1e-3 of fp64 (both through
+    the Triton kernel: ``prefill_dense=False``, as above)."""
     from tests.kernels.test_gpu_large import _oracle_gpu
 
     layout = KVLayout.make("nvfp4", 4, 256)
@@ -269,11 +272,11 @@ def test_full_size_segmented_prefill_on_the_gpu():
     page = dq_ref.workspace_layout(layout).page_bytes
     budget = 2 * n * 24 * 257 * 4 + (ctx // 64 // 3 + 1) * page
     seg = torch.empty(q.shape, device="cuda")
-    TritonBackend(prefill_workspace_bytes=budget).prefill_attention(q, layer, case.block_tables, case.context_lens, [n],
-                                                                    sm_scale=256**-0.5, out=seg)
+    TritonBackend(prefill_workspace_bytes=budget, prefill_dense=False).prefill_attention(
+        q, layer, case.block_tables, case.context_lens, [n], sm_scale=256**-0.5, out=seg)
     whole = torch.empty(q.shape, device="cuda")
-    TritonBackend().prefill_attention(q, layer, case.block_tables, case.context_lens, [n], sm_scale=256**-0.5,
-                                      out=whole)
+    TritonBackend(prefill_dense=False).prefill_attention(q, layer, case.block_tables, case.context_lens, [n],
+                                                         sm_scale=256**-0.5, out=whole)
     assert rel_l2(seg, whole) <= SEGMENTS_VS_ONE_PASS
     one = torch.tensor([n], dtype=torch.int32, device="cuda")
     ref = _oracle_gpu(case, rotate_q(q, layout), torch.zeros(1, dtype=torch.int32, device="cuda"), one)

@@ -494,8 +494,9 @@ def test_interpreter_causal_conv(no_autotune_bench: None) -> None:
 
 
 # ----------------------------------------------------------------------------- CUDA: fla vs reference
-# (Hk, Hv, Dk, Dv): GQA as in the tiny models, and Qwen3.5 / Qwen3-Next sized heads
-GPU_SHAPES = [(2, 4, 16, 16), (4, 8, 64, 64), (16, 32, 128, 128)]
+# (Hk, Hv, Dk, Dv): GQA as in the tiny models (2 and 4 value heads per key head: the tiny
+# qwen3_5_linear has 1 key head for 4 value heads), and Qwen3.5 / Qwen3-Next sized heads
+GPU_SHAPES = [(2, 4, 16, 16), (1, 4, 16, 16), (4, 8, 64, 64), (16, 32, 128, 128)]
 # ||fla - ref|| / ||ref|| allowed (estimates, not yet measured on a GPU): fp32 inputs go
 # through TF32 tensor-core products in fla's chunked kernels; with bf16 activations fla also
 # keeps its chunk intermediates (per-chunk states, corrected values) in bf16, while the
