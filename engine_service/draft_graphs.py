@@ -5,7 +5,7 @@ number varies per sequence: it stays eager), which gives every sequence the norm
 state ``h_0`` its first draft comes from. The rest is a fixed chain, captured here for up to
 ``k`` drafts per sequence:
 
-    for j in 0 .. k-1:   d_j = argmax(lm_head(h_j))
+    for j in 0 .. k-1:   d_j = argmax(draft_logits(h_j))
                          h_{j+1} = mtp(d_j, h_j) at position p_0 + j   (j < k - 1)
 
 All on the device: the drafted ids feed the next step without a host read (the eager loop read
@@ -104,7 +104,7 @@ class DraftGraphs:
         with torch.inference_mode():
             h = self.last[:b]
             for j in range(self.max_drafts):
-                ids = model.lm_head(h).float().argmax(dim=-1)
+                ids = model.draft_logits(h).argmax(dim=-1)
                 self.drafts[:b, j] = ids
                 if j == self.max_drafts - 1:
                     break

@@ -48,7 +48,7 @@ from deepwell.engine_service.layers.context import (DecodeGroup, PageTables, Seq
 from deepwell.engine_service.layers import gemv_linear
 from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
-from deepwell.engine_service.layers.fp8_linear import prepare_linears, quantize_linears
+from deepwell.engine_service.layers.fp8_linear import attach_draft_head, prepare_linears, quantize_linears
 from deepwell.engine_service.layers.fp8_linear import tune as tune_fp8
 from deepwell.engine_service.loading.fp8 import block_size as fp8_block_size
 from deepwell.engine_service.layers.rope import inv_freq_and_scale
@@ -396,7 +396,7 @@ class TorchModelRunner:
                 if not live:
                     break
                 last = out.index_select(0, ends)
-                picked = model.lm_head(last).float().argmax(dim=-1).tolist()
+                picked = model.draft_logits(last).argmax(dim=-1).tolist()
                 for i, t in zip(live, picked):
                     drafts[i].append(int(t))
                 live_next = [j for j, i in enumerate(live) if len(drafts[i]) < inputs[i].num_drafts]
@@ -690,6 +690,9 @@ def build_runner(
     if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
         log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")
+    if mtp and model.mtp is not None and (native_fp8 or weight_dtype == "fp8"):
+        log.info("draft_head_fp8", bytes=attach_draft_head(model),
+                 detail="drafts read an FP8 copy of the LM head; verification keeps the 16-bit one")
     tuned = tune_fp8(model, dev, dtype)
     if tuned is not None:
         log.info("fp8_gemm_tuned", **tuned)

@@ -16,6 +16,13 @@ form (scale = block amax / 448); the embedding, the LM head, MoE routers (``mlp.
 small projections (the Gated DeltaNet's per-head ``in_proj_a`` / ``in_proj_b``) stay in the
 model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, for now.
 
+``attach_draft_head(model)`` gives a model that drafts with its MTP layer an FP8 copy of its LM
+head, ``model.draft_head``: a draft step reads half the bytes of the 16-bit head (at the 27B shape
+1.27 GB instead of 2.54, four times per round of four drafts). Only drafting uses it, and only for
+calls of fewer than ``fp8_gemm.DEQUANT_MIN_TOKENS`` rows (``serves_draft_rows``; more would
+dequantize the whole head); the main model's logits, which verification compares the drafts
+with, stay those of the 16-bit head, so outputs do not change.
+
 ``tune(model)`` (CUDA, after loading) picks, per weight shape, up to how many rows the few-token
 FMA kernel serves instead of the tensor-core one, timed there (``kernels.fp8_gemm.tune``);
 ``DEEPWELL_FP8_FMA_MAX_TOKENS`` pins the number instead (0: the tensor-core kernel always).
@@ -102,12 +109,32 @@ def quantize_linears(model: nn.Module, min_features: int = 128, block: tuple[int
     return count, saved
 
 
+DRAFT_HEAD = "draft_head"
+
+
+def attach_draft_head(model: nn.Module, block: tuple[int, int] = BLOCK) -> int:
+    """``model.draft_head`` = ``model.lm_head`` quantized to FP8 (the head itself is kept);
+    returns the copy's bytes (codes and scales)."""
+    head = FP8Linear.from_linear(model.lm_head, block)  # type: ignore[arg-type]
+    setattr(model, DRAFT_HEAD, head)
+    return head.weight.numel() + head.weight_scale_inv.numel() * head.weight_scale_inv.element_size()
+
+
+def serves_draft_rows(rows: int) -> bool:
+    """Whether a draft call of ``rows`` rows goes through the FP8 draft head: fewer than the FP8
+    matmul dequantizes a whole weight for (``fp8_gemm.DEQUANT_MIN_TOKENS``)."""
+    from deepwell.kernels.fp8_gemm.triton_kernel import DEQUANT_MIN_TOKENS
+
+    return rows < DEQUANT_MIN_TOKENS
+
+
 def dequant_bytes(model: nn.Module, dtype: torch.dtype) -> int:
     """The largest ``FP8Linear`` weight of ``model`` dequantized into ``dtype`` (what one call with
-    ``fp8_gemm.DEQUANT_MIN_TOKENS`` rows or more allocates for a moment); 0 without FP8 layers."""
+    ``fp8_gemm.DEQUANT_MIN_TOKENS`` rows or more allocates for a moment); 0 without FP8 layers.
+    The draft head is never called with that many rows (``serves_draft_rows``)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return max((m.out_features * m.in_features * elem for m in model.modules() if isinstance(m, FP8Linear)),
-               default=0)
+    return max((m.out_features * m.in_features * elem for name, m in model.named_modules()
+                if isinstance(m, FP8Linear) and name != DRAFT_HEAD), default=0)
 
 
 FMA_ENV = "DEEPWELL_FP8_FMA_MAX_TOKENS"

@@ -116,6 +116,8 @@ class CausalLM(nn.Module):
             self.lm_head = linear(args.hidden, args.vocab_size)
         self.rotary = RotaryEmbedding(args.rope)
         self.mtp: MTPModule | None = MTPModule(args, backend) if args.mtp_layers > 0 else None
+        # an FP8 copy of the LM head that drafting reads (layers.fp8_linear.attach_draft_head)
+        self.draft_head: nn.Module | None = None
         self.attn_index = {layer: j for j, layer in enumerate(args.attention_layers)}
         self.state_index = {layer: j for j, layer in enumerate(args.recurrent_layers)}
 
@@ -149,6 +151,16 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of a draft step from the MTP module's (normed) output: through the FP8 draft
+        head where there is one and it serves this many rows, else the LM head."""
+        from deepwell.engine_service.layers.fp8_linear import serves_draft_rows
+
+        head = self.draft_head
+        if head is None or not serves_draft_rows(hidden.shape[0]):
+            head = self.lm_head
+        return head(hidden).float()
 
     def mtp_forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, ctx: StepContext, kv: PagePool
                     ) -> torch.Tensor:

@@ -539,6 +539,42 @@ def test_graphed_drafting_drafts_what_the_eager_loop_drafts(mtp_model64: Path) -
     assert any(len(d) == 3 for call in accepted[True][0] for d in call)  # whole chains were drafted
 
 
+def test_fp8_weights_draft_through_an_fp8_copy_of_the_head(mtp_model64: Path) -> None:
+    """With FP8 weights, drafting reads ``model.draft_head`` (the LM head in FP8: half the bytes
+    per draft) for calls of fewer than 128 rows, the 16-bit head for more; the main model's
+    logits keep the 16-bit head, so the tokens are those of plain decoding, with the graphed
+    chain too. Without speculation, or with 16-bit weights, there is no copy."""
+    from torch import nn
+
+    from deepwell.engine_service.layers.fp8_linear import FP8Linear, dequant_bytes
+
+    def limits(spec: int) -> EngineLimits:
+        return EngineLimits(num_pages=96, num_state_slots=12, max_concurrency=4, token_budget=64, queue_size=8,
+                            max_context=512, speculative_tokens=spec)
+
+    paged = dict(page_size=64, kv_dtype="nvfp4", weight_dtype="fp8")  # graphs need a paged KV
+    plain = _run(EngineCore(build_runner(open_model(mtp_model64), **paged), limits(0), eos_ids=()), SPECS)
+    runner = build_runner(open_model(mtp_model64), mtp=True, **paged)
+    model = runner.model
+    assert isinstance(model.draft_head, FP8Linear) and isinstance(model.lm_head, nn.Linear)
+    h = torch.randn(130, model.args.hidden)
+    assert torch.equal(model.draft_logits(h[:5]), model.draft_head(h[:5]).float())
+    assert torch.equal(model.draft_logits(h), model.lm_head(h).float())  # 130 rows: the 16-bit head
+    assert not torch.equal(model.draft_head(h[:5]), model.lm_head(h[:5]))
+    assert dequant_bytes(model, torch.float32) < model.draft_head.weight.numel() * 4  # never dequantized
+    calls = []
+    head_forward = model.draft_head.forward
+    model.draft_head.forward = lambda x: calls.append(x.shape[0]) or head_forward(x)  # type: ignore[method-assign]
+    runner.plan_graphs(4, verify_tokens=4)
+    core = EngineCore(runner, limits(3), eos_ids=())
+    runner.capture_graphs(capture=False)  # the static-buffer chain (CUDA graphs replay the same steps)
+    assert _run(core, SPECS) == plain
+    assert calls and core.counters.spec_drafted > 0
+    assert runner.draft_graphs is not None and runner.draft_graphs.replays > 0
+    assert build_runner(open_model(mtp_model64), weight_dtype="fp8").model.draft_head is None
+    assert build_runner(open_model(mtp_model64), mtp=True).model.draft_head is None
+
+
 def test_speculation_across_a_host_restore(mtp_model: Path) -> None:
     """Turn 1 decodes with speculation (every acceptance length), its cache entries spill to a
     real KV-cache daemon and leave the device; turn 2 is restored from the daemon (the MTP
