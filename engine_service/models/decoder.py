@@ -16,6 +16,7 @@ from torch import nn
 from deepwell.engine_service.layers.attention import Attention
 from deepwell.engine_service.layers.backend import ReferenceBackend
 from deepwell.engine_service.layers.context import StepContext
+from deepwell.engine_service.layers.fp8_linear import serves_draft_rows
 from deepwell.engine_service.layers.gdn import GatedDeltaNet
 from deepwell.engine_service.layers.mlp import SwiGLU, linear
 from deepwell.engine_service.layers.moe import SparseMoE
@@ -155,8 +156,6 @@ class CausalLM(nn.Module):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a draft step from the MTP module's (normed) output: through the FP8 draft
         head where there is one and it serves this many rows, else the LM head."""
-        from deepwell.engine_service.layers.fp8_linear import serves_draft_rows
-
         head = self.draft_head
         if head is None or not serves_draft_rows(hidden.shape[0]):
             head = self.lm_head
