@@ -317,6 +317,7 @@ def internal_token(path: str, listen: str, log: Any) -> str:
 
 def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any, dtype: Any) -> Any:
     from deepwell.engine_service.kv.quant_pool import KVSettingsError
+    from deepwell.engine_service.layers.fp8_linear import FP8EnvError
     from deepwell.engine_service.layers.invariant import RowInvarianceError
 
     if cfg.tensor_parallel > 1:  # N ranks, this process rank 0 (engine_service.parallel)
@@ -332,6 +333,8 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
         raise configs.ConfigError(f"invalid kv_dtype={cfg.kv_dtype!r}: {exc}") from None
     except RowInvarianceError as exc:  # --batch-invariant on a BLAS that breaks its premise
         raise configs.ConfigError(f"invalid batch_invariant=True: {exc}") from None
+    except FP8EnvError as exc:  # DEEPWELL_FP8_* out of range
+        raise configs.ConfigError(f"invalid environment: {exc}") from None
 
 
 def _tp_builder(cfg: EngineConfig) -> Any:

@@ -49,6 +49,7 @@ from deepwell.engine_service.layers import gemv_linear
 from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
 from deepwell.engine_service.layers.fp8_linear import attach_draft_head, prepare_linears, quantize_linears
+from deepwell.engine_service.layers.fp8_linear import wants_draft_head
 from deepwell.engine_service.layers.fp8_linear import tune as tune_fp8
 from deepwell.engine_service.loading.fp8 import block_size as fp8_block_size
 from deepwell.engine_service.layers.rope import inv_freq_and_scale
@@ -690,7 +691,7 @@ def build_runner(
     if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
         log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")
-    if mtp and model.mtp is not None and (native_fp8 or weight_dtype == "fp8"):
+    if mtp and model.mtp is not None and (native_fp8 or weight_dtype == "fp8") and wants_draft_head():
         log.info("draft_head_fp8", bytes=attach_draft_head(model),
                  detail="drafts read an FP8 copy of the LM head; verification keeps the 16-bit one")
     tuned = tune_fp8(model, dev, dtype)

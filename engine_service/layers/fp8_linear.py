@@ -18,7 +18,8 @@ model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, 
 
 ``attach_draft_head(model)`` gives a model that drafts with its MTP layer an FP8 copy of its LM
 head, ``model.draft_head``: a draft step reads half the bytes of the 16-bit head (at the 27B shape
-1.27 GB instead of 2.54, four times per round of four drafts). Only drafting uses it, and only for
+1.27 GB instead of 2.54, four times per round of four drafts), for as much memory taken from the
+KV pool (``DEEPWELL_FP8_DRAFT_HEAD=0`` keeps it there). Only drafting uses it, and only for
 calls of fewer than ``fp8_gemm.DEQUANT_MIN_TOKENS`` rows (``serves_draft_rows``; more would
 dequantize the whole head); the main model's logits, which verification compares the drafts
 with, stay those of the 16-bit head, so outputs do not change.
@@ -109,7 +110,22 @@ def quantize_linears(model: nn.Module, min_features: int = 128, block: tuple[int
     return count, saved
 
 
+class FP8EnvError(ValueError):
+    """An FP8 environment setting (``DEEPWELL_FP8_*``) out of range; the engine refuses to start."""
+
+
 DRAFT_HEAD = "draft_head"
+DRAFT_HEAD_ENV = "DEEPWELL_FP8_DRAFT_HEAD"  # "0": draft through the 16-bit head (its memory goes to the KV pool)
+
+
+def wants_draft_head() -> bool:
+    """Whether FP8 models that draft get the FP8 draft head (``DRAFT_HEAD_ENV`` unset or "1";
+    ``FP8EnvError`` for anything else)."""
+    value = os.environ.get(DRAFT_HEAD_ENV, "1")
+    if value not in ("0", "1"):
+        raise FP8EnvError(f"{DRAFT_HEAD_ENV}={value!r}: use 1 (drafts read an FP8 copy of the LM head, the default) "
+                         "or 0 (they read the 16-bit head; the copy's memory goes to the KV pool)")
+    return value == "1"
 
 
 def attach_draft_head(model: nn.Module, block: tuple[int, int] = BLOCK) -> int:
@@ -155,7 +171,7 @@ def tune(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str
             rows = int(pinned)
             fp8_tune.apply(rows)
         except ValueError as exc:
-            raise ValueError(f"{FMA_ENV}={pinned!r}: {exc}") from None
+            raise FP8EnvError(f"{FMA_ENV}={pinned!r}: {exc}") from None
         return {"fma_max_tokens": rows, "source": FMA_ENV}
     shapes = {(m.out_features, m.in_features) for m in layers}
     try:

@@ -575,6 +575,19 @@ def test_fp8_weights_draft_through_an_fp8_copy_of_the_head(mtp_model64: Path) ->
     assert build_runner(open_model(mtp_model64), mtp=True).model.draft_head is None
 
 
+def test_fp8_draft_head_can_be_turned_off(mtp_model64: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPWELL_FP8_DRAFT_HEAD", "0")
+    assert build_runner(open_model(mtp_model64), weight_dtype="fp8", mtp=True).model.draft_head is None
+    monkeypatch.setenv("DEEPWELL_FP8_DRAFT_HEAD", "yes")
+    from deepwell import configs
+    from deepwell.engine_service import cli
+    from deepwell.engine_service.config import EngineConfig
+
+    cfg = EngineConfig(model=str(mtp_model64), weight_dtype="fp8", speculative_tokens=2)
+    with pytest.raises(configs.ConfigError, match="invalid environment: DEEPWELL_FP8_DRAFT_HEAD='yes'"):
+        cli._build_runner(build_runner, cfg, open_model(mtp_model64), "cpu", torch.float32)
+
+
 def test_speculation_across_a_host_restore(mtp_model: Path) -> None:
     """Turn 1 decodes with speculation (every acceptance length), its cache entries spill to a
     real KV-cache daemon and leave the device; turn 2 is restored from the daemon (the MTP
