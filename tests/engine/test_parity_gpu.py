@@ -53,10 +53,13 @@ def _logits(runner, chunks: list[int]) -> list[torch.Tensor]:
     return run_chunks(runner, prompt(), chunks, [7, 2, 9, 4, 0], slot=1)
 
 
-def _reference_ops_kl(path: Path, chunks: list[int], want32: torch.Tensor) -> float:
-    """The same schedule with the layer ops of the reference (torch on CUDA, no fused kernels,
-    no fla): a failure's message says whether the fast path or everything else is off."""
-    runner = build_runner(open_model(path), device="cuda", dtype=torch.bfloat16, page_size=16, backend="reference")
+def _kl_with(path: Path, chunks: list[int], want32: torch.Tensor, backend: str, fla_conv: bool = True) -> float:
+    """The same schedule's KL to HF fp32 with other layer ops, for a failure's message: the
+    reference (torch on CUDA: no fused kernels, no fla) says whether the fast path or everything
+    else is off; the fast path with the reference's conv instead of fla's splits it further."""
+    runner = build_runner(open_model(path), device="cuda", dtype=torch.bfloat16, page_size=16, backend=backend)
+    if not fla_conv:
+        runner.ops.use_fla_conv = False  # type: ignore[attr-defined]
     runner.allocate(num_pages=12, num_state_slots=2)
     return _kl(torch.stack(_logits(runner, chunks)).cpu(), want32).mean().item()
 
@@ -87,4 +90,6 @@ def test_bf16_cuda_agrees_with_hf(name: str, cases: dict) -> None:
         if not (bool(same[clear].all()) and kl32 <= MAX_MEAN_KL):
             pytest.fail(f"{name} {schedule} (backend {runner.ops.name}): top-1 {int(same[clear].sum())}/"
                         f"{int(clear.sum())} clear positions, KL to HF fp32 {kl32:.2e} (<= {MAX_MEAN_KL:g}); "
-                        f"with the reference layer ops: KL {_reference_ops_kl(path, chunks, want32):.2e}")
+                        f"with the reference layer ops: KL {_kl_with(path, chunks, want32, 'reference'):.2e}; "
+                        f"fast path with the reference conv: KL "
+                        f"{_kl_with(path, chunks, want32, runner.ops.name, fla_conv=False):.2e}")
