@@ -140,10 +140,12 @@ def prepare(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- device
 def install_wheels() -> None:
     wheels = sorted(WHEELS.glob("*.whl"))
-    if not wheels:
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)], check=True)
+    elif not SITE.is_dir():
         return
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(SITE), *map(str, wheels)], check=True)
+    # without .whl in this call, the wheels an earlier call on the same warm machine installed serve
     # the engine, daemon and gateway the tests start are subprocesses: they need the path too
     # (and the checkout, so `deepwell` imports in subprocesses started from any directory: nothing
     # is pip-installed there; deepwell._CheckoutFinder maps deepwell.engine_service etc. onto it)
