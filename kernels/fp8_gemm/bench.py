@@ -11,6 +11,9 @@ against the bf16 product of the dequantized weight (relative L2) of:
 - ``w8a16 split=1`` / ``auto`` / ``bn=32`` / ``bn=128``: the W8A16 Triton kernel (block-scaled
   E4M3 weight, bf16 activations) without splitting K, with the default split, and with 32 and
   128 output columns per program (default split);
+- ``swap`` / ``bn=128`` / ``bk=128`` / ``128/128`` (``w8``: 8 warps): the W8A16 kernel with the
+  weight as the MMA's first operand (``swap=True``; out.T = w @ x.T), output columns / K step;
+  ``w8a16 bk=128``: the unswapped kernel with a 128-wide K step;
 - ``dequant+gemm``: the weight dequantized to bf16 by one Triton launch, then torch's GEMM;
 - ``fma`` / ``bn=32`` / ``bn=128`` / ``split=1`` / ``warps=2`` / ``warps=8`` (up to 16 tokens): ``fma_matmul``, without tensor
   cores and with the block scale applied after each step's sum;
@@ -71,6 +74,12 @@ def _variants(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, w: tor
         "w8a16 bn=32": lambda: w8a16_matmul(x, codes, scales, block_n=32),
         "w8a16 bn=128": lambda: w8a16_matmul(x, codes, scales, block_n=128),
         "dequant+gemm": lambda: dequant_matmul(x, codes, scales),
+        "swap": lambda: w8a16_matmul(x, codes, scales, swap=True),
+        "swap bn=128": lambda: w8a16_matmul(x, codes, scales, swap=True, block_n=128),
+        "swap bk=128": lambda: w8a16_matmul(x, codes, scales, swap=True, block_k=128),
+        "swap 128/128": lambda: w8a16_matmul(x, codes, scales, swap=True, block_n=128, block_k=128),
+        "swap 128/128 w8": lambda: w8a16_matmul(x, codes, scales, swap=True, block_n=128, block_k=128, num_warps=8),
+        "w8a16 bk=128": lambda: w8a16_matmul(x, codes, scales, block_k=128),
     }
     if x.shape[0] <= 16:  # the few-token form without tensor cores
         out["fma"] = lambda: fma_matmul(x, codes, scales)

@@ -70,6 +70,46 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
 
 
 @triton.jit
+def _w8a16t_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
+                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
+                   FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
+    """``_w8a16_kernel`` with the operands swapped: ``out.T [BN, BM] = w [BN, BK] @ x.T [BK, BM]``,
+    so the dequantized weight is the MMA's first operand (Hopper's wgmma takes it from registers,
+    no shared-memory round trip) and the few tokens its N side (16)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    k_lo = pid_k * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
+    for k0 in range(k_lo, k_hi, BK):
+        k = k0 + rk
+        k_ok = k < k_hi
+        xt = tl.load(x_ptr + rm[None, :] * stride_xm + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        c = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        s = tl.load(s_ptr + (rn // SBN) * stride_sn + k0 // SBK, mask=n_ok, other=0.0)
+        w = e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None]
+        if IEEE:
+            acc += tl.dot(round_to(w, KIND_X), xt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(xt.dtype), xt)
+    if SPLIT:
+        o_ptr += pid_k * M * N
+        tl.store(o_ptr + rm[None, :] * N + rn[:, None], acc, mask=m_ok[None, :] & n_ok[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(o_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(o_ptr.dtype.element_ty),
+                 mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
 def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
                     KIND_X: tl.constexpr, FP8_HW: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     HW_ROUND: tl.constexpr):
@@ -132,12 +172,15 @@ def _check_args(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bloc
 
 
 def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
-                 bias: torch.Tensor | None = None, block_n: int | None = None, split_k: int | None = None
-                 ) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, block_n: int | None = None, split_k: int | None = None,
+                 swap: bool = False, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """The Triton kernel: ``x [M, K]`` (fp32 / bf16 / fp16) times the FP8 weight ``[N, K]``;
     ``block_n`` (a power of two >= 16, default 64) the output columns per program; ``split_k``
     the programs along K (default ``split_count``; above 1 each writes fp32 partial sums that are
-    then added, so the result depends on the split by the fp32 summation order only)."""
+    then added, so the result depends on the split by the fp32 summation order only); ``swap``:
+    the weight as the MMA's first operand (``_w8a16t_kernel``: same products, same sums);
+    ``block_k`` (a power of two >= 16 dividing the scale block's K side, default 64) the K step;
+    ``num_warps`` per program."""
     _check_args(x, codes, scales, block)
     m, k = x.shape
     n = codes.shape[0]
@@ -146,6 +189,10 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
     if split_k is not None and split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
     bm, bn, bk = _tiles(m, block, block_n)
+    if block_k is not None:
+        if block_k < 16 or block_k & (block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+        bk = block_k
     if block[1] % bk:
         raise ValueError(f"scale block {block} needs its K side a multiple of {bk}")
     x = x.contiguous()
@@ -157,11 +204,12 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
     k_per = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BK steps (BK divides the scale block)
     split = triton.cdiv(k, k_per)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _w8a16_kernel[(tiles_m, tiles_n, split)](
+    kernel = _w8a16t_kernel if swap else _w8a16_kernel
+    kernel[(tiles_m, tiles_n, split)](
         x, codes.contiguous().view(torch.uint8), scales.contiguous(), bias if bias is not None else scales, target,
         m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device),
-        IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk)
+        IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, num_warps=num_warps)
     if split == 1:
         return out
     acc = target.sum(0)

@@ -65,6 +65,27 @@ def test_split_k_matches_reference_in_the_interpreter(split: int, bias: bool) ->
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(("m", "split", "bias", "dtype", "block_k"), [
+    (1, 1, False, torch.float32, None), (5, 2, True, torch.bfloat16, 32), (17, 3, False, torch.float16, 128)])
+def test_swapped_operands_match_reference_in_the_interpreter(m: int, split: int, bias: bool, dtype: torch.dtype,
+                                                              block_k: int | None) -> None:
+    """``swap=True`` (weight as the MMA's first operand): the reference's product, partial tiles
+    on both sides (N = 40, K = 448, 17 rows over two 16-row tiles)."""
+    from deepwell.kernels.fp8_gemm.triton_kernel import w8a16_matmul
+
+    g = torch.Generator().manual_seed(m)
+    codes, scales = reference.quantize(torch.randn(40, 448, generator=g), (128, 128))
+    x = torch.randn(m, 448, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype) if bias else None
+    got = w8a16_matmul(x, codes, scales, bias=b, split_k=split, swap=True, block_k=block_k)
+    want = reference.w8a16_matmul(x, codes, scales, bias=b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="block_k"):
+        w8a16_matmul(x, codes, scales, swap=True, block_k=48)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dequantize_kernel_gives_the_reference_bits(dtype: torch.dtype) -> None:
     from deepwell.kernels.fp8_gemm.triton_kernel import dequantize
@@ -131,14 +152,17 @@ def test_fma_form_matches_reference_in_the_interpreter(m: int, n: int, k: int, d
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 5120), (4, 17408, 5120), (7, 5120, 17408),
                                            (13, 5120, 5120)])
 def test_fma_form_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
-    from deepwell.kernels.fp8_gemm.triton_kernel import fma_matmul
+    from deepwell.kernels.fp8_gemm.triton_kernel import fma_matmul, w8a16_matmul
 
     g = torch.Generator(device="cuda").manual_seed(2)
     codes, scales = reference.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, (128, 128))
     x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-    got = fma_matmul(x, codes, scales).float()
     want = reference.w8a16_matmul(x, codes, scales).float()
+    got = fma_matmul(x, codes, scales).float()
     assert ((got - want).norm() / want.norm()) < 5e-3
+    for bn, bk in ((64, 64), (128, 128)):  # the swapped tensor-core form: the reference's weights
+        got = w8a16_matmul(x, codes, scales, swap=True, block_n=bn, block_k=bk).float()
+        assert ((got - want).norm() / want.norm()) < 5e-3, (bn, bk)
 
 
 def test_fma_row_limit_is_the_longest_winning_run() -> None:
