@@ -36,7 +36,10 @@ from deepwell.kernels.gemv.triton_kernel import REDUCE_BLOCK, _fma_kernel, _redu
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
                   FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr):
+                  BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False):
+    """``SWAP``: the operands swapped, ``out.T [BN, BM] = w [BN, BK] @ x.T [BK, BM]``, so the
+    dequantized weight is the MMA's first operand (Hopper's wgmma takes that one from registers,
+    no shared-memory round trip) and the few tokens its N side; same products, same sums."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -45,20 +48,33 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
     rk = tl.arange(0, BK)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
     for k0 in range(k_lo, k_hi, BK):
         k = k0 + rk
         k_ok = k < k_hi
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         c = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         s = tl.load(s_ptr + (rn // SBN) * stride_sn + k0 // SBK, mask=n_ok, other=0.0)
         w = e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None]
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(round_to(w, KIND_X)), input_precision="ieee")
-        else:  # a GPU (the interpreter takes IEEE): the hardware's round-to-nearest-even cast,
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # the bits round_to gives, in 1/6 the instructions
+        if SWAP:
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + k[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                         other=0.0)
+            if IEEE:
+                acc += tl.dot(round_to(w, KIND_X), xt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(w.to(xt.dtype), xt)
+        else:
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), tl.trans(round_to(w, KIND_X)), input_precision="ieee")
+            else:  # a GPU (the interpreter takes IEEE): the hardware's round-to-nearest-even cast,
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # the bits round_to gives, in 1/6 the instructions
+    if SWAP:  # stored through the transposed view
+        acc = tl.trans(acc)
     if SPLIT:  # fp32 partial sums [splits, M, N]: summed (and the bias added) after the launch
         o_ptr += pid_k * M * N
         tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -67,46 +83,6 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(o_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _w8a16t_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
-                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
-                   FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr):
-    """``_w8a16_kernel`` with the operands swapped: ``out.T [BN, BM] = w [BN, BK] @ x.T [BK, BM]``,
-    so the dequantized weight is the MMA's first operand (Hopper's wgmma takes it from registers,
-    no shared-memory round trip) and the few tokens its N side (16)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    k_lo = pid_k * K_PER
-    k_hi = tl.minimum(K, k_lo + K_PER)
-    for k0 in range(k_lo, k_hi, BK):
-        k = k0 + rk
-        k_ok = k < k_hi
-        xt = tl.load(x_ptr + rm[None, :] * stride_xm + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        c = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        s = tl.load(s_ptr + (rn // SBN) * stride_sn + k0 // SBK, mask=n_ok, other=0.0)
-        w = e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None]
-        if IEEE:
-            acc += tl.dot(round_to(w, KIND_X), xt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(w.to(xt.dtype), xt)
-    if SPLIT:
-        o_ptr += pid_k * M * N
-        tl.store(o_ptr + rm[None, :] * N + rn[:, None], acc, mask=m_ok[None, :] & n_ok[:, None])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(o_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(o_ptr.dtype.element_ty),
-                 mask=m_ok[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -178,7 +154,7 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
     ``block_n`` (a power of two >= 16, default 64) the output columns per program; ``split_k``
     the programs along K (default ``split_count``; above 1 each writes fp32 partial sums that are
     then added, so the result depends on the split by the fp32 summation order only); ``swap``:
-    the weight as the MMA's first operand (``_w8a16t_kernel``: same products, same sums);
+    the weight as the MMA's first operand (``_w8a16_kernel``'s ``SWAP``);
     ``block_k`` (a power of two >= 16 dividing the scale block's K side, default 64) the K step;
     ``num_warps`` per program."""
     _check_args(x, codes, scales, block)
@@ -204,12 +180,12 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
     k_per = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BK steps (BK divides the scale block)
     split = triton.cdiv(k, k_per)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    kernel = _w8a16t_kernel if swap else _w8a16_kernel
-    kernel[(tiles_m, tiles_n, split)](
+    _w8a16_kernel[(tiles_m, tiles_n, split)](
         x, codes.contiguous().view(torch.uint8), scales.contiguous(), bias if bias is not None else scales, target,
         m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device),
-        IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, num_warps=num_warps)
+        IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, SWAP=swap,
+        num_warps=num_warps)
     if split == 1:
         return out
     acc = target.sum(0)
