@@ -755,15 +755,14 @@ def run_rounds(core: EngineCore, batch: int, ctx: int, args: argparse.Namespace,
 
 
 def fp8_kernels(weights: str) -> str:
-    """Up to how many rows the FP8 weights' few-token kernel is the FMA one (the engine times it
-    at load on CUDA, ``layers.fp8_linear.tune``; log ``fp8_gemm_tuned``)."""
+    """The FP8 weights' few-token kernel per shape and row count (the engine times them at load on
+    CUDA, ``layers.fp8_linear.tune``; log ``fp8_gemm_tuned``)."""
     if weights != "fp8":
         return ""
-    from deepwell.kernels.fp8_gemm import triton_kernel
+    from deepwell.kernels.fp8_gemm import triton_kernel, tune
 
-    by_shape = triton_kernel.FMA_ROWS_BY_SHAPE
-    if by_shape:
-        return "; FP8 GEMV: FMA kernel up to " + ", ".join(f"{r} rows at {n}x{k}" for (n, k), r in sorted(by_shape.items()))
+    if triton_kernel.KERNEL_BY_SHAPE:
+        return "; FP8 few-row kernels: " + "; ".join(f"{s}: {k}" for s, k in tune.summary(triton_kernel.KERNEL_BY_SHAPE).items())
     n = triton_kernel.FMA_MAX_TOKENS
     return f"; FP8 GEMV: FMA kernel up to {n} rows" if n else "; FP8 GEMV: tensor-core kernel at every row count"
 

@@ -24,9 +24,10 @@ calls of fewer than ``fp8_gemm.DEQUANT_MIN_TOKENS`` rows (``serves_draft_rows``;
 dequantize the whole head); the main model's logits, which verification compares the drafts
 with, stay those of the 16-bit head, so outputs do not change.
 
-``tune(model)`` (CUDA, after loading) picks, per weight shape, up to how many rows the few-token
-FMA kernel serves instead of the tensor-core one, timed there (``kernels.fp8_gemm.tune``);
-``DEEPWELL_FP8_FMA_MAX_TOKENS`` pins the number instead (0: the tensor-core kernel always).
+``tune(model)`` (CUDA, after loading) picks, per weight shape and row count, the fastest
+few-token kernel timed there (``kernels.fp8_gemm.tune``: the tensor-core one, its form with
+swapped operands, or the FMA one); ``DEEPWELL_FP8_FMA_MAX_TOKENS`` pins instead: the FMA kernel up
+to that many rows, the tensor-core one above (0: always).
 """
 
 from __future__ import annotations
@@ -157,9 +158,9 @@ FMA_ENV = "DEEPWELL_FP8_FMA_MAX_TOKENS"
 
 
 def tune(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Any] | None:
-    """Set ``fp8_gemm``'s FMA row limit for ``model``'s FP8 layers on ``device`` (``FMA_ENV`` if
-    set, else timed); returns what was chosen and why (for the log), None without FP8 layers or
-    off CUDA."""
+    """Set ``fp8_gemm``'s few-token kernels for ``model``'s FP8 layers on ``device`` (``FMA_ENV``
+    if set, else timed per shape and row count); returns what was chosen and why (for the log),
+    None without FP8 layers or off CUDA."""
     from deepwell.kernels.fp8_gemm import tune as fp8_tune
 
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
@@ -175,13 +176,13 @@ def tune(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str
         return {"fma_max_tokens": rows, "source": FMA_ENV}
     shapes = {(m.out_features, m.in_features) for m in layers}
     try:
-        rows, times = fp8_tune.tune_fma_rows(shapes, device, dtype, layers[0].block)
-    except RuntimeError as exc:  # the FMA kernel failed its check: the tensor-core kernel serves
-        fp8_tune.apply(0)
-        return {"fma_max_tokens": 0, "source": "check failed", "error": str(exc)}
+        choice, times, rejected = fp8_tune.tune_kernels(shapes, device, dtype, layers[0].block)
     finally:  # the timing's random weights go back to the device before the KV pool is sized
         torch.cuda.empty_cache()
-    fp8_tune.apply(0, rows)
-    return {"source": "timed", "fma_rows": {f"{n}x{k}": r for (n, k), r in rows.items()},
-            "us_fma_w8a16": {f"{n}x{k}": {m: [round(f * 1e6, 1), round(d * 1e6, 1)] for m, (f, d) in t.items()}
-                             for (n, k), t in times.items()}}
+    fp8_tune.apply(0, choice)
+    out: dict[str, Any] = {"source": "timed", "kernels": fp8_tune.summary(choice),
+                           "us": {f"{n}x{k}": {m: {kind: round(s * 1e6, 1) for kind, s in row.items()}
+                                               for m, row in t.items()} for (n, k), t in times.items()}}
+    if rejected:  # a kernel that failed its check against "w8a16" is not served
+        out["rejected"] = {kind: f"relative error {err:.3g}" for kind, err in rejected.items()}
+    return out

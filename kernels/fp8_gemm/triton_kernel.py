@@ -111,16 +111,43 @@ DEQUANT_MIN_TOKENS = 128
 PROGRAMS_PER_SM = 4
 MIN_SPLIT_STEPS = 4  # BK steps per split at least
 # ``fma_matmul`` (no tensor cores, the block scale applied after each step's sum): rows per
-# program, output columns per program, K step. Not yet timed on a GPU: ``bench`` compares it
-# with the W8A16 kernel (``fma`` rows), and ``matmul`` serves with it from ``FMA_MAX_TOKENS``
-# = 0 (off) until it wins there.
+# program, output columns per program, K step.
 FMA_ROWS = 8  # one program's rows: a verify step of K = 4 drafts (5 rows) reads the weight once
 FMA_BLOCK_N = 64
 FMA_BLOCK_K = 128
+# The few-token kernels ``matmul`` chooses from below ``DEQUANT_MIN_TOKENS`` rows, by name:
+# "w8a16" (tensor cores, 16-row tiles, 64 x 64 weight tiles), "swap" / "swap128" (the same with
+# the weight as the MMA's first operand, 64 x 64 / 128 x 128 weight tiles), "fma" (no tensor
+# cores).
+FEW_ROW_KERNELS = ("w8a16", "swap", "swap128", "fma")
+# per weight shape (N, K): the kernel for 1, 2, ... rows, what ``tune`` timed fastest at load on
+# the serving GPU; row counts past the tuple "w8a16"; shapes not listed: "fma" up to
+# FMA_MAX_TOKENS rows, "w8a16" above
+KERNEL_BY_SHAPE: dict[tuple[int, int], tuple[str, ...]] = {}
 FMA_MAX_TOKENS = 0
-# per weight shape (N, K): what ``tune`` measured at load on the serving GPU (FMA_MAX_TOKENS
-# for shapes not listed)
-FMA_ROWS_BY_SHAPE: dict[tuple[int, int], int] = {}
+
+
+def few_row_kernel(shape: tuple[int, int], rows: int) -> str:
+    """The few-token kernel ``matmul`` runs for ``rows`` rows times a weight of ``shape``."""
+    table = KERNEL_BY_SHAPE.get(shape)
+    if table is not None:
+        return table[rows - 1] if 1 <= rows <= len(table) else "w8a16"
+    return "fma" if rows <= FMA_MAX_TOKENS else "w8a16"
+
+
+def few_row_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                   block: tuple[int, int] = (128, 128), bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T`` through the few-token kernel named ``kind`` (``FEW_ROW_KERNELS``)."""
+    if kind == "fma":
+        return fma_matmul(x, codes, scales, block, bias)
+    if kind == "swap":
+        return w8a16_matmul(x, codes, scales, block, bias, swap=True)
+    if kind == "swap128":
+        return w8a16_matmul(x, codes, scales, block, bias, block_n=128, swap=True,
+                            block_k=128 if block[1] % 128 == 0 else None)
+    if kind == "w8a16":
+        return w8a16_matmul(x, codes, scales, block, bias)
+    raise ValueError(f"unknown few-token kernel {kind!r}: one of {', '.join(FEW_ROW_KERNELS)}")
 
 
 def _tiles(m: int, block: tuple[int, int], block_n: int | None) -> tuple[int, int, int]:
@@ -277,7 +304,7 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tu
     if x.is_cuda or (kernel_on_cpu and INTERPRET):
         if x.dim() == 2 and x.shape[0] >= DEQUANT_MIN_TOKENS:
             return dequant_matmul(x, codes, scales, block, bias)
-        if x.dim() == 2 and x.shape[0] <= FMA_ROWS_BY_SHAPE.get(tuple(codes.shape), FMA_MAX_TOKENS):
-            return fma_matmul(x, codes, scales, block, bias)
+        if x.dim() == 2:
+            return few_row_matmul(few_row_kernel(tuple(codes.shape), x.shape[0]), x, codes, scales, block, bias)
         return w8a16_matmul(x, codes, scales, block, bias)
     return reference.w8a16_matmul(x, codes, scales, block, bias)

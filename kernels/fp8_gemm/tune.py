@@ -1,48 +1,41 @@
-"""Start-up choice between the two few-token FP8 kernels, timed on the device that serves.
+"""Start-up choice among the few-token FP8 kernels, timed on the device that serves.
 
-``triton_kernel.matmul`` runs ``fma_matmul`` (no tensor cores, one conversion and one FMA per
-weight byte, up to ``FMA_ROWS`` rows per program) for calls of at most ``FMA_MAX_TOKENS`` rows,
-and ``w8a16_matmul`` (tensor cores over a 16-row tile) above. Which is faster depends on the
-card and the shapes, so ``tune_fma_rows`` times both at the model's own linear shapes for 1 ..
-``MAX_ROWS`` rows and keeps, per shape, the FMA kernel for the longest run of row counts from 1
-where it wins. ``apply`` sets ``FMA_ROWS_BY_SHAPE`` (and ``FMA_MAX_TOKENS`` for other shapes); the
-engine calls it once after loading FP8 weights on CUDA, before capturing graphs
-(``layers.fp8_linear.tune``).
+Below ``DEQUANT_MIN_TOKENS`` rows ``triton_kernel.matmul`` runs one of ``FEW_ROW_KERNELS``:
+the tensor-core W8A16 kernel over 16-row tiles ("w8a16"), the same with the weight as the
+MMA's first operand ("swap", "swap128": 64- and 128-wide weight tiles), or the kernel without
+tensor cores ("fma": one conversion and one FMA per weight byte and row). Which is fastest
+depends on the card, the weight's shape and the row count (a decode step has 1 row per
+sequence, a speculative verify step K + 1), so ``tune_kernels`` times every candidate at the
+model's own linear shapes for 1 .. ``MAX_ROWS`` rows and keeps the fastest per shape and row
+count; a candidate must first match "w8a16" (``check``). ``apply`` installs the choice
+(``KERNEL_BY_SHAPE``); the engine calls it once after loading FP8 weights on CUDA, before
+capturing graphs (``layers.fp8_linear.tune``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from deepwell.kernels.fp8_gemm import reference
 from deepwell.kernels.fp8_gemm import triton_kernel as tk
 
-MAX_ROWS = 8  # FMA_ROWS: more rows read each weight again
-KERNELS = ("fma", "w8a16")
+MAX_ROWS = 8  # a verify step of up to 7 drafts; more rows: "w8a16"
 Timer = Callable[[str, int, int, int], float]  # (kernel, rows, N, K) -> seconds
-
-
 Shape = tuple[int, int]  # (N, K) of a weight
 
 
-def choose(shapes: Iterable[Shape], timer: Timer, max_rows: int = MAX_ROWS
-           ) -> tuple[dict[Shape, int], dict[Shape, dict[int, tuple[float, float]]]]:
-    """Per shape, the largest ``m`` such that FMA is faster at every row count ``1..m`` (0 if it
-    loses at one row), and per shape and row count the (fma, w8a16) seconds timed."""
-    rows: dict[Shape, int] = {}
-    times: dict[Shape, dict[int, tuple[float, float]]] = {}
+def choose(shapes: Iterable[Shape], timer: Timer, kernels: Sequence[str] = tk.FEW_ROW_KERNELS,
+           max_rows: int = MAX_ROWS) -> tuple[dict[Shape, tuple[str, ...]], dict[Shape, dict[int, dict[str, float]]]]:
+    """Per shape, the fastest of ``kernels`` at each row count ``1..max_rows`` (the first listed
+    wins a tie), and per shape and row count every kernel's seconds."""
+    choice: dict[Shape, tuple[str, ...]] = {}
+    times: dict[Shape, dict[int, dict[str, float]]] = {}
     for n, k in sorted(set(shapes)):
-        times[(n, k)] = {}
-        rows[(n, k)] = 0
-        for m in range(1, max_rows + 1):
-            fma, dot = (timer(kind, m, n, k) for kind in KERNELS)
-            times[(n, k)][m] = (fma, dot)
-            if fma >= dot:
-                break
-            rows[(n, k)] = m
-    return rows, times
+        times[(n, k)] = {m: {kind: timer(kind, m, n, k) for kind in kernels} for m in range(1, max_rows + 1)}
+        choice[(n, k)] = tuple(min(kernels, key=t.__getitem__) for t in times[(n, k)].values())
+    return choice, times
 
 
 def cuda_timer(device: torch.device, dtype: torch.dtype, block: tuple[int, int]) -> Timer:
@@ -57,53 +50,71 @@ def cuda_timer(device: torch.device, dtype: torch.dtype, block: tuple[int, int])
             weights[(n, k)] = reference.quantize(torch.randn(n, k, device=device) * 0.02, block)
         codes, scales = weights[(n, k)]
         x = torch.randn(m, k, device=device, dtype=dtype)
-        fn = tk.fma_matmul if kind == "fma" else tk.w8a16_matmul
-        return do_bench(lambda: fn(x, codes, scales, block), warmup=5, rep=20) * 1e-3
+        return do_bench(lambda: tk.few_row_matmul(kind, x, codes, scales, block), warmup=5, rep=20) * 1e-3
 
     return timer
 
 
 def check(shape: tuple[int, int], device: torch.device, dtype: torch.dtype, block: tuple[int, int] = (128, 128),
-          rows: Iterable[int] = (1, 5, MAX_ROWS)) -> float:
-    """The largest relative L2 difference between ``fma_matmul`` and ``w8a16_matmul`` over
-    ``rows`` at ``shape`` (random codes): the two differ by the rounding of each weight to the
-    activation dtype, ~1e-3 for bf16."""
+          rows: Iterable[int] = (1, 5, MAX_ROWS), kernels: Sequence[str] = tk.FEW_ROW_KERNELS) -> dict[str, float]:
+    """Per kernel, the largest relative L2 difference from ``w8a16_matmul`` over ``rows`` at
+    ``shape`` (random codes): "fma" differs by the rounding of each weight to the activation
+    dtype (~1e-3 for bf16), the others by the fp32 summation order."""
     g = torch.Generator(device=device).manual_seed(0)
     n, k = shape
     codes, scales = reference.quantize(torch.randn(n, k, device=device, generator=g) * 0.02, block)
-    worst = 0.0
+    worst = dict.fromkeys(kernels, 0.0)
     for m in rows:
         x = torch.randn(m, k, device=device, generator=g).to(dtype)
         want = tk.w8a16_matmul(x, codes, scales, block).float()
-        got = tk.fma_matmul(x, codes, scales, block).float()
-        worst = max(worst, float((got - want).norm() / want.norm().clamp(min=1e-30)))
+        for kind in kernels:
+            got = tk.few_row_matmul(kind, x, codes, scales, block).float()
+            err = float((got - want).norm() / want.norm().clamp(min=1e-30))
+            worst[kind] = max(worst[kind], err if err == err else float("inf"))  # NaN: fails
     return worst
 
 
 CHECK_TOLERANCE = 1e-2  # bf16 / fp16 weights rounded once each: ~1e-3; a wrong kernel: ~1
 
 
-def tune_fma_rows(shapes: Iterable[Shape], device: torch.device, dtype: torch.dtype,
-                  block: tuple[int, int] = (128, 128)
-                  ) -> tuple[dict[Shape, int], dict[Shape, dict[int, tuple[float, float]]]]:
-    """``choose`` with ``cuda_timer``: on ``device`` (CUDA) for activations of ``dtype``. First
-    the FMA kernel must pass ``check`` at the smallest shape (else ``RuntimeError``, the
-    caller's to log)."""
+def tune_kernels(shapes: Iterable[Shape], device: torch.device, dtype: torch.dtype,
+                 block: tuple[int, int] = (128, 128)
+                 ) -> tuple[dict[Shape, tuple[str, ...]], dict[Shape, dict[int, dict[str, float]]], dict[str, float]]:
+    """``choose`` with ``cuda_timer`` on ``device`` (CUDA) for activations of ``dtype``, among the
+    kernels that pass ``check`` at the smallest shape; also returns the ones that did not, with
+    their error."""
     shapes = sorted(set(shapes))
     if not shapes:
-        return {}, {}
-    err = check(min(shapes, key=lambda s: s[0] * s[1]), device, dtype, block)
-    if not err < CHECK_TOLERANCE:
-        raise RuntimeError(f"fma_matmul differs from w8a16_matmul by {err:.3g} (relative L2, tolerance "
-                           f"{CHECK_TOLERANCE:g}): not served")
-    return choose(shapes, cuda_timer(device, dtype, block))
+        return {}, {}, {}
+    errors = check(min(shapes, key=lambda s: s[0] * s[1]), device, dtype, block)
+    passed = [kind for kind in tk.FEW_ROW_KERNELS if kind == "w8a16" or errors[kind] < CHECK_TOLERANCE]
+    choice, times = choose(shapes, cuda_timer(device, dtype, block), passed)
+    return choice, times, {kind: err for kind, err in errors.items() if kind not in passed}
 
 
-def apply(max_tokens: int, by_shape: dict[Shape, int] | None = None) -> None:
-    """Serve calls of up to ``by_shape[(N, K)]`` rows (a weight shape listed there) or
-    ``max_tokens`` rows (any other) with ``fma_matmul`` (0: never)."""
-    for name, v in [("FMA max tokens", max_tokens), *((f"FMA rows of {s}", r) for s, r in (by_shape or {}).items())]:
-        if not 0 <= v < tk.DEQUANT_MIN_TOKENS:
-            raise ValueError(f"{name} must be in [0, {tk.DEQUANT_MIN_TOKENS - 1}], got {v}")
+def apply(max_tokens: int, by_shape: dict[Shape, Sequence[str]] | None = None) -> None:
+    """Serve a weight shape listed in ``by_shape`` with its kernel per row count (past the list:
+    "w8a16"), any other with "fma" up to ``max_tokens`` rows (0: never) and "w8a16" above."""
+    if not 0 <= max_tokens < tk.DEQUANT_MIN_TOKENS:
+        raise ValueError(f"FMA max tokens must be in [0, {tk.DEQUANT_MIN_TOKENS - 1}], got {max_tokens}")
+    table = {shape: tuple(kinds) for shape, kinds in (by_shape or {}).items()}
+    for shape, kinds in table.items():
+        if not len(kinds) < tk.DEQUANT_MIN_TOKENS or any(kind not in tk.FEW_ROW_KERNELS for kind in kinds):
+            raise ValueError(f"kernels of {shape} must be fewer than {tk.DEQUANT_MIN_TOKENS} of "
+                             f"{', '.join(tk.FEW_ROW_KERNELS)}, got {list(kinds)}")
     tk.FMA_MAX_TOKENS = max_tokens
-    tk.FMA_ROWS_BY_SHAPE = dict(by_shape or {})
+    tk.KERNEL_BY_SHAPE = table
+
+
+def summary(by_shape: dict[Shape, Sequence[str]]) -> dict[str, str]:
+    """Per shape "NxK", its kernels as runs: "fma x2, swap x6"."""
+    out = {}
+    for (n, k), kinds in sorted(by_shape.items()):
+        runs: list[list] = []
+        for kind in kinds:
+            if runs and runs[-1][0] == kind:
+                runs[-1][1] += 1
+            else:
+                runs.append([kind, 1])
+        out[f"{n}x{k}"] = ", ".join(f"{kind} x{count}" for kind, count in runs)
+    return out

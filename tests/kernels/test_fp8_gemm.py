@@ -165,57 +165,79 @@ def test_fma_form_matches_reference_on_cuda(m: int, n: int, k: int) -> None:
         assert ((got - want).norm() / want.norm()) < 5e-3, (bn, bk)
 
 
-def test_fma_row_limit_is_the_longest_winning_run() -> None:
-    """``tune.choose``: per weight shape, FMA for every row count from 1 while it is faster than
-    the tensor-core kernel; 0 when it loses at one row. ``apply`` installs the limits
-    (``matmul`` picks by the weight's shape) and checks their range."""
+def test_tune_keeps_the_fastest_kernel_per_shape_and_row_count() -> None:
+    """``tune.choose``: per weight shape and row count the fastest kernel (the first listed on a
+    tie), every candidate timed at every row count; ``apply`` installs the table (``matmul``
+    picks by the weight's shape and the rows) and checks it; ``summary`` names the runs."""
     from deepwell.kernels.fp8_gemm import triton_kernel, tune
 
-    wins = {(1000, 128): 0, (2000, 256): 1, (3000, 128): 5, (4000, 128): 8}
+    def timer(kind: str, m: int, n: int, k: int) -> float:  # fma 10 us a row; swap wins at 3..5 rows on 2000
+        if kind == "fma":
+            return 10e-6 * m
+        if kind == "swap" and n == 2000:
+            return 25e-6 if 3 <= m <= 5 else 90e-6
+        return 35e-6 if kind == "w8a16" else 40e-6
 
-    def timer(kind: str, m: int, n: int, k: int) -> float:  # fma: 10 us a row; w8a16 flat
-        return 10e-6 * m if kind == "fma" else 10e-6 * (wins[(n, k)] + 0.5)
-
-    rows, times = tune.choose([*wins, (1000, 128)], timer)
-    assert rows == wins
-    for shape, w in wins.items():  # timed up to the first loss (or MAX_ROWS)
-        assert sorted(times[shape]) == list(range(1, min(w + 1, tune.MAX_ROWS) + 1))
-    before = triton_kernel.FMA_MAX_TOKENS, triton_kernel.FMA_ROWS_BY_SHAPE
+    choice, times = tune.choose([(1000, 128), (2000, 256), (1000, 128)], timer, max_rows=6)
+    assert choice == {(1000, 128): ("fma", "fma", "fma", "w8a16", "w8a16", "w8a16"),
+                      (2000, 256): ("fma", "fma", "swap", "swap", "swap", "w8a16")}
+    assert all(sorted(t) == list(range(1, 7)) and all(len(r) == len(tk_names()) for r in t.values())
+               for t in times.values())
+    assert tune.summary(choice) == {"1000x128": "fma x3, w8a16 x3", "2000x256": "fma x2, swap x3, w8a16 x1"}
+    before = triton_kernel.FMA_MAX_TOKENS, triton_kernel.KERNEL_BY_SHAPE
     try:
-        tune.apply(0, {(64, 256): 4})
-        assert triton_kernel.FMA_MAX_TOKENS == 0 and triton_kernel.FMA_ROWS_BY_SHAPE == {(64, 256): 4}
+        tune.apply(0, {(64, 256): ["fma", "swap"]})
+        assert triton_kernel.FMA_MAX_TOKENS == 0 and triton_kernel.KERNEL_BY_SHAPE == {(64, 256): ("fma", "swap")}
+        assert [triton_kernel.few_row_kernel((64, 256), m) for m in (1, 2, 3)] == ["fma", "swap", "w8a16"]
+        assert triton_kernel.few_row_kernel((32, 256), 1) == "w8a16"
         tune.apply(3)
-        assert triton_kernel.FMA_MAX_TOKENS == 3 and triton_kernel.FMA_ROWS_BY_SHAPE == {}
+        assert triton_kernel.FMA_MAX_TOKENS == 3 and triton_kernel.KERNEL_BY_SHAPE == {}
+        assert [triton_kernel.few_row_kernel((32, 256), m) for m in (3, 4)] == ["fma", "w8a16"]
         with pytest.raises(ValueError, match="FMA max tokens"):
             tune.apply(triton_kernel.DEQUANT_MIN_TOKENS)
-        with pytest.raises(ValueError, match="FMA rows of"):
-            tune.apply(0, {(64, 256): -1})
+        with pytest.raises(ValueError, match="kernels of"):
+            tune.apply(0, {(64, 256): ["fast"]})
     finally:
-        triton_kernel.FMA_MAX_TOKENS, triton_kernel.FMA_ROWS_BY_SHAPE = before
+        triton_kernel.FMA_MAX_TOKENS, triton_kernel.KERNEL_BY_SHAPE = before
+
+
+def tk_names() -> tuple[str, ...]:
+    from deepwell.kernels.fp8_gemm.triton_kernel import FEW_ROW_KERNELS
+
+    return FEW_ROW_KERNELS
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
-def test_matmul_takes_the_fma_kernel_by_weight_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``matmul`` (kernel on CPU) routes a call to ``fma_matmul`` up to the rows its weight's
-    shape was given, ``w8a16_matmul`` above and for other shapes."""
+def test_matmul_takes_the_kernel_its_shape_and_rows_were_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``matmul`` (kernel on CPU) routes a call by its weight's shape and row count: the table's
+    kernel, "w8a16" past it and for other shapes; every named kernel gives the reference's result."""
     from deepwell.kernels.fp8_gemm import triton_kernel
 
     calls: list[str] = []
-    monkeypatch.setattr(triton_kernel, "fma_matmul", lambda *a, **k: calls.append("fma"))
-    monkeypatch.setattr(triton_kernel, "w8a16_matmul", lambda *a, **k: calls.append("w8a16"))
-    monkeypatch.setattr(triton_kernel, "FMA_ROWS_BY_SHAPE", {(64, 256): 4})
+    real = triton_kernel.few_row_matmul
+
+    def spy(kind: str, *a: object, **k: object) -> torch.Tensor:
+        calls.append(kind)
+        return real(kind, *a, **k)
+
+    monkeypatch.setattr(triton_kernel, "few_row_matmul", spy)
+    monkeypatch.setattr(triton_kernel, "KERNEL_BY_SHAPE", {(64, 256): ("fma", "swap128", "swap")})
     monkeypatch.setattr(triton_kernel, "FMA_MAX_TOKENS", 0)
     codes, scales = reference.quantize(torch.randn(64, 256), (128, 128))
     other, other_scales = reference.quantize(torch.randn(32, 256), (128, 128))
-    for m in (1, 4, 5):
-        triton_kernel.matmul(torch.randn(m, 256), codes, scales, kernel_on_cpu=True)
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, 256)
+        got = triton_kernel.matmul(x, codes, scales, kernel_on_cpu=True)
+        assert torch.allclose(got, reference.w8a16_matmul(x, codes, scales), rtol=1e-5, atol=1e-5), m
     triton_kernel.matmul(torch.randn(1, 256), other, other_scales, kernel_on_cpu=True)
-    assert calls == ["fma", "fma", "w8a16", "w8a16"]
+    assert calls == ["fma", "swap128", "swap", "w8a16", "w8a16"]
+    with pytest.raises(ValueError, match="unknown few-token kernel"):
+        real("fast", torch.randn(1, 256), codes, scales)
 
 
 def test_fp8_tune_is_pinned_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """``fp8_linear.tune``: nothing off CUDA or without FP8 layers; ``DEEPWELL_FP8_FMA_MAX_TOKENS``
-    pins the limit without timing anything, and a bad value names the variable."""
+    pins the FMA kernel's row limit without timing anything, and a bad value names the variable."""
     from deepwell.engine_service.layers.fp8_linear import FMA_ENV, FP8Linear, tune
     from deepwell.kernels.fp8_gemm import triton_kernel
 
@@ -236,22 +258,26 @@ def test_fp8_tune_is_pinned_by_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.gpu
-def test_fma_rows_timed_on_cuda() -> None:
+def test_few_row_kernels_timed_on_cuda() -> None:
     from deepwell.kernels.fp8_gemm import tune
 
-    assert tune.check((5120, 5120), torch.device("cuda"), torch.bfloat16) < tune.CHECK_TOLERANCE
-    rows, times = tune.tune_fma_rows([(5120, 5120), (17408, 5120)], torch.device("cuda"), torch.bfloat16)
-    for shape, r in rows.items():
-        assert 0 <= r <= tune.MAX_ROWS and all(f > 0 and d > 0 for f, d in times[shape].values())
-        print(f"{shape}: fma rows {r}; us per row count (fma, w8a16): "
-              + ", ".join(f"{m}: {f * 1e6:.1f}/{d * 1e6:.1f}" for m, (f, d) in times[shape].items()))
+    errors = tune.check((5120, 5120), torch.device("cuda"), torch.bfloat16)
+    assert all(err < tune.CHECK_TOLERANCE for err in errors.values()), errors
+    choice, times, rejected = tune.tune_kernels([(5120, 5120), (17408, 5120)], torch.device("cuda"), torch.bfloat16)
+    assert not rejected
+    for shape, kinds in choice.items():
+        assert len(kinds) == tune.MAX_ROWS and all(s > 0 for row in times[shape].values() for s in row.values())
+        print(f"{shape}: {tune.summary({shape: kinds})}; us per row count: "
+              + "; ".join(f"{m}: " + "/".join(f"{k} {s * 1e6:.1f}" for k, s in row.items())
+                          for m, row in times[shape].items()))
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
 def test_fma_check_passes_in_the_interpreter() -> None:
-    """The start-up check ``tune_fma_rows`` runs before serving with the FMA kernel: its error
-    against the tensor-core kernel is the weights' one rounding to bf16, far inside the bound."""
+    """The start-up check ``tune_kernels`` runs before timing: each kernel's error against the
+    tensor-core kernel is at most the weights' one rounding to bf16 (FMA), far inside the bound."""
     from deepwell.kernels.fp8_gemm import tune
 
-    assert tune.check((64, 256), torch.device("cpu"), torch.bfloat16) < tune.CHECK_TOLERANCE / 2
-    assert tune.check((64, 256), torch.device("cpu"), torch.float32) < 1e-5
+    for dtype, bound in ((torch.bfloat16, tune.CHECK_TOLERANCE / 2), (torch.float32, 1e-5)):
+        errors = tune.check((64, 256), torch.device("cpu"), dtype)
+        assert set(errors) == {"w8a16", "swap", "swap128", "fma"} and max(errors.values()) < bound, errors
