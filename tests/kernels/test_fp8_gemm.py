@@ -281,3 +281,25 @@ def test_fma_check_passes_in_the_interpreter() -> None:
     for dtype, bound in ((torch.bfloat16, tune.CHECK_TOLERANCE / 2), (torch.float32, 1e-5)):
         errors = tune.check((64, 256), torch.device("cpu"), dtype)
         assert set(errors) == {"w8a16", "swap", "swap128", "fma"} and max(errors.values()) < bound, errors
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+def test_a_kernel_that_raises_is_rejected_not_served(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A candidate this Triton / GPU cannot build fails ``check`` (error inf) instead of stopping
+    the engine's start; ``tune_kernels`` then times only the others."""
+    from deepwell.kernels.fp8_gemm import triton_kernel, tune
+
+    real = triton_kernel.few_row_matmul
+
+    def broken(kind: str, *a: object, **k: object) -> torch.Tensor:
+        if kind == "swap128":
+            raise RuntimeError("out of resources: shared memory")
+        return real(kind, *a, **k)
+
+    monkeypatch.setattr(triton_kernel, "few_row_matmul", broken)
+    errors = tune.check((64, 256), torch.device("cpu"), torch.float32, rows=(1,))
+    assert errors["swap128"] == float("inf") and errors["swap"] < 1e-5
+    timed: list[str] = []
+    monkeypatch.setattr(tune, "cuda_timer", lambda *a: lambda kind, m, n, k: timed.append(kind) or 1e-5)
+    choice, _, rejected = tune.tune_kernels([(64, 256)], torch.device("cpu"), torch.float32)
+    assert set(rejected) == {"swap128"} and "swap128" not in timed and choice[(64, 256)] == ("w8a16",) * tune.MAX_ROWS
