@@ -156,10 +156,19 @@ class ReferenceBackend:
     def causal_conv1d_decode(
         self, x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token for each of B sequences: ``x[B,C]``, ``states[B,C,K-1]``."""
-        full = torch.cat([states.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], dim=-1)
-        y = (full * weight.unsqueeze(0)).sum(-1)  # [B, C]
-        return F.silu(y).to(x.dtype), full[..., 1:].to(states.dtype)
+        """One token for each of B sequences: ``x[B,C]``, ``states[B,C,K-1]``
+        (``kernels.gdn.pool_reference.conv_decode_step``: the one place of this arithmetic)."""
+        return pool_reference.conv_decode_step(x, states, weight)
+
+    def causal_conv1d_decode_pool(self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                                  weight: torch.Tensor) -> torch.Tensor:
+        """``causal_conv1d_decode`` with the states read from and written back to ``pool [S, C,
+        K-1]`` at ``slots [B]`` (distinct, on the device): returns y ``[B, C]``. A gather, this
+        backend's decode step and a scatter (``kernels.gdn.pool_conv.conv_pool_reference``). No
+        host sync (CUDA-graph capturable)."""
+        from deepwell.kernels.gdn.pool_conv import conv_pool_reference
+
+        return conv_pool_reference(x, pool, slots, weight, decode=self.causal_conv1d_decode)
 
     def gated_delta_rule_decode(
         self,

@@ -20,6 +20,9 @@ imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``
 - ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its
   update kernel (decode), the engine's ``[C, K-1]`` conv state carried through fla's
   ``[C, K]`` layout with a zero column in front (``kernels.gdn.fla_ops``);
+  ``causal_conv1d_decode_pool`` (decode steps): deepwell's own kernel over the conv states in the
+  pool by slot in place (``kernels.gdn.pool_conv``, checked against the reference per shape on
+  the first call, as the recurrent pool kernel);
 - ``gated_delta_rule_varlen`` / ``causal_conv1d_varlen`` (extra ops, this backend only): N
   prefill chunks of different lengths in one launch each (tokens back to back, ``cu_seqlens``),
   states gathered from and scattered to a pool by slot. The GDN layer does not call them yet
@@ -43,7 +46,7 @@ import structlog
 
 from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
 from deepwell.kernels.fused.ops import FusedOps
-from deepwell.kernels.gdn import fla_ops, pool_recurrent
+from deepwell.kernels.gdn import fla_ops, pool_conv, pool_recurrent
 
 
 # relative error the Gated DeltaNet pool kernel may show against the reference at its start-up
@@ -190,6 +193,30 @@ class CudaBackend(FusedOps, ReferenceBackend):
         if not (self.use_fla_conv and self._fla(x, states, weight)):
             return super().causal_conv1d_decode(x, states, weight)
         return fla_ops.causal_conv1d_decode(x, states, weight)
+
+    def causal_conv1d_decode_pool(self, x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                                  weight: torch.Tensor) -> torch.Tensor:
+        """One launch (``kernels.gdn.pool_conv``) for CUDA tensors it takes, once it has matched the
+        reference at that shape on this device; else the gather, decode step and scatter."""
+        if x.is_cuda and pool.is_cuda and pool_conv.supports(x, pool, weight) and self._conv_kernel_ok(x, weight):
+            return pool_conv.conv_pool(x, pool, slots, weight)
+        return super().causal_conv1d_decode_pool(x, pool, slots, weight)
+
+    def _conv_kernel_ok(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """As ``_pool_kernel_ok`` for the conv pool kernel (``pool_conv.self_check``); a miss logs
+        ``gdn_conv_kernel_fallback``."""
+        key = ("conv", weight.shape[0], weight.shape[1], x.dtype, x.device.index)
+        ok = self._pool_checked.get(key)
+        if ok is None:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            err = pool_conv.self_check(weight.shape[0], weight.shape[1], x.dtype, x.device)
+            ok = self._pool_checked[key] = err <= POOL_CHECK_TOLERANCE
+            if not ok:
+                structlog.get_logger("deepwell.engine").warning(
+                    "gdn_conv_kernel_fallback", error=err, tolerance=POOL_CHECK_TOLERANCE, shape=str(key[1:3]),
+                    detail="the conv pool kernel disagrees with the reference here; the gather + decode + scatter serve")
+        return ok
 
     def causal_conv1d_varlen(
         self, x: torch.Tensor, lengths: list[int], pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor

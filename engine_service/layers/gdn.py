@@ -126,10 +126,8 @@ class GatedDeltaNet(nn.Module):
         dec = ctx.decode
         if dec is not None:
             slots, n = dec.state_slots, dec.rows.shape[0]
-            conv_out, new_conv = self.backend.causal_conv1d_decode(
-                mixed[dec.rows], conv_state[slots], weight
-            )
-            conv_state[slots] = new_conv
+            # the conv states read from and written back to their slots in place
+            conv_out = self.backend.causal_conv1d_decode_pool(mixed[dec.rows], conv_state, slots, weight)
             q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
             # one token each, the states read from and written back to their slots in place
             o = self.backend.gated_delta_rule_pool(

@@ -54,6 +54,16 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return torch.einsum("bhk,bhkv->bhv", q, s), s
 
 
+def conv_decode_step(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal conv's decode step of B sequences: ``x [B, C]``, ``states [B, C, K-1]`` (the
+    last K-1 inputs), ``weight [C, K]`` -> (``silu(sum_j window_j * w_j)`` in x's dtype, the new
+    states in theirs), computed in the weight dtype; what ``ReferenceBackend.causal_conv1d_decode``
+    runs (``pool_conv`` is its in-pool kernel)."""
+    full = torch.cat([states.to(weight.dtype), x.unsqueeze(-1).to(weight.dtype)], dim=-1)
+    y = (full * weight.unsqueeze(0)).sum(-1)  # [B, C]
+    return torch.nn.functional.silu(y).to(x.dtype), full[..., 1:].to(states.dtype)
+
+
 def check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                pool: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor | None) -> None:
     """``ValueError`` naming what is wrong with the shapes, dtypes or devices (shapes only: no
