@@ -102,7 +102,9 @@ class GatedDeltaNet(nn.Module):
             core = self._verify_group(mixed, g, beta, ctx, conv_state, rec_state)
             out = self.backend.gated_rms_norm_cast(core, z, self.norm.weight, self.norm.eps, x.dtype)
             return self.out_proj(out.reshape(t, s.value_dim))
-        core = torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=x.device)
+        dec = ctx.decode
+        core = (torch.empty(t, s.num_v_heads, s.head_v_dim, dtype=torch.float32, device=x.device)
+                if dec is None or dec.rows.shape[0] < t else None)  # only decodes: the pool op's output
         for seq in ctx.multi:
             rows = slice(seq.offset, seq.offset + seq.num_tokens)
             if seq.verify:
@@ -123,23 +125,28 @@ class GatedDeltaNet(nn.Module):
                 rec_state[slot],
             )
             core[rows] = o
-        dec = ctx.decode
         if dec is not None:
             slots, n = dec.state_slots, dec.rows.shape[0]
+            # only decodes (a decode step, graphed or not): rows 0..t-1 in order, so the rows are
+            # taken as they are and the output is the core itself (no gathers, no scatter)
+            rows = slice(None) if n == t else dec.rows
             # the conv states read from and written back to their slots in place
-            conv_out = self.backend.causal_conv1d_decode_pool(mixed[dec.rows], conv_state, slots, weight)
+            conv_out = self.backend.causal_conv1d_decode_pool(mixed[rows], conv_state, slots, weight)
             q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
             # one token each, the states read from and written back to their slots in place
             o = self.backend.gated_delta_rule_pool(
                 q.reshape(n, 1, s.num_k_heads, s.head_k_dim),
                 k.reshape(n, 1, s.num_k_heads, s.head_k_dim),
                 v.reshape(n, 1, s.num_v_heads, s.head_v_dim),
-                g[dec.rows].unsqueeze(1),
-                beta[dec.rows].unsqueeze(1),
+                g[rows].unsqueeze(1),
+                beta[rows].unsqueeze(1),
                 rec_state,
                 slots,
             )
-            core[dec.rows] = o[:, 0]
+            if core is None:
+                core = o[:, 0]
+            else:
+                core[rows] = o[:, 0]
         out = self.backend.gated_rms_norm_cast(core, z, self.norm.weight, self.norm.eps, x.dtype)
         return self.out_proj(out.reshape(t, s.value_dim))
 
