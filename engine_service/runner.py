@@ -52,6 +52,7 @@ from deepwell.engine_service.layers.fp8_linear import attach_draft_head, prepare
 from deepwell.engine_service.layers.fp8_linear import wants_draft_head
 from deepwell.engine_service.layers.fp8_linear import tune as tune_fp8
 from deepwell.engine_service.loading.fp8 import block_size as fp8_block_size
+from deepwell.engine_service.layers.projections import fuse_projections
 from deepwell.engine_service.layers.rope import inv_freq_and_scale
 from deepwell.engine_service.loading.source import ModelSource
 from deepwell.engine_service.models import build_model, load_weights, random_weights
@@ -694,6 +695,9 @@ def build_runner(
     if mtp and model.mtp is not None and (native_fp8 or weight_dtype == "fp8") and wants_draft_head():
         log.info("draft_head_fp8", bytes=attach_draft_head(model),
                  detail="drafts read an FP8 copy of the LM head; verification keeps the 16-bit one")
+    saved = fuse_projections(model)  # after FP8 (which layers stay 16-bit is its choice), before the tune
+    if saved:
+        log.info("projections_fused", launches_saved_per_forward=saved)
     tuned = tune_fp8(model, dev, dtype)
     if tuned is not None:
         log.info("fp8_gemm_tuned", **tuned)

@@ -24,6 +24,7 @@ from deepwell.engine_service.layers.backend import ReferenceBackend
 from deepwell.engine_service.layers.context import SeqInfo, StepContext
 from deepwell.engine_service.layers.mlp import linear
 from deepwell.engine_service.layers.norm import GatedRMSNorm
+from deepwell.engine_service.layers.projections import FusesProjections, fuse_group
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,14 @@ def conv_after(states: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, leng
     return window.gather(2, idx.unsqueeze(1).expand(-1, window.shape[1], -1)).to(states.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+# the projections of the layer's input, in the order ``_project`` returns them
+PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+class GatedDeltaNet(nn.Module, FusesProjections):
     def __init__(self, spec: GDNSpec, backend: ReferenceBackend) -> None:
         super().__init__()
+        self.fused_proj: nn.ModuleList | None = None  # after fuse_projections: PROJECTIONS in fewer GEMMs
         self.spec = spec
         self.backend = backend
         self.in_proj_qkv = linear(spec.hidden, spec.conv_dim)
@@ -89,14 +95,34 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(spec.head_v_dim, spec.eps, backend)
         self.out_proj = linear(spec.value_dim, spec.hidden)
 
+    def fuse_projections(self) -> int:
+        """The four projections in one GEMM (16-bit weights), else q/k/v with z and b with a (FP8
+        weights keep ``b`` / ``a`` 16-bit); returns the launches saved (``layers.projections``)."""
+        if self.fused_proj is not None:
+            return 0
+        groups = fuse_group([getattr(self, n) for n in PROJECTIONS], ([[0, 1, 2, 3]], [[0, 1], [2, 3]], [[0], [1], [2, 3]]))
+        if groups is None:
+            return 0
+        self.fused_proj = nn.ModuleList(groups)
+        for name in PROJECTIONS:
+            delattr(self, name)
+        return len(PROJECTIONS) - len(groups)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``in_proj_qkv(x), in_proj_z(x), in_proj_b(x), in_proj_a(x)`` (columns of fewer GEMMs'
+        outputs once fused)."""
+        if self.fused_proj is None:
+            return tuple(getattr(self, n)(x) for n in PROJECTIONS)
+        return tuple(part for proj in self.fused_proj for part in proj(x))
+
     def forward(
         self, x: torch.Tensor, ctx: StepContext, conv_state: torch.Tensor, rec_state: torch.Tensor
     ) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(t, s.num_v_heads, s.head_v_dim)
-        g, beta = self.backend.gdn_gating(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        mixed, z, b, a = self._project(x)
+        z = z.view(t, s.num_v_heads, s.head_v_dim)
+        g, beta = self.backend.gdn_gating(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         if ctx.verify_group is not None:  # every row belongs to it, sequence-major
             core = self._verify_group(mixed, g, beta, ctx, conv_state, rec_state)

@@ -28,7 +28,7 @@ from deepwell.kernels.fused.common import kind, launch_kwargs, round_to, row_til
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, res_ptr, n_rows,
-    stride_x, stride_r, stride_g, stride_o, stride_res, eps,
+    stride_x, stride_r, stride_g, stride_o, stride_res, eps, g_heads, stride_gh,
     N: tl.constexpr, X_KIND: tl.constexpr, P_KIND: tl.constexpr, CAST: tl.constexpr,
     RES: tl.constexpr, GATED: tl.constexpr, ZC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
@@ -54,7 +54,10 @@ def _rms_norm_kernel(
     else:
         out = round_to(w * round_to(y, X_KIND), P_KIND)
         if GATED:
-            gate = tl.load(g_ptr + r64 * stride_g + col2, mask=mask, other=0.0).to(tl.float32)
+            # gate row r at (r // g_heads) * stride_g + (r % g_heads) * stride_gh: a [T, H, N] view
+            # of a wider projection ([T, H * N] columns of it) is read in place
+            g_off = (r64 // g_heads) * stride_g + (r64 % g_heads) * stride_gh
+            gate = tl.load(g_ptr + g_off + col2, mask=mask, other=0.0).to(tl.float32)
             out = round_to(out * silu_f32(gate), X_KIND)
     tl.store(out_ptr + r64 * stride_o + col2, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -73,17 +76,32 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bo
     if r == 0:
         return out
     r2 = rows(residual, n) if residual is not None else x2
-    g2 = rows(gate, n) if gate is not None else x2
+    g2, g_heads, stride_gh = _gate_rows(gate, n) if gate is not None else (x2, 1, 0)
     res2 = res_out.view(-1, n) if res_out is not None else out.view(-1, n)
     block_r, block_n, warps = row_tile(n, r, 2048 if gate is not None else 4096)
     _rms_norm_kernel[(triton.cdiv(r, block_r),)](
         x2, r2, g2, weight.contiguous(), out, res2, r,
-        x2.stride(0), r2.stride(0), g2.stride(0), n, n, float(eps),
+        x2.stride(0), r2.stride(0), g2.stride(0), n, n, float(eps), g_heads, stride_gh,
         N=n, X_KIND=kind(xd), P_KIND=kind(out_dtype), CAST=xd != x.dtype, RES=residual is not None,
         GATED=gate is not None, ZC=zero_centered, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=warps,
         **launch_kwargs(x.device),
     )
     return out
+
+
+def _gate_rows(gate: torch.Tensor, n: int) -> tuple[torch.Tensor, int, int]:
+    """``(g, heads, head stride)``: gate row ``r`` of ``n`` elements at ``g.stride(0) * (r //
+    heads) + head stride * (r % heads)``; a ``[..., H, n]`` view with a unit last stride whose heads
+    do not merge with the leading dims (columns of a wider projection) is read in place."""
+    if gate.dim() >= 3 and gate.stride(-1) == 1:
+        h = gate.shape[-2]
+        try:
+            g3 = gate.view(-1, h, n)
+        except RuntimeError:  # leading dims that do not merge: a copy below
+            g3 = None
+        if g3 is not None and g3.stride(0) != h * g3.stride(1):
+            return g3, h, g3.stride(1)
+    return rows(gate, n), 1, 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:

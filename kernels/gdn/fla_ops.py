@@ -224,8 +224,8 @@ def causal_conv1d_varlen(
     kwargs: dict[str, Any] = {}
     if cu_seqlens is not None:
         kwargs = dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    y, final = fla.causal_conv1d(
-        x.unsqueeze(0), weight=weight, initial_state=_to_fla_conv_state(states, x.dtype), output_final_state=True,
+    y, final = fla.causal_conv1d(  # x may be columns of a wider projection: fla reads it contiguous
+        x.contiguous().unsqueeze(0), weight=weight, initial_state=_to_fla_conv_state(states, x.dtype), output_final_state=True,
         activation="silu", **kwargs,
     )
     return y.squeeze(0), final[..., 1:].to(states.dtype)

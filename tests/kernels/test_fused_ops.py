@@ -244,6 +244,21 @@ def test_gated_rms_norm_fuses_the_cast():
 
 
 @kernel_runs
+def test_gated_rms_norm_reads_a_gate_inside_a_wider_projection():
+    """The gate as ``[T, H, N]`` columns of one fused projection ``[T, W]`` (W > H * N, the GDN's
+    z beside its q / k / v): read in place (no copy), the same result as a contiguous gate."""
+    gen = torch.Generator().manual_seed(33)
+    core = _rand((5, 3, 32), torch.float32, gen, 2.0)
+    proj = _rand((5, 200), torch.bfloat16, gen, 3.0)
+    z = proj[:, 40:136].view(5, 3, 32)
+    w = _rand((32,), torch.bfloat16, gen, 0.3)
+    assert norm._gate_rows(z, 32)[1:] == (3, 32)
+    got = norm.gated_rms_norm(core, z, w, 1e-6, torch.bfloat16)
+    assert torch.equal(got, norm.gated_rms_norm(core, z.contiguous(), w, 1e-6, torch.bfloat16))
+    assert_close(got, ref.gated_rms_norm(core.to(torch.bfloat16), z, w, 1e-6))
+
+
+@kernel_runs
 @pytest.mark.parametrize("lead", LEADING)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(lead, dtype):
