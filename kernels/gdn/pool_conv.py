@@ -1,18 +1,21 @@
 """The causal conv1d decode step of B sequences (one token each, SiLU after the conv) with the
 conv states read from, and written back to, the state pool by slot, in one Triton launch.
 
-Meaning: ``conv_pool_reference`` — gather ``pool[slots]``, ``pool_reference.conv_decode_step``
+Meaning: ``conv_pool_reference`` — gather ``pool[slots]``, ``conv_decode_fp32``
 (window = the K-1 carried inputs then x; y = silu(sum_j window_j * w_j); the new state is the
 window's last K-1 values), scatter. A decode step's conv then costs one kernel per GDN layer
 instead of a gather, a padded copy (fla's state layout), fla's update kernel and a scatter.
 
-Arithmetic as the reference's: window values in the weight dtype (the carried inputs and x cast
-to it, so a pool kept in another dtype rounds as the reference's ``cat`` does), each product
-rounded to the weight dtype, the K products summed in fp32 and rounded to the weight dtype,
-SiLU in fp32 (torch's formula) rounded to it, then cast to x's dtype. Only the order of the
-K-term sum may differ from torch's, so results agree to the last place but rarely (16-bit) or
-to fp32 rounding. The written state is the bits the reference writes (the carried values moved
-by one, x cast through the weight dtype).
+Arithmetic: window values in the weight dtype (the carried inputs and x cast to it, as the
+reference's ``cat`` does), then the K products, their sum and SiLU in fp32 and one rounding to
+x's dtype, the arithmetic of fla's update kernel (and of HF's GPU path), which the CUDA backend's
+decode conv ran before; the plain-torch reference instead multiplies and sums in the weight dtype
+(16-bit: one rounding per product). On an H100 the per-product rounding, though it matched the
+reference, flipped one clear top-1 position of two tiny parity configs against HF (token by
+token, ``tests/engine/test_parity_gpu.py``). So the meaning is ``conv_decode_fp32``
+(``conv_decode_step`` on fp32 copies, y cast back), which the kernel matches to fp32 summation
+order; the written state is the bits the reference writes (the carried values moved by one, x
+cast through the weight dtype).
 
 One program per (channel block, sequence): grid ``(C / BLOCK_C, B)``; it loads its slot from
 ``slots`` on the device, so nothing is read back to the host (CUDA-graph capturable). Programs
@@ -44,24 +47,31 @@ def _conv_pool_kernel(x_ptr, pool_ptr, slots_ptr, w_ptr, y_ptr, C, sx_b, sy_b, s
     state = pool_ptr + slot * sp_s + rc.to(tl.int64) * sp_c
     # x through the weight dtype, as the reference's cat does (exact when the dtypes agree)
     x = round_to(tl.load(x_ptr + b * sx_b + rc, mask=ok, other=0.0).to(tl.float32), KIND_W)
-    # each product rounded to the weight dtype (the reference multiplies there), summed in fp32
-    acc = round_to(x * tl.load(w_ptr + rc * sw_c + KM1, mask=ok, other=0.0).to(tl.float32), KIND_W)
+    # products, their sum and SiLU in fp32; one rounding, to x's dtype, at the end
+    acc = x * tl.load(w_ptr + rc * sw_c + KM1, mask=ok, other=0.0).to(tl.float32)
     prev = x
     for j in tl.static_range(KM1):  # newest carried input first: window slot KM1 - 1 - j
         s = round_to(tl.load(state + (KM1 - 1 - j), mask=ok, other=0.0).to(tl.float32), KIND_W)
-        acc += round_to(s * tl.load(w_ptr + rc * sw_c + (KM1 - 1 - j), mask=ok, other=0.0).to(tl.float32), KIND_W)
+        acc += s * tl.load(w_ptr + rc * sw_c + (KM1 - 1 - j), mask=ok, other=0.0).to(tl.float32)
         tl.store(state + (KM1 - 1 - j), prev.to(pool_ptr.dtype.element_ty), mask=ok)  # shift by one
         prev = s
-    # the sum and SiLU rounded to the weight dtype as the reference's are, then to x's
-    y = round_to(silu_f32(round_to(acc, KIND_W)), KIND_W)
-    tl.store(y_ptr + b * sy_b + rc, round_to(y, KIND_Y).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + b * sy_b + rc, round_to(silu_f32(acc), KIND_Y).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def conv_decode_fp32(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``conv_decode_step`` computed in fp32 (window values first cast to the weight dtype), y
+    rounded once to x's dtype, the states as ``conv_decode_step`` writes them: the kernel's
+    meaning (module doc)."""
+    wd = weight.dtype
+    y, new = conv_decode_step(x.to(wd).float(), states.to(wd).float(), weight.float())
+    return y.to(x.dtype), new.to(states.dtype)
 
 
 def conv_pool_reference(x: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
-                        decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = conv_decode_step) -> torch.Tensor:
-    """The meaning: ``pool[slots]`` gathered, one decode step (``decode``: a layer backend's
-    ``causal_conv1d_decode``; default the reference's arithmetic), the new states scattered back.
-    Returns y ``[B, C]`` in x's dtype."""
+                        decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = conv_decode_fp32) -> torch.Tensor:
+    """``pool[slots]`` gathered, one decode step (``decode``: default the kernel's meaning,
+    ``conv_decode_fp32``; a layer backend passes its own ``causal_conv1d_decode``), the new
+    states scattered back. Returns y ``[B, C]`` in x's dtype."""
     y, new = decode(x, pool.index_select(0, slots), weight)
     pool.index_copy_(0, slots, new.to(pool.dtype))
     return y
