@@ -40,6 +40,8 @@ runner's choice when no backend is named: "cuda" on a CUDA device (fla or not: t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 import structlog
@@ -134,16 +136,22 @@ class CudaBackend(FusedOps, ReferenceBackend):
         engine's warm-up steps come first), within ``POOL_CHECK_TOLERANCE``; a miss logs
         ``gdn_pool_kernel_fallback`` and the reference op serves that shape from then on."""
         key = (q.shape[2], q.shape[3], v.shape[2], v.shape[3], q.dtype, q.device.index)
+        return self._checked(key, lambda: pool_recurrent.self_check(key[0], key[2], key[1], key[3], q.dtype, q.device),
+                             "gdn_pool_kernel_fallback", "the Gated DeltaNet pool kernel disagrees with the reference "
+                             "here; the torch ops serve")
+
+    def _checked(self, key: tuple, check: Callable[[], float], event: str, detail: str) -> bool:
+        """A kernel's self-check result for ``key``, run once (never during a graph capture, where
+        the answer is False for now: the fallback, no host sync); a miss is logged as ``event``."""
         ok = self._pool_checked.get(key)
         if ok is None:
             if torch.cuda.is_current_stream_capturing():
                 return False  # never checked before a capture: the reference op (no host sync)
-            err = pool_recurrent.self_check(key[0], key[2], key[1], key[3], q.dtype, q.device)
+            err = check()
             ok = self._pool_checked[key] = err <= POOL_CHECK_TOLERANCE
             if not ok:
-                structlog.get_logger("deepwell.engine").warning(
-                    "gdn_pool_kernel_fallback", error=err, tolerance=POOL_CHECK_TOLERANCE, shape=str(key[:4]),
-                    detail="the Gated DeltaNet pool kernel disagrees with the reference here; the torch ops serve")
+                structlog.get_logger("deepwell.engine").warning(event, error=err, tolerance=POOL_CHECK_TOLERANCE,
+                                                                shape=str(key[:-2]), detail=detail)
         return ok
 
     def gated_delta_rule_varlen(
@@ -206,17 +214,9 @@ class CudaBackend(FusedOps, ReferenceBackend):
         """As ``_pool_kernel_ok`` for the conv pool kernel (``pool_conv.self_check``); a miss logs
         ``gdn_conv_kernel_fallback``."""
         key = ("conv", weight.shape[0], weight.shape[1], x.dtype, x.device.index)
-        ok = self._pool_checked.get(key)
-        if ok is None:
-            if torch.cuda.is_current_stream_capturing():
-                return False
-            err = pool_conv.self_check(weight.shape[0], weight.shape[1], x.dtype, x.device)
-            ok = self._pool_checked[key] = err <= POOL_CHECK_TOLERANCE
-            if not ok:
-                structlog.get_logger("deepwell.engine").warning(
-                    "gdn_conv_kernel_fallback", error=err, tolerance=POOL_CHECK_TOLERANCE, shape=str(key[1:3]),
-                    detail="the conv pool kernel disagrees with the reference here; the gather + decode + scatter serve")
-        return ok
+        return self._checked(key, lambda: pool_conv.self_check(key[1], key[2], x.dtype, x.device),
+                             "gdn_conv_kernel_fallback", "the conv pool kernel disagrees with the reference here; "
+                             "the gather + decode + scatter serve")
 
     def causal_conv1d_varlen(
         self, x: torch.Tensor, lengths: list[int], pool: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor
