@@ -120,3 +120,19 @@ def test_kernel_on_cuda_at_the_27b_shape_and_in_a_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, got) and torch.equal(graph_pool, got_pool)
+
+
+def test_a_kernel_that_fails_its_self_check_is_not_served_and_not_checked_again() -> None:
+    """``CudaBackend._checked``: the first use runs the check; a miss (error over the tolerance)
+    answers False from then on without checking again, a pass True."""
+    from deepwell.engine_service.layers.cuda_backend import POOL_CHECK_TOLERANCE, CudaBackend
+
+    backend, calls = CudaBackend(), []
+
+    def check(err: float):
+        return lambda: calls.append(err) or err
+
+    assert backend._checked(("conv", 8, 4, torch.bfloat16, 0, 0), check(float("inf")), "ev", "d") is False
+    assert backend._checked(("conv", 8, 4, torch.bfloat16, 0, 0), check(0.0), "ev", "d") is False
+    assert backend._checked(("conv", 16, 4, torch.bfloat16, 0, 0), check(POOL_CHECK_TOLERANCE / 2), "ev", "d") is True
+    assert calls == [float("inf"), POOL_CHECK_TOLERANCE / 2]
