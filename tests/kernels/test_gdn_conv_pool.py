@@ -122,11 +122,13 @@ def test_kernel_on_cuda_at_the_27b_shape_and_in_a_graph() -> None:
     assert torch.equal(y, got) and torch.equal(graph_pool, got_pool)
 
 
-def test_a_kernel_that_fails_its_self_check_is_not_served_and_not_checked_again() -> None:
+def test_a_kernel_that_fails_its_self_check_is_not_served_and_not_checked_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``CudaBackend._checked``: the first use runs the check; a miss (error over the tolerance)
     answers False from then on without checking again, a pass True."""
     from deepwell.engine_service.layers.cuda_backend import POOL_CHECK_TOLERANCE, CudaBackend
 
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU-only torch raises
     backend, calls = CudaBackend(), []
 
     def check(err: float):
