@@ -1,10 +1,11 @@
 """Decode steps through ``engine_service.graphs`` (the CUDA-graph path) on CPU.
 
-Capture needs CUDA (``tests/engine/test_parity_gpu.py`` runs the engine with graphs on and off on
-a GPU); here ``capture=False`` runs the very same static-buffer step eagerly: loading the
-persistent inputs, padding a batch to its bucket with the scratch page and slot, the graph's
-step context and the runner's bookkeeping. They must give the eager path's logits and tokens,
-and never touch a page or slot the batch does not own.
+Capture needs CUDA (the ``gpu``-marked tests at the end of this file capture the engine's
+steps and compare them with eager steps and HF on a GPU); here ``capture=False`` runs the very
+same static-buffer step eagerly: loading the persistent inputs, padding a batch to its bucket
+with the scratch page and slot, the graph's step context and the runner's bookkeeping. They
+must give the eager path's logits and tokens, and never touch a page or slot the batch does
+not own.
 """
 
 from __future__ import annotations
