@@ -219,10 +219,12 @@ class GatedDeltaNet(nn.Module, FusesProjections):
         was computed with, and the one L decode steps would have left."""
         assert ctx.verify is not None
         slot, weight = seq.state_slot, self.conv1d.weight.squeeze(1)
-        x = mixed.unsqueeze(0)
+        # copies of this slice's rows: the commit outlives the step, and views would keep the
+        # whole step's projection output alive (every layer's, with a prefill chunk beside it)
+        x = mixed.unsqueeze(0).clone()
         conv_out, _ = self.backend.causal_conv1d_multi(x, conv_state[slot].unsqueeze(0), weight)
         q, k, v = (t.unsqueeze(0) for t in self._qkv(conv_out[0]))
-        gb, betab = g.unsqueeze(0), beta.unsqueeze(0)
+        gb, betab = g.unsqueeze(0).clone(), beta.unsqueeze(0).clone()
         o, _ = self.backend.gated_delta_rule_multi(q, k, v, gb, betab, rec_state[slot].unsqueeze(0))
 
         def commit(n: int) -> None:

@@ -638,3 +638,31 @@ def test_speculation_across_a_host_restore(mtp_model: Path) -> None:
     finally:
         client.close()
         daemon.cleanup()
+
+
+def test_a_verify_commit_keeps_only_its_own_rows(mtp_model64: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify slice beside a prefill chunk: the commits kept until ``accept`` hold copies of
+    the slice's rows, never views of the step's projection outputs (a 4k prefill chunk beside a
+    verify slice once kept every GDN layer's, 22 GiB at the 27B shape)."""
+    from deepwell.engine_service.layers.gdn import GatedDeltaNet
+
+    g, lens, ForwardBatch, SeqSlice = _verify_runner(mtp_model64, False)
+    step_storages: set[int] = set()
+    project = GatedDeltaNet._project
+
+    def recording(self, x):  # type: ignore[no-untyped-def]
+        out = project(self, x)
+        step_storages.update(t.untyped_storage().data_ptr() for t in out)
+        return out
+
+    monkeypatch.setattr(GatedDeltaNet, "_project", recording)
+    t, chunk = 4, 120
+    g.forward(ForwardBatch(torch.tensor(_prompt(70, t) + _prompt(71, chunk)),
+                           [SeqSlice(0, [0, 1], lens[0], t, verify=True), SeqSlice(3, [6, 7], 0, chunk)]))
+    commits = g._verify.commits[0]
+    assert commits and step_storages
+    for commit in commits:
+        held = [c.cell_contents for c in commit.__closure__ or () if isinstance(c.cell_contents, torch.Tensor)]
+        assert held
+        assert not {h.untyped_storage().data_ptr() for h in held} & step_storages
+    g.accept(0, 2)
