@@ -69,7 +69,7 @@ def resolve_dtype(name: str, device: Any) -> Any:
 
 
 def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
-               free_bytes: int | None = None, reserve_bytes: int = 0) -> tuple[int, int]:
+               free_bytes: int | None = None, reserve_bytes: int = 0, step_bytes: int = 0) -> tuple[int, int]:
     """(num_pages, num_state_slots) for ``cfg`` and the runner's ``MemorySpec``.
 
     From memory (``num_pages = 0``): never more pages than ``contexts`` full served contexts
@@ -80,7 +80,9 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
     CPU pool is host RAM, zeroed at start, and sized to what is served rather than to a fixed
     figure (SmolLM2-135M in fp32 at its served 32k: 1.4 GiB; in nvfp4: 0.2 GiB). The pages and
     the pool's bytes are logged (``kv_pool_sized``) with what the same budget would hold in each
-    KV dtype; ``reserve_bytes`` (the CUDA graphs' estimate) comes off a CUDA budget first. On CUDA a
+    KV dtype; ``reserve_bytes`` (the CUDA graphs' estimate) and ``step_bytes`` (the activations of
+    one step of ``token_budget`` tokens, measured: ``step_activation_bytes``) come off a CUDA
+    budget first. On CUDA a
     budget that cannot hold one full served context is a ``ConfigError``
     naming the numbers and the fixes; on CPU the served context shrinks to the pool, with a
     warning."""
@@ -99,10 +101,13 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
             import torch
 
             free_bytes, _total = torch.cuda.mem_get_info(device)
-        budget = int(free_bytes * cfg.memory_fraction) - slots * spec.bytes_per_state_slot - reserve_bytes
+        budget = (int(free_bytes * cfg.memory_fraction) - slots * spec.bytes_per_state_slot - reserve_bytes
+                  - step_bytes)
         where = (f"--memory-fraction {cfg.memory_fraction} of {free_bytes / 2**30:.1f} GiB free after the weights"
                  + (f", less {slots} state slots of {spec.bytes_per_state_slot / 2**20:.1f} MiB" if slots else "")
-                 + (f", less {reserve_bytes / 2**20:.0f} MiB for the CUDA graphs" if reserve_bytes else ""))
+                 + (f", less {reserve_bytes / 2**20:.0f} MiB for the CUDA graphs" if reserve_bytes else "")
+                 + (f", less {step_bytes / 2**20:.0f} MiB for one step of --token-budget {cfg.token_budget} tokens"
+                    if step_bytes else ""))
     elif cfg.cpu_kv_gib:
         budget = int(cfg.cpu_kv_gib * (1 << 30))
         where = f"--cpu-kv-gib {cfg.cpu_kv_gib}"
@@ -155,7 +160,9 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     verify = drafts + 1 if graph_batch and drafts and drafts + 1 <= runner.page_size else 0
     reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype, verify,
                             dequant_bytes(runner.model, runner.dtype)) if graph_batch else 0
-    pages, slots = size_pools(cfg, spec, runner.max_context, runner.device, reserve_bytes=reserve)
+    measure = getattr(runner, "step_activation_bytes", None)  # fake runners in tests have none
+    step = measure(cfg.token_budget) if measure is not None else 0
+    pages, slots = size_pools(cfg, spec, runner.max_context, runner.device, reserve_bytes=reserve, step_bytes=step)
     if graph_batch:
         runner.plan_graphs(graph_batch, verify)
     limits = EngineLimits(num_pages=pages, num_state_slots=slots, max_concurrency=cfg.max_concurrency,

@@ -236,11 +236,16 @@ class TorchModelRunner:
         return self.kv_store.calibrate(self._scratch_forward, token_ids, self.vocab_size, source=source,
                                        max_position=max_position, sink=sink)
 
-    def _scratch_forward(self, ids: list[int], scratch: RecordingPool, state: StatePool | None) -> None:
+    def _scratch_forward(self, ids: list[int], scratch: KVPool | None, state: StatePool | None,
+                         logits: bool = False) -> None:
+        """One sequence of ``ids`` from position 0 through ``scratch`` (a float pool, or a
+        ``RecordingPool`` over one) and ``state``'s slot 0, the MTP layers included; ``logits``:
+        the last row's logits too (as a serving step computes them)."""
         n = len(ids)
         pages = -(-n // self.page_size)
         batch = ForwardBatch(torch.tensor(ids, dtype=torch.long),
-                             [SeqSlice(0 if state else -1, list(range(pages)), 0, n, need_logits=False)])
+                             [SeqSlice(0 if state else -1, list(range(pages)) if scratch is not None else [], 0, n,
+                                       need_logits=False)])
         ctx = self._context(batch, scratch, state, [0])
         with torch.inference_mode():
             ids_dev = batch.input_ids.to(self._device)
@@ -249,6 +254,34 @@ class TorchModelRunner:
                 nxt = torch.cat([ids_dev[1:], ids_dev[-1:]])
                 ctx = self._context(batch, scratch, None, [])
                 self.model.mtp_forward(nxt, self.model.model.norm(hidden), ctx, scratch)  # type: ignore[arg-type]
+            if logits:
+                self.model.logits(hidden[-1:])
+
+    def step_activation_bytes(self, num_tokens: int) -> int:
+        """Peak bytes one prefill step of ``num_tokens`` tokens allocates beyond the weights and
+        the pools: its activations, an FP8 layer's weight dequantized for many rows, the MTP
+        pass, the last row's logits. Measured on CUDA with one scratch forward through a float
+        pool and a scratch state slot (both freed after), before ``allocate``: ``build_core``
+        takes it off the KV pool's budget, so a full step still fits once the pool is sized.
+        0 off CUDA (host memory is not budgeted this way)."""
+        if self._device.type != "cuda" or num_tokens < 1:
+            return 0
+        n = min(num_tokens, self.max_context)
+        pages = -(-n // self.page_size)
+        scratch = KVPool(self.kv_spec.float_layout, pages, self._device, self.ops) \
+            if self.kv_spec.float_layout.num_layers else None
+        state = StatePool(self.state_layout, 1, self._device) if self.state_layout is not None else None
+        ids = [i % self.vocab_size for i in range(n)]
+        torch.cuda.synchronize(self._device)
+        base = torch.cuda.memory_allocated(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        self._scratch_forward(ids, scratch, state, logits=True)
+        torch.cuda.synchronize(self._device)
+        peak = torch.cuda.max_memory_allocated(self._device) - base
+        del scratch, state
+        torch.cuda.empty_cache()
+        log.info("step_activations_measured", tokens=n, mib=round(peak / 2**20, 1))
+        return max(0, int(peak))
 
     def check_kv_kernels(self) -> KVKernelCheck | None:
         """Before serving: the device's KV kernels against the reference (``KVStore.check_kernels``)."""

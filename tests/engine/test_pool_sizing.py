@@ -63,3 +63,45 @@ def test_cuda_sizing_is_unchanged_by_the_cpu_rule() -> None:
     cuda = torch.device("cuda")  # only the type is read: free memory is passed in
     # 16 contexts of 32k fit in 40 GiB free: the concurrency cap, not one context
     assert size_pools(EngineConfig(), SMOL_FP32, 32768, cuda, free_bytes=40 << 30) == (16 * 512, 0)
+
+
+def test_a_measured_step_comes_off_the_cuda_budget() -> None:
+    cuda = torch.device("cuda")
+    page = SMOL_FP32.bytes_per_page
+    # 1 GiB free x 0.9 = 327 pages of 2.8 MiB; less 300 MiB for a step, 218 (an 8k context is 128)
+    free = 1 << 30
+    assert size_pools(EngineConfig(max_context=8192), SMOL_FP32, 32768, cuda, free_bytes=free) == (
+        int(free * 0.9) // page, 0)
+    with capture_logs() as logs:
+        got = size_pools(EngineConfig(max_context=8192), SMOL_FP32, 32768, cuda, free_bytes=free,
+                         step_bytes=300 << 20)
+    assert got == ((int(free * 0.9) - (300 << 20)) // page, 0)
+    assert "less 300 MiB for one step of --token-budget 512 tokens" in logs[-1]["budget"]
+    # a step that leaves less than one context refuses to start, naming it
+    with pytest.raises(configs.ConfigError, match="less 800 MiB for one step"):
+        size_pools(EngineConfig(max_context=8192), SMOL_FP32, 32768, cuda, free_bytes=free, step_bytes=800 << 20)
+
+
+def _tiny_runner(tmp_path, device: str, dtype: torch.dtype):
+    from tests.engine.helpers_models import save_tiny
+
+    from deepwell.engine_service.loading import open_model
+    from deepwell.engine_service.runner import build_runner
+
+    save_tiny("qwen3_5", tmp_path / "m")
+    return build_runner(open_model(tmp_path / "m"), device=device, dtype=dtype, page_size=16)
+
+
+def test_no_step_is_measured_off_cuda(tmp_path) -> None:
+    assert _tiny_runner(tmp_path, "cpu", torch.float32).step_activation_bytes(512) == 0  # host memory: not this way
+
+
+@pytest.mark.gpu
+def test_a_step_is_measured_on_cuda(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    runner = _tiny_runner(tmp_path, "cuda", torch.bfloat16)
+    small, big = runner.step_activation_bytes(64), runner.step_activation_bytes(2048)
+    assert 0 < small < big  # activations grow with the step's tokens
+    runner.allocate(num_pages=8, num_state_slots=1)  # nothing left behind blocks serving
+    runner.reset_state(0)
