@@ -767,6 +767,38 @@ def fp8_kernels(weights: str) -> str:
     return f"; FP8 GEMV: FMA kernel up to {n} rows" if n else "; FP8 GEMV: tensor-core kernel at every row count"
 
 
+def fp8_gemm_times(model: torch.nn.Module, dev: torch.device, dtype: torch.dtype, bw: float,
+                   rows: tuple[int, ...] = (1, 5), timer: Any = None) -> list[dict[str, Any]]:
+    """Where an FP8 decode step's GEMM time goes: per weight shape of ``model``'s FP8 layers (the
+    draft head aside) and row count, the kernel the engine serves (``triton_kernel.few_row_kernel``)
+    timed alone (``tune.cuda_timer``: random codes, L2 flushed), its bytes (codes + block scales)
+    over that time, the fraction of the copy bandwidth ``bw``, and the layers of that shape (so
+    layers x time is the step's share). Empty without FP8 layers, or off CUDA unless a ``timer``
+    ``(kernel, rows, N, K) -> seconds`` is given."""
+    from collections import Counter
+
+    from deepwell.engine_service.layers.fp8_linear import DRAFT_HEAD, FP8Linear
+    from deepwell.kernels.fp8_gemm import triton_kernel, tune
+
+    layers = [m for name, m in model.named_modules() if isinstance(m, FP8Linear) and not name.endswith(DRAFT_HEAD)]
+    if not layers or (timer is None and dev.type != "cuda"):
+        return []
+    timer = timer or tune.cuda_timer(dev, dtype, layers[0].block)
+    out = []
+    for (n, k), count in sorted(Counter((m.out_features, m.in_features) for m in layers).items()):
+        bn, bk = layers[0].block
+        nbytes = n * k + (-(-n // bn)) * (-(-k // bk)) * 4
+        for m in rows:
+            kind = triton_kernel.few_row_kernel((n, k), m)
+            t = timer(kind, m, n, k)
+            out.append({"shape": f"{n}x{k}", "rows": m, "kernel": kind, "layers": count, "us": t * 1e6,
+                        "gb_s": nbytes / t / 1e9, "fraction": nbytes / t / bw if bw else None,
+                        "step_ms": count * t * 1e3})
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def run_prefill(core: EngineCore, tokens: int, args: argparse.Namespace, warm: bool = True,
                 seed: int = 1) -> dict[str, Any]:
     """Time to the first token of one ``tokens``-token prompt (chunks of the token budget)."""
@@ -1006,6 +1038,8 @@ class Bench:
                  f"{st['recurrent_layers']} GDN), {st['total_params'] / 1e9:.2f}B params, "
                  f"{gb(st['weight_bytes_streamed'])} streamed per decode step, random weights on "
                  f"{self.dev} in {time.perf_counter() - t0:.1f} s" + fp8_kernels(w))
+        if w == "fp8":
+            self.fp8_gemm_report(eng, wl)
         if wl == "fp32":
             rep.note("weights and activations in float32 (CPU run: float32 is the fast path there); the "
                      "'bf16' KV pool is still bf16")
@@ -1052,6 +1086,25 @@ class Bench:
             eng.drop()
             del eng
             free_memory(self.dev)
+
+    def fp8_gemm_report(self, eng: Engine, wl: str) -> None:
+        """Per FP8 weight shape at 1 and 5 rows, the served kernel's time alone against the copy
+        bandwidth, and the sum over a decode step's layers (``fp8_gemm_times``)."""
+        try:
+            figs = fp8_gemm_times(eng.model, self.dev, self.dtype, self.bw)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            self.rep.error(f"timing the {wl} GEMMs", exc)
+            return
+        if not figs:
+            return
+        self.rep.data.setdefault("fp8_gemm", {})[wl] = figs
+        for m in sorted({f["rows"] for f in figs}):
+            row = [f for f in figs if f["rows"] == m]
+            total = sum(f["step_ms"] for f in row)
+            self.rep.line(f"FP8 GEMMs alone at {m} row{'s' if m > 1 else ''} ({wl}-w): {total:.2f} ms per decode step "
+                          "over the layers; " + "; ".join(
+                              f"{f['shape']} x{f['layers']} {f['kernel']} {f['us']:.1f} us = {f['gb_s']:.0f} GB/s"
+                              + (f" ({f['fraction']:.0%})" if f["fraction"] else "") for f in row))
 
     def resident(self, eng: Engine, wl: str) -> None:
         rep = self.rep

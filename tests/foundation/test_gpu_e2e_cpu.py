@@ -152,3 +152,34 @@ def test_profile_cold_prefill_and_hf_paths_run(tmp_path: Path) -> None:
     hf = data["hf"]
     assert set(hf["ratios"]) == {"prefill_128", "decode"}
     assert all(_positive(r) for r in hf["ratios"].values())
+
+
+def test_fp8_gemm_times_sum_a_step_per_shape(tmp_path: Path) -> None:
+    """The FP8 breakdown: one figure per weight shape and row count, with the served kernel, its
+    bytes over the time, and layers x time as the step's share (a fixed timer stands in for CUDA)."""
+    from deepwell.engine_service.layers.fp8_linear import quantize_linears
+    from deepwell.engine_service.runner import build_runner
+    from deepwell.kernels.fp8_gemm import triton_kernel
+    from tests.engine.helpers_models import save_tiny
+
+    save_tiny("qwen3_5", tmp_path / "m")
+    model = build_runner(open_model(tmp_path / "m"), device="cpu", dtype=torch.float32, page_size=16).model
+    assert quantize_linears(model, min_features=32, block=(32, 32))[0] > 0  # the tiny shapes are below 128
+    assert gpu_e2e.fp8_gemm_times(model, torch.device("cpu"), torch.float32, 1e12) == []  # no timer off CUDA
+    calls = []
+
+    def timer(kind: str, m: int, n: int, k: int) -> float:
+        calls.append((kind, m, n, k))
+        return 1e-5 * m
+
+    figs = gpu_e2e.fp8_gemm_times(model, torch.device("cpu"), torch.float32, 1e12, timer=timer)
+    shapes = {f["shape"] for f in figs}
+    assert figs and len(figs) == 2 * len(shapes) and {f["rows"] for f in figs} == {1, 5}
+    for f in figs:
+        n, k = map(int, f["shape"].split("x"))
+        assert f["kernel"] == triton_kernel.few_row_kernel((n, k), f["rows"])
+        assert (f["kernel"], f["rows"], n, k) in calls
+        assert f["us"] == pytest.approx(10.0 * f["rows"])
+        assert f["step_ms"] == pytest.approx(f["layers"] * f["us"] / 1e3)
+        assert f["gb_s"] > n * k / (f["us"] * 1e-6) / 1e9 - 1e-9  # codes plus scales over the time
+        assert f["fraction"] == pytest.approx(f["gb_s"] * 1e9 / 1e12)
