@@ -644,6 +644,19 @@ class TorchModelRunner:
         )
 
 
+def finish_linears(model: CausalLM, dev: torch.device, dtype: torch.dtype, **log_fields: Any) -> None:
+    """The linear layers' last steps before serving, after the weights and FP8 (which layers stay
+    16-bit is its choice): the Gated DeltaNet's input projections stacked (``fuse_projections``),
+    then on CUDA the FP8 few-row kernels timed at the model's shapes (``fp8_linear.tune``). Every
+    builder of a serving model runs it (a TP rank on its shard: ``parallel.shard``)."""
+    saved = fuse_projections(model)
+    if saved:
+        log.info("projections_fused", launches_saved_per_forward=saved, **log_fields)
+    tuned = tune_fp8(model, dev, dtype)
+    if tuned is not None:
+        log.info("fp8_gemm_tuned", **tuned, **log_fields)
+
+
 def build_runner(
     source: ModelSource,
     device: torch.device | str = "cpu",
@@ -728,12 +741,7 @@ def build_runner(
     if mtp and model.mtp is not None and (native_fp8 or weight_dtype == "fp8") and wants_draft_head():
         log.info("draft_head_fp8", bytes=attach_draft_head(model),
                  detail="drafts read an FP8 copy of the LM head; verification keeps the 16-bit one")
-    saved = fuse_projections(model)  # after FP8 (which layers stay 16-bit is its choice), before the tune
-    if saved:
-        log.info("projections_fused", launches_saved_per_forward=saved)
-    tuned = tune_fp8(model, dev, dtype)
-    if tuned is not None:
-        log.info("fp8_gemm_tuned", **tuned)
+    finish_linears(model, dev, dtype)
     if linear_kernel == "gemv":
         log.info("linear_kernel", kernel="gemv", layers=gemv_linear.use_gemv(model))
     if mtp:

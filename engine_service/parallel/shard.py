@@ -43,14 +43,13 @@ from deepwell.engine_service.kv.settings import KVSettings
 from deepwell.engine_service.layers.backend import ReferenceBackend, get_backend
 from deepwell.engine_service.layers.cuda_backend import default_backend
 from deepwell.engine_service.layers.fp8_linear import quantize_linears
-from deepwell.engine_service.layers.projections import fuse_projections
 from deepwell.engine_service.loading.source import ModelSource
 from deepwell.engine_service.models.decoder import CausalLM
 from deepwell.engine_service.models.loader import load_weights, model_defaults
 from deepwell.engine_service.models.registry import Family, resolve
 from deepwell.engine_service.models.spec import FULL, ModelArgs
 from deepwell.engine_service.parallel.group import TPGroup
-from deepwell.engine_service.runner import TorchModelRunner
+from deepwell.engine_service.runner import TorchModelRunner, finish_linears
 
 log = get_logger(__name__)
 
@@ -302,7 +301,7 @@ def build_rank_runner(source: ModelSource, group: TPGroup, opts: RunnerOptions) 
         quantize_linears(model)
     elif opts.weight_dtype != "auto":
         raise ValueError(f"weight_dtype must be auto or fp8, got {opts.weight_dtype!r}")
-    fuse_projections(model)  # after FP8, as runner.build_runner
+    finish_linears(model, dev, dtype, rank=group.rank)  # stacked projections, the FP8 kernels timed here
     if opts.mtp and model.mtp is not None:
         runner.enable_mtp()
     log.info("tp_rank_built", rank=group.rank, world=group.world, architecture=args.architecture,
