@@ -82,10 +82,9 @@ def size_pools(cfg: EngineConfig, spec: Any, model_context: int, device: Any,
     the pool's bytes are logged (``kv_pool_sized``) with what the same budget would hold in each
     KV dtype; ``reserve_bytes`` (the CUDA graphs' estimate) and ``step_bytes`` (the activations of
     one step of ``token_budget`` tokens, measured: ``step_activation_bytes``) come off a CUDA
-    budget first. On CUDA a
-    budget that cannot hold one full served context is a ``ConfigError``
-    naming the numbers and the fixes; on CPU the served context shrinks to the pool, with a
-    warning."""
+    budget first. On CUDA a budget that cannot hold one full served context is a
+    ``ConfigError`` naming the numbers and the fixes; on CPU the served context shrinks to the
+    pool, with a warning."""
     from deepwell.engine_service.config import CPU_KV_AUTO_CONTEXTS, CPU_KV_AUTO_GIB
 
     per_request = 3 if cfg.prefix_cache == "on" else 1  # with the cache: two state images per running request
@@ -160,7 +159,7 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     verify = drafts + 1 if graph_batch and drafts and drafts + 1 <= runner.page_size else 0
     reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype, verify,
                             dequant_bytes(runner.model, runner.dtype)) if graph_batch else 0
-    measure = getattr(runner, "step_activation_bytes", None)  # fake runners in tests have none
+    measure = getattr(runner, "step_activation_bytes", None)  # TP and test runners have none: nothing reserved
     step = measure(cfg.token_budget) if measure is not None else 0
     pages, slots = size_pools(cfg, spec, runner.max_context, runner.device, reserve_bytes=reserve, step_bytes=step)
     if graph_batch:

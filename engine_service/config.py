@@ -5,10 +5,10 @@ applied at start-up (``engine_service.cli``):
 
 - ``num_pages = 0`` sizes the KV pool from memory: on CUDA ``memory_fraction`` of the free
   device memory after the weights (less the state slots, the CUDA graphs' estimate and the
-  activations of one step of ``token_budget`` tokens, measured on a scratch forward), on CPU ``cpu_kv_gib`` GiB; in both
-  cases never more pages than ``max_concurrency`` full-context sequences need. ``cpu_kv_gib = 0``
-  (the default) is auto: ``CPU_KV_AUTO_CONTEXTS`` (1) full served context, up to
-  ``CPU_KV_AUTO_GIB`` (2) GiB — a CPU pool is host RAM, zeroed at start, so it is sized to what is
+  activations of one step of ``token_budget`` tokens, measured on a scratch forward), on CPU
+  ``cpu_kv_gib`` GiB; in both cases never more pages than ``max_concurrency`` full-context
+  sequences need. ``cpu_kv_gib = 0`` (the default) is auto: ``CPU_KV_AUTO_CONTEXTS`` (1) full
+  served context, up to ``CPU_KV_AUTO_GIB`` (2) GiB — a CPU pool is host RAM, zeroed at start, so it is sized to what is
   served (SmolLM2-135M in fp32 at its 32k: 1.4 GiB, in nvfp4 0.2 GiB), not to a fixed figure; an
   explicit ``cpu_kv_gib`` is the budget, still capped at ``max_concurrency`` full contexts.
   ``num_pages > 0`` is the pool, whatever the memory. The log line

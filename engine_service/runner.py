@@ -34,7 +34,7 @@ import torch
 from deepwell.logs import get_logger
 from deepwell.engine_service.draft_graphs import DraftGraphs
 from deepwell.engine_service.graphs import DecodeGraphs, Scratch
-from deepwell.engine_service.kv.calibration import KVCalibration, RecordingPool
+from deepwell.engine_service.kv.calibration import KVCalibration
 from deepwell.engine_service.kv.float_pool import QUANT_KV_DTYPES, KVPool
 from deepwell.engine_service.kv.pool import Region
 from deepwell.engine_service.kv.quant_pool import QuantKVPool
