@@ -17,7 +17,7 @@ while the previous kernel in the stream still runs. The contract every such kern
 So at most two kernels overlap, and only the second one's launch and prologue overlap the first
 one's tail. Which kernel families are launched so: ``DEFAULT`` (append, Q rotation, merge; the
 attention kernels measured no gain), or ``DEEPWELL_PDL`` = ``0`` (none: ablation, a driver that
-misbehaves), ``all``, or a comma-separated list. The Triton interpreter and CPUs never use it.
+misbehaves), ``all``, or a comma-separated list of ``KERNELS``. The Triton interpreter and CPUs never use it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ def enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-KERNELS = ("append", "rotate", "attention", "merge")  # the kernel families ``DEEPWELL_PDL`` may name
+# the kernel families ``DEEPWELL_PDL`` may name; "fused" (``kernels.fused``: norms, SwiGLU, RoPE, GDN
+# gating) and "linear" (the few-row GEMMs: ``kernels.gemv``, ``kernels.fp8_gemm``, and their split-K
+# sums) are wired but not in ``DEFAULT``: not yet measured end to end
+KERNELS = ("append", "rotate", "attention", "merge", "fused", "linear")
 # measured on the H200 (docs/kernels.md, "Programmatic dependent launch"): the small kernels gain,
 # the attention kernels do not (their early-resident dependents cost up to 3% at 4k x 64)
 DEFAULT = ("append", "rotate", "merge")

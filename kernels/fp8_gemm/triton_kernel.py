@@ -26,20 +26,22 @@ import torch
 import triton
 import triton.language as tl
 
+from deepwell.kernels import pdl
 from deepwell.kernels.e4m3_unpack import INTERPRET, e4m3_f16, has_fp8_conversion
 from deepwell.kernels.fp8_gemm import reference
 from deepwell.kernels.fused.common import KIND, round_to
-from deepwell.kernels.gemv.triton_kernel import REDUCE_BLOCK, _fma_kernel, _reduce_kernel
+from deepwell.kernels.gemv.triton_kernel import _fma_kernel, reduce_splits
 
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
                   FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False):
+                  BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
     """``SWAP``: the operands swapped, ``out.T [BN, BM] = w [BN, BK] @ x.T [BK, BM]``, so the
     dequantized weight is the MMA's first operand (Hopper's wgmma takes that one from registers,
     no shared-memory round trip) and the few tokens its N side; same products, same sums."""
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -212,13 +214,10 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
         m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device),
         IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, SWAP=swap,
-        num_warps=num_warps)
-    if split == 1:
-        return out
-    acc = target.sum(0)
-    if bias is not None:
-        acc += bias.float()
-    return acc.to(x.dtype)
+        num_warps=num_warps, **pdl.launch_kwargs(x.device, "linear"))
+    if split > 1:  # one launch: the partials in split order, the bias, one rounding
+        reduce_splits(target, bias, out)
+    return out
 
 
 def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -260,11 +259,9 @@ def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
         m, n, k, k_per, x.stride(0), k, out.stride(0), scales.contiguous(), scales.shape[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], SPLIT=split > 1, EVEN_N=n % block_n == 0,
         EVEN_K=k % bk == 0, ROWS=rows, BN=block_n, BK=bk, FP8=True, SBN=block[0], SBK=block[1],
-        FP8_HW=has_fp8_conversion(x.device), num_warps=num_warps)
+        FP8_HW=has_fp8_conversion(x.device), num_warps=num_warps, **pdl.launch_kwargs(x.device, "linear"))
     if split > 1:
-        _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            target, bias if bias is not None else x, out, m * n, n, split, HAS_BIAS=bias is not None,
-            KIND_X=KIND[x.dtype], BLOCK=REDUCE_BLOCK)
+        reduce_splits(target, bias, out)
     return out
 
 

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepwell.kernels import pdl
 from deepwell.kernels.e4m3_unpack import e4m3_f16
 from deepwell.kernels.fused.common import INTERPRET, KIND, round_to
 
@@ -104,9 +105,11 @@ def _store_row(o_ptr, b_ptr, acc, m, M, N, rn, n_ok, pid_k, stride_om, SPLIT: tl
 def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om, s_ptr, stride_sn,
                 HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                FP8: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8_HW: tl.constexpr = True):
+                FP8: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8_HW: tl.constexpr = True,
+                PDL: tl.constexpr = False):
     """16-bit weights, or (``FP8``: ``kernels.fp8_gemm.fma_matmul``) E4M3 codes whose step sums are
     multiplied by their block scale ``s[n // SBN, k // SBK]`` (``BK`` divides ``SBK``)."""
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -180,7 +183,9 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
 @triton.jit
 def _dot_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
                 HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -217,8 +222,9 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
 
 @triton.jit
 def _reduce_kernel(p_ptr, b_ptr, o_ptr, MN, N, SPLITS, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``o = round(sum_s p[s] + bias)``: the partials added in split order, one rounding."""
+    pdl.enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -323,8 +329,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
         opts["num_warps"] = num_warps
     if num_stages is not None:
         opts["num_stages"] = num_stages
+    launch = pdl.launch_kwargs(x.device, "linear")
     common = dict(HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], SPLIT=split > 1, EVEN_N=n % bn == 0,
-                  EVEN_K=k % bk == 0, BN=bn, BK=bk, **opts)
+                  EVEN_K=k % bk == 0, BN=bn, BK=bk, **opts, **launch)
     args = (x, w, bias if bias is not None else x, target, m, n, k, k_per, x.stride(0), w.stride(0), out.stride(0))
     grid = (tiles_m, tiles_n, split)
     if variant == "dot":
@@ -332,7 +339,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     else:
         _fma_kernel[grid](*args, x, 0, ROWS=rows, **common)
     if split > 1:
-        _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            target, bias if bias is not None else x, out, m * n, n, split, HAS_BIAS=bias is not None,
-            KIND_X=KIND[x.dtype], BLOCK=REDUCE_BLOCK)
+        reduce_splits(target, bias, out)
     return out
+
+
+def reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = round(sum_s partials[s] + bias)`` in one launch (``_reduce_kernel``): fp32 partial
+    sums ``[splits, M, N]`` added in split order, the bias, one rounding to ``out``'s dtype."""
+    splits, m, n = partials.shape
+    _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+        partials, bias if bias is not None else out, out, m * n, n, splits, HAS_BIAS=bias is not None,
+        KIND_X=KIND[out.dtype], BLOCK=REDUCE_BLOCK, **pdl.launch_kwargs(out.device, "linear"))

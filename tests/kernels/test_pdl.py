@@ -24,6 +24,7 @@ def test_off_on_cpu_and_when_switched_off(monkeypatch):
     assert pdl.selected() == {"append", "merge"} and not pdl.enabled(cuda, "rotate")
     monkeypatch.setenv(pdl.ENV, "all")
     assert pdl.selected() == set(pdl.KERNELS)
+    assert {"fused", "linear"} <= pdl.selected()  # wired, not in the default
     monkeypatch.delenv(pdl.ENV)
     assert pdl.selected() == set(pdl.DEFAULT) == {"append", "rotate", "merge"}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -95,3 +96,50 @@ def test_graph_of_layer_steps_with_pdl_equals_eager_without(monkeypatch, fmt, fe
         assert torch.equal(layer.data, eager.data)
         for st, w in zip(steps, want):
             assert torch.equal(st["out"], w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="needs a GPU with programmatic dependent launch (sm_90+)")
+def test_graph_of_mlp_chains_with_pdl_equals_eager_without(monkeypatch):
+    """The "fused" and "linear" families: RMSNorm with the residual add, the FP8 few-row kernels
+    of every kind (split K, summed by one more launch), SwiGLU and the 16-bit GEMV, chained as in
+    an MLP at 1 and 5 rows, captured in one graph with PDL on every kernel and replayed, against
+    the chain run eagerly with ``DEEPWELL_PDL=0``: identical outputs."""
+    from deepwell.kernels.fp8_gemm import reference as fp8_ref
+    from deepwell.kernels.fp8_gemm import triton_kernel as fp8
+    from deepwell.kernels.fused.activation import silu_and_mul
+    from deepwell.kernels.fused.norm import add_rms_norm
+    from deepwell.kernels.gemv import triton_kernel as gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    hidden, inter = 1024, 2048
+    norm_w = torch.randn(hidden, device="cuda", generator=gen).bfloat16()
+    codes, scales = fp8_ref.quantize(torch.randn(2 * inter, hidden, device="cuda", generator=gen) * 0.02)
+    down = (torch.randn(hidden, inter, device="cuda", generator=gen) * 0.02).bfloat16()
+    cases = [(kind, rows, torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16(),
+              torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16())
+             for kind in fp8.FEW_ROW_KERNELS for rows in (1, 5)]
+
+    def chain(kind, x, res):
+        h, r = add_rms_norm(x, res.clone(), norm_w, 1e-6, False)
+        gate_up = fp8.few_row_matmul(kind, h, codes, scales)
+        return gemv.linear(silu_and_mul(gate_up), down), r
+
+    monkeypatch.setenv(pdl.ENV, "0")
+    want = [chain(kind, x, res) for kind, _, x, res in cases]
+    monkeypatch.setenv(pdl.ENV, "all")
+    for kind, _, x, res in cases:
+        chain(kind, x, res)  # compile outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        got = [chain(kind, x, res) for kind, _, x, res in cases]
+    for _ in range(3):
+        for out, r in got:
+            out.fill_(float("nan"))
+            r.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for (kind, rows, _, _), (out, r), (w_out, w_r) in zip(cases, got, want):
+            assert torch.equal(out, w_out) and torch.equal(r, w_r), (kind, rows)
