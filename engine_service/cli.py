@@ -143,6 +143,27 @@ def _log() -> Any:
     return get_logger("engine_service")
 
 
+def measure_step(cfg: EngineConfig, runner: Any) -> int:
+    """Bytes one step of ``token_budget`` tokens takes beyond the weights and pools
+    (``runner.step_activation_bytes``; TP and test runners have none: 0). A step that does not
+    fit in what the weights left is a ``ConfigError`` saying so and what to lower."""
+    measure = getattr(runner, "step_activation_bytes", None)
+    if measure is None:
+        return 0
+    try:
+        return int(measure(cfg.token_budget))
+    except Exception as exc:
+        import torch
+
+        if not isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        torch.cuda.empty_cache()
+        raise configs.ConfigError(
+            f"invalid token_budget={cfg.token_budget}: one step of that many tokens does not fit in the device "
+            "memory the weights leave. Lower --token-budget (and --chunk-tokens), or use --weight-dtype fp8"
+        ) from None
+
+
 def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None) -> EngineCore:
     """EngineCore over ``runner`` (which it allocates); then the KV calibration, if any, and the
     check of the device's KV kernels (``kv.selfcheck``: the Triton / Gluon kernels against the
@@ -159,8 +180,7 @@ def build_core(cfg: EngineConfig, source: Any, runner: Any, observer: Any = None
     verify = drafts + 1 if graph_batch and drafts and drafts + 1 <= runner.page_size else 0
     reserve = reserve_bytes(runner.args, spec, graph_batch, runner.dtype, verify,
                             dequant_bytes(runner.model, runner.dtype)) if graph_batch else 0
-    measure = getattr(runner, "step_activation_bytes", None)  # TP and test runners have none: nothing reserved
-    step = measure(cfg.token_budget) if measure is not None else 0
+    step = measure_step(cfg, runner)
     pages, slots = size_pools(cfg, spec, runner.max_context, runner.device, reserve_bytes=reserve, step_bytes=step)
     if graph_batch:
         runner.plan_graphs(graph_batch, verify)

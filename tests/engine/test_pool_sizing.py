@@ -105,3 +105,24 @@ def test_a_step_is_measured_on_cuda(tmp_path) -> None:
     assert 0 < small < big  # activations grow with the step's tokens
     runner.allocate(num_pages=8, num_state_slots=1)  # nothing left behind blocks serving
     runner.reset_state(0)
+
+
+def test_a_step_that_does_not_fit_refuses_to_start() -> None:
+    from deepwell.engine_service.cli import measure_step
+
+    class Runner:
+        def __init__(self, result) -> None:  # type: ignore[no-untyped-def]
+            self.result = result
+
+        def step_activation_bytes(self, tokens: int) -> int:
+            if isinstance(self.result, Exception):
+                raise self.result
+            return self.result * tokens
+
+    cfg = EngineConfig(token_budget=4096)
+    assert measure_step(cfg, Runner(3)) == 3 * 4096
+    assert measure_step(cfg, object()) == 0  # a runner that measures nothing (TP, test doubles)
+    with pytest.raises(configs.ConfigError, match=r"token_budget=4096.*Lower --token-budget"):
+        measure_step(cfg, Runner(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")))
+    with pytest.raises(ValueError, match="not memory"):  # any other failure is not reworded
+        measure_step(cfg, Runner(ValueError("not memory")))
