@@ -17,7 +17,8 @@ while the previous kernel in the stream still runs. The contract every such kern
 So at most two kernels overlap, and only the second one's launch and prologue overlap the first
 one's tail. Which kernel families are launched so: ``DEFAULT`` (append, Q rotation, merge; the
 attention kernels measured no gain), or ``DEEPWELL_PDL`` = ``0`` (none: ablation, a driver that
-misbehaves), ``all``, or a comma-separated list of ``KERNELS``. The Triton interpreter and CPUs never use it.
+misbehaves), ``all``, or a comma-separated list of ``KERNELS``. The Triton interpreter and CPUs
+never use it.
 """
 
 from __future__ import annotations

@@ -109,7 +109,5 @@ def row_tile(n: int, r: int, budget: int = 4096) -> tuple[int, int, int]:
 
 
 def launch_kwargs(device: torch.device) -> dict:
-    """PDL for the fused kernels once ``kernels.pdl`` lists a ``"fused"`` family (off today)."""
-    if "fused" in pdl.KERNELS:
-        return pdl.launch_kwargs(device, "fused")
-    return {"PDL": False}
+    """PDL for the fused kernels: ``kernels.pdl``'s ``"fused"`` family (selected by ``DEEPWELL_PDL``)."""
+    return pdl.launch_kwargs(device, "fused")
