@@ -217,7 +217,13 @@ def causal_conv1d_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU of N sequences packed back to back: ``x [T, C]``, ``states
     [N, C, K-1]`` (each sequence's last K-1 inputs before these), ``weight [C, K]`` ->
-    ``(y [T, C] in x.dtype, new states [N, C, K-1] in states.dtype)``."""
+    ``(y [T, C] in x.dtype, new states [N, C, K-1] in states.dtype)``.
+
+    Rounded where the reference and HF round: fla's conv (fp32 accumulation) rounds to x's
+    dtype, then the SiLU rounds again (``F.silu``). fla's fused SiLU would round once, more
+    exact against fp32, but a different bf16 result from the meaning; on the ill-conditioned
+    tiny parity configs it moved the KL to HF by 5-10x (docs/kernels.md, "Running the GPU
+    suite"). The extra pass reads and writes ``[T, C]`` once per GDN layer of a prefill chunk."""
     n = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _check_conv(x, states, weight, n)
     fla = entry_points()
@@ -226,9 +232,9 @@ def causal_conv1d_varlen(
         kwargs = dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     y, final = fla.causal_conv1d(  # x may be columns of a wider projection: fla reads it contiguous
         x.contiguous().unsqueeze(0), weight=weight, initial_state=_to_fla_conv_state(states, x.dtype), output_final_state=True,
-        activation="silu", **kwargs,
+        activation=None, **kwargs,
     )
-    return y.squeeze(0), final[..., 1:].to(states.dtype)
+    return F.silu(y.squeeze(0)), final[..., 1:].to(states.dtype)
 
 
 def causal_conv1d_decode(

@@ -273,7 +273,8 @@ def test_conv_state_layout_prefill_and_decode(fake: FakeFla) -> None:
         torch.testing.assert_close(st, rst)
         assert st.shape == (c, kw - 1)
         parts.append(y)
-    assert fake.calls[0][0] == "conv" and fake.calls[0][1]["activation"] == "silu"
+    # fla's conv alone, the SiLU after it: the reference's two roundings
+    assert fake.calls[0][0] == "conv" and fake.calls[0][1]["activation"] is None
     # decode: 3 sequences, their own states
     xs, states = torch.randn(3, c, generator=gen), torch.randn(3, c, kw - 1, generator=gen)
     y, new = be.causal_conv1d_decode(xs, states.clone(), w)
@@ -281,6 +282,21 @@ def test_conv_state_layout_prefill_and_decode(fake: FakeFla) -> None:
     assert fake.calls[-1] == ("conv_update", dict(x_shape=(3, c), cache_shape=(3, c, kw)))
     torch.testing.assert_close(y, ry, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(new, rnew)
+
+
+def test_bf16_conv_rounds_before_and_after_the_silu(fake: FakeFla) -> None:
+    """The prefill conv in bf16 is rounded, then its SiLU is: the reference's (and HF's)
+    rounding points, not fla's fused SiLU with one rounding."""
+    gen = torch.Generator().manual_seed(9)
+    c, kw = 64, 4
+    w = torch.randn(c, kw, generator=gen).bfloat16()
+    x = torch.randn(40, c, generator=gen).bfloat16()
+    state = torch.randn(c, kw - 1, generator=gen).bfloat16()
+    y, _ = CudaBackend().causal_conv1d(x, state, w)
+    conv, _ = fake.conv(x.unsqueeze(0), weight=w, initial_state=F.pad(state, (1, 0)).unsqueeze(0))
+    fused, _ = fake.conv(x.unsqueeze(0), weight=w, initial_state=F.pad(state, (1, 0)).unsqueeze(0), activation="silu")
+    assert torch.equal(y, F.silu(conv[0]))
+    assert not torch.equal(y, fused[0])  # one rounding fewer is a different bf16 result here
 
 
 def test_conv_varlen_reads_and_writes_its_slots(fake: FakeFla) -> None:
@@ -567,7 +583,8 @@ def test_gpu_causal_conv(dtype) -> None:
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # the reference conv in true fp32
         refs = [REF.causal_conv1d(x[a:b], before[slots[i]], w) for i, (a, b) in enumerate(_bounds(lengths))]
         ry_dec, rnew_dec = REF.causal_conv1d_decode(x[:5], before[1:], w)
-    # fla: fp32 accumulation, SiLU in fp32, one rounding; the reference rounds the conv then SiLU
+    # prefill: fla's conv (fp32 accumulation) rounded, then SiLU rounded, as the reference;
+    # decode: fla's update kernel, SiLU in fp32 and one rounding
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for i, (a, b) in enumerate(_bounds(lengths)):
         ry, rs = refs[i]
