@@ -53,6 +53,39 @@ KERNELS = ("append", "rotate", "attention", "merge", "fused", "linear")
 DEFAULT = ("append", "rotate", "merge")
 
 
+# A kernel that streams a weight may read it before its wait: no kernel writes a weight while
+# the engine serves, so only the activations need the previous kernel. ``enter_streaming`` issues
+# L2 prefetches of the first ``PREFETCH_ENV`` (default ``PREFETCH_LINES``) 128-byte lines of each
+# of the program's weight rows, then waits: the weight starts to stream while the previous kernel
+# drains (only where the previous kernel let this one be scheduled early, i.e. was itself
+# launched with PDL). ``DEEPWELL_PDL_PREFETCH=0`` waits first (ablation).
+PREFETCH_ENV = "DEEPWELL_PDL_PREFETCH"
+PREFETCH_LINES = 4
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def enter_streaming(PDL: tl.constexpr, rows, k_lo, k_hi, LINES: tl.constexpr):
+    """``enter`` for a kernel streaming a weight (see ``PREFETCH_ENV``): ``rows [R]`` pointers to
+    element ``k_lo`` of each of the program's weight rows (rows past the matrix clamped into it),
+    ``[k_lo, k_hi)`` the program's K slice. With ``PDL`` and ``LINES`` > 0, each row's first
+    ``LINES`` 128-byte lines of the slice are prefetched into L2 before the wait; the weight is
+    the only thing read before it."""
+    if PDL:
+        if LINES > 0:
+            if k_hi > k_lo:
+                step: tl.constexpr = 128 // (rows.dtype.element_ty.primitive_bitwidth // 8)
+                off = tl.minimum(tl.arange(0, LINES) * step, k_hi - k_lo - 1)
+                _prefetch_l2(rows[:, None] + off[None, :])
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 def selected() -> frozenset[str]:
     """Kernel families launched with PDL: ``DEEPWELL_PDL`` unset = ``DEFAULT``, ``0`` = none,
     ``all`` = every one of ``KERNELS``, else a comma-separated subset (ValueError for an unknown
@@ -86,3 +119,21 @@ def launch_kwargs(device: torch.device, kernel: str) -> dict:
     """Keyword arguments of a Triton / Gluon launch of ``kernel``: its ``PDL`` constexpr and,
     where enabled, ``launch_pdl``."""
     return {"PDL": True, "launch_pdl": True} if enabled(device, kernel) else {"PDL": False}
+
+
+def prefetch_lines() -> int:
+    """``PREFETCH_ENV``'s lines per weight row (unset: ``PREFETCH_LINES``; ValueError if not a
+    whole number from 0 to 64)."""
+    value = os.environ.get(PREFETCH_ENV, "").strip()
+    if value == "":
+        return PREFETCH_LINES
+    if not value.isdigit() or int(value) > 64 or int(value) & (int(value) - 1):
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: lines per weight row must be 0 or a power of two up to 64")
+    return int(value)
+
+
+def streaming_kwargs(device: torch.device) -> dict:
+    """``launch_kwargs`` of a weight-streaming ("linear") kernel, with its ``PREFETCH`` lines
+    (``enter_streaming``): 0 where PDL is off."""
+    kw = launch_kwargs(device, "linear")
+    return {**kw, "PREFETCH": prefetch_lines() if kw["PDL"] else 0}

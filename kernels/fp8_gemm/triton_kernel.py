@@ -37,11 +37,11 @@ from deepwell.kernels.gemv.triton_kernel import _fma_kernel, reduce_splits
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
                   FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
+                  BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
+                  PREFETCH: tl.constexpr = 0):
     """``SWAP``: the operands swapped, ``out.T [BN, BM] = w [BN, BK] @ x.T [BK, BM]``, so the
     dequantized weight is the MMA's first operand (Hopper's wgmma takes that one from registers,
     no shared-memory round trip) and the few tokens its N side; same products, same sums."""
-    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -50,6 +50,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
     rk = tl.arange(0, BK)
     m_ok = rm < M
     n_ok = rn < N
+    pdl.enter_streaming(PDL, w_ptr + tl.minimum(rn, N - 1) * stride_wn + pid_k * K_PER, pid_k * K_PER,
+                        tl.minimum(K, pid_k * K_PER + K_PER), PREFETCH)
     if SWAP:
         acc = tl.zeros((BN, BM), dtype=tl.float32)
     else:
@@ -214,7 +216,7 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
         m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device),
         IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, SWAP=swap,
-        num_warps=num_warps, **pdl.launch_kwargs(x.device, "linear"))
+        num_warps=num_warps, **pdl.streaming_kwargs(x.device))
     if split > 1:  # one launch: the partials in split order, the bias, one rounding
         reduce_splits(target, bias, out)
     return out
@@ -259,7 +261,7 @@ def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
         m, n, k, k_per, x.stride(0), k, out.stride(0), scales.contiguous(), scales.shape[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], SPLIT=split > 1, EVEN_N=n % block_n == 0,
         EVEN_K=k % bk == 0, ROWS=rows, BN=block_n, BK=bk, FP8=True, SBN=block[0], SBK=block[1],
-        FP8_HW=has_fp8_conversion(x.device), num_warps=num_warps, **pdl.launch_kwargs(x.device, "linear"))
+        FP8_HW=has_fp8_conversion(x.device), num_warps=num_warps, **pdl.streaming_kwargs(x.device))
     if split > 1:
         reduce_splits(target, bias, out)
     return out

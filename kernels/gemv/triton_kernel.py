@@ -106,10 +106,9 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
                 HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 FP8: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8_HW: tl.constexpr = True,
-                PDL: tl.constexpr = False):
+                PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     """16-bit weights, or (``FP8``: ``kernels.fp8_gemm.fma_matmul``) E4M3 codes whose step sums are
     multiplied by their block scale ``s[n // SBN, k // SBK]`` (``BK`` divides ``SBK``)."""
-    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -119,6 +118,7 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
     n_ok = rn < N
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
+    pdl.enter_streaming(PDL, w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_lo, k_lo, k_hi, PREFETCH)
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
     s_ptrs = s_ptr + (rn // SBN) * stride_sn
     x_ptrs = x_ptr + m0 * stride_xm + k_lo + rk
@@ -184,8 +184,7 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
 def _dot_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om,
                 HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                PDL: tl.constexpr = False):
-    pdl.enter(PDL)
+                PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -196,6 +195,7 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
     n_ok = rn < N
     k_lo = pid_k * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
+    pdl.enter_streaming(PDL, w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_lo, k_lo, k_hi, PREFETCH)
     x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + rk)[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -329,7 +329,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
         opts["num_warps"] = num_warps
     if num_stages is not None:
         opts["num_stages"] = num_stages
-    launch = pdl.launch_kwargs(x.device, "linear")
+    launch = pdl.streaming_kwargs(x.device)
     common = dict(HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], SPLIT=split > 1, EVEN_N=n % bn == 0,
                   EVEN_K=k % bk == 0, BN=bn, BK=bk, **opts, **launch)
     args = (x, w, bias if bias is not None else x, target, m, n, k, k_per, x.stride(0), w.stride(0), out.stride(0))

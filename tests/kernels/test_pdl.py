@@ -39,6 +39,20 @@ def test_unknown_names_are_rejected(monkeypatch):
         pdl.selected()
 
 
+def test_weight_prefetch_lines(monkeypatch):
+    cpu = torch.device("cpu")
+    assert pdl.prefetch_lines() == pdl.PREFETCH_LINES
+    assert pdl.streaming_kwargs(cpu) == {"PDL": False, "PREFETCH": 0}  # no PDL, no prefetch
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "0")
+    assert pdl.prefetch_lines() == 0
+    monkeypatch.setenv(pdl.PREFETCH_ENV, "8")
+    assert pdl.prefetch_lines() == 8
+    for bad in ("3", "128", "-1", "four"):
+        monkeypatch.setenv(pdl.PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match="power of two up to 64"):
+            pdl.prefetch_lines()
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
