@@ -771,9 +771,9 @@ def fp8_gemm_times(model: torch.nn.Module, dev: torch.device, dtype: torch.dtype
                    rows: tuple[int, ...] = (1, 5), timer: Any = None) -> list[dict[str, Any]]:
     """Where an FP8 decode step's GEMM time goes: per weight shape of ``model``'s FP8 layers (the
     draft head aside) and row count, the kernel the engine serves (``triton_kernel.few_row_kernel``)
-    timed alone (``tune.cuda_timer``: random codes, L2 flushed), its bytes (codes + block scales)
-    over that time, the fraction of the copy bandwidth ``bw``, and the layers of that shape (so
-    layers x time is the step's share). Empty without FP8 layers, or off CUDA unless a ``timer``
+    timed alone (``tune.graph_timer``: replayed in a CUDA graph, weights cold in L2), its bytes
+    (codes + block scales) over that time, the fraction of the copy bandwidth ``bw``, and the
+    layers of that shape (so layers x time is the step's share). Empty without FP8 layers, or off CUDA unless a ``timer``
     ``(kernel, rows, N, K) -> seconds`` is given."""
     from collections import Counter
 
@@ -783,7 +783,7 @@ def fp8_gemm_times(model: torch.nn.Module, dev: torch.device, dtype: torch.dtype
     layers = [m for name, m in model.named_modules() if isinstance(m, FP8Linear) and not name.endswith(DRAFT_HEAD)]
     if not layers or (timer is None and dev.type != "cuda"):
         return []
-    timer = timer or tune.cuda_timer(dev, dtype, layers[0].block)
+    timer = timer or tune.graph_timer(dev, dtype, layers[0].block)
     out = []
     for (n, k), count in sorted(Counter((m.out_features, m.in_features) for m in layers).items()):
         bn, bk = layers[0].block
@@ -871,7 +871,7 @@ def profile_step(core: EngineCore, unprofiled_step_s: float) -> dict[str, Any]:
         agg = by_name.setdefault(name, [0.0, 0])
         agg[0] += d
         agg[1] += 1
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]
     busy_s = busy / 1e6
     return {
         "kernels": len(kernels) if cuda else None, "launch_calls": launches, "kernel_time_s": busy_s if cuda else None,

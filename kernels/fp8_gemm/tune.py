@@ -38,9 +38,57 @@ def choose(shapes: Iterable[Shape], timer: Timer, kernels: Sequence[str] = tk.FE
     return choice, times
 
 
+def graph_timer(device: torch.device, dtype: torch.dtype, block: tuple[int, int], calls: int = 16,
+                cold_bytes: int = 256 << 20, replays: int = 5) -> Timer:
+    """Time of one call as a decode step serves it: ``calls`` calls (the split-K sum included)
+    captured in one CUDA graph and replayed, so neither Python nor the launch is timed, only the
+    kernels and the gaps between them in a graph; the median of ``replays`` replays / ``calls``.
+    The calls cycle through copies of random codes whose bytes add up to ``cold_bytes``, so each
+    call reads its weight from HBM, not from L2 (a step reads each weight once). The copies of
+    the last shape asked for are kept; inf for a kernel that raises there."""
+    state: dict[str, object] = {}
+
+    def timer(kind: str, m: int, n: int, k: int) -> float:
+        if state.get("shape") != (n, k):
+            state.clear()
+            copies = max(2, -(-cold_bytes // (n * k)))
+            g = torch.Generator(device=device).manual_seed(0)
+            state["shape"] = (n, k)
+            state["weights"] = [reference.quantize(torch.randn(n, k, device=device, generator=g) * 0.02, block)
+                                for _ in range(copies)]
+        weights = state["weights"]
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        try:
+            for codes, scales in weights[:2]:  # compiled outside the capture
+                tk.few_row_matmul(kind, x, codes, scales, block)
+            torch.cuda.synchronize(device)
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                for i in range(calls):
+                    codes, scales = weights[i % len(weights)]
+                    tk.few_row_matmul(kind, x, codes, scales, block)
+            graph.replay()  # warm
+            times = []
+            for _ in range(replays):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e-3 / calls)
+            del graph
+            return sorted(times)[len(times) // 2]
+        except Exception:  # noqa: BLE001 - one that does not build or capture at this shape is never the fastest
+            return float("inf")
+
+    return timer
+
+
 def cuda_timer(device: torch.device, dtype: torch.dtype, block: tuple[int, int]) -> Timer:
     """Median time of one call (``triton.testing.do_bench``: L2 flushed between calls) on random
-    codes of each shape, made once per shape; inf for a kernel that raises there."""
+    codes of each shape, made once per shape; inf for a kernel that raises there. Times the
+    Python and launch of each call too wherever they take longer than the flush before it: the
+    tune uses ``graph_timer``."""
     from triton.testing import do_bench
 
     weights: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -88,7 +136,7 @@ CHECK_TOLERANCE = 1e-2  # bf16 / fp16 weights rounded once each: ~1e-3; a wrong 
 def tune_kernels(shapes: Iterable[Shape], device: torch.device, dtype: torch.dtype,
                  block: tuple[int, int] = (128, 128)
                  ) -> tuple[dict[Shape, tuple[str, ...]], dict[Shape, dict[int, dict[str, float]]], dict[str, float]]:
-    """``choose`` with ``cuda_timer`` on ``device`` (CUDA) for activations of ``dtype``, among the
+    """``choose`` with ``graph_timer`` on ``device`` (CUDA) for activations of ``dtype``, among the
     kernels that pass ``check`` at the smallest shape; also returns the ones that did not, with
     their error."""
     shapes = sorted(set(shapes))
@@ -96,7 +144,7 @@ def tune_kernels(shapes: Iterable[Shape], device: torch.device, dtype: torch.dty
         return {}, {}, {}
     errors = check(min(shapes, key=lambda s: s[0] * s[1]), device, dtype, block)
     passed = [kind for kind in tk.FEW_ROW_KERNELS if kind == "w8a16" or errors[kind] < CHECK_TOLERANCE]
-    choice, times = choose(shapes, cuda_timer(device, dtype, block), passed)
+    choice, times = choose(shapes, graph_timer(device, dtype, block), passed)
     return choice, times, {kind: err for kind, err in errors.items() if kind not in passed}
 
 

@@ -300,6 +300,6 @@ def test_a_kernel_that_raises_is_rejected_not_served(monkeypatch: pytest.MonkeyP
     errors = tune.check((64, 256), torch.device("cpu"), torch.float32, rows=(1,))
     assert errors["swap128"] == float("inf") and errors["swap"] < 1e-5
     timed: list[str] = []
-    monkeypatch.setattr(tune, "cuda_timer", lambda *a: lambda kind, m, n, k: timed.append(kind) or 1e-5)
+    monkeypatch.setattr(tune, "graph_timer", lambda *a: lambda kind, m, n, k: timed.append(kind) or 1e-5)
     choice, _, rejected = tune.tune_kernels([(64, 256)], torch.device("cpu"), torch.float32)
     assert set(rejected) == {"swap128"} and "swap128" not in timed and choice[(64, 256)] == ("w8a16",) * tune.MAX_ROWS
