@@ -266,10 +266,14 @@ def test_few_row_kernels_timed_on_cuda() -> None:
     choice, times, rejected = tune.tune_kernels([(5120, 5120), (17408, 5120)], torch.device("cuda"), torch.bfloat16)
     assert not rejected
     for shape, kinds in choice.items():
-        assert len(kinds) == tune.MAX_ROWS and all(s > 0 for row in times[shape].values() for s in row.values())
+        # every candidate builds, captures and replays: a finite time from the graph timer
+        assert len(kinds) == tune.MAX_ROWS and all(0 < s < 1e-2 for row in times[shape].values() for s in row.values())
         print(f"{shape}: {tune.summary({shape: kinds})}; us per row count: "
               + "; ".join(f"{m}: " + "/".join(f"{k} {s * 1e6:.1f}" for k, s in row.items())
                           for m, row in times[shape].items()))
+    timer = tune.graph_timer(torch.device("cuda"), torch.bfloat16, (128, 128))
+    assert timer("no-such-kernel", 1, 1024, 512) == float("inf")  # a candidate that raises is never chosen
+    assert 0 < timer("fma", 1, 1024, 512) < 1e-2  # and the timer still works after it
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
