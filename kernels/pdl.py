@@ -1,7 +1,8 @@
-"""Programmatic dependent launch (PDL) for the kernels of an attention layer.
+"""Programmatic dependent launch (PDL) for the chains of short kernels in a decode step.
 
-One attention layer of a decode step is a chain of short kernels: the KV append, Q's Hadamard
-rotation, the attention and, with split-K, the merge. Launched the ordinary way, each starts
+A decode step is chains of short kernels: in an attention layer the KV append, Q's Hadamard
+rotation, the attention and, with split-K, the merge; between GEMMs the norms, SwiGLU and the
+GEMMs' split-K sums. Launched the ordinary way, each starts
 only once the one before has drained and its own launch has been processed — a gap of about a
 microsecond per edge, which is a sizable part of a 3 us append or a 50 us batch-1 decode.
 Launched with PDL (Hopper and later: ``launch_pdl=True``), a kernel's programs may be scheduled
@@ -11,12 +12,16 @@ while the previous kernel in the stream still runs. The contract every such kern
   kernel has completed and its writes are visible — whatever that kernel is: one launched
   without PDL simply counts as signalling at its end), then ``griddepcontrol.launch_dependents``
   (the next kernel's programs may now be scheduled; they wait in turn). No global memory is
-  touched before the wait, so reads and writes keep stream order exactly as without PDL;
+  read or written before the wait (L2 prefetches aside, below), so reads and writes keep stream
+  order exactly as without PDL;
 - a CUDA graph captured from such launches keeps the programmatic edges (CUDA 12.3+).
 
 So at most two kernels overlap, and only the second one's launch and prologue overlap the first
-one's tail. Which kernel families are launched so: ``DEFAULT`` (append, Q rotation, merge, the
-fused small ops and the few-row GEMMs; the attention kernels measured no gain), or ``DEEPWELL_PDL`` = ``0`` (none: ablation, a driver that
+one's tail. A weight-streaming kernel also issues L2 prefetches of its weight before the wait
+(``enter_streaming``): a prefetch fills L2, the GPU's point of coherence, and moves no value into
+the program, so what the program reads after the wait is unchanged. Which kernel families are
+launched so: ``DEFAULT`` (append, Q rotation, merge, the fused small ops and the few-row GEMMs; the
+attention kernels measured no gain), or ``DEEPWELL_PDL`` = ``0`` (none: ablation, a driver that
 misbehaves), ``all``, or a comma-separated list of ``KERNELS``. The Triton interpreter and CPUs
 never use it.
 """
@@ -55,8 +60,9 @@ KERNELS = ("append", "rotate", "attention", "merge", "fused", "linear")
 DEFAULT = ("append", "rotate", "merge", "fused", "linear")
 
 
-# A kernel that streams a weight may read it before its wait: no kernel writes a weight while
-# the engine serves, so only the activations need the previous kernel. ``enter_streaming`` issues
+# A kernel that streams a weight can start fetching it before its wait (no kernel writes a weight
+# while the engine serves; and a prefetch only warms L2, so even then no value would change: module
+# doc). ``enter_streaming`` issues
 # L2 prefetches of the first ``PREFETCH_ENV`` (default ``PREFETCH_LINES``) 128-byte lines of each
 # of the program's weight rows, then waits: the weight starts to stream while the previous kernel
 # drains (only where the previous kernel let this one be scheduled early, i.e. was itself
@@ -76,8 +82,8 @@ def enter_streaming(PDL: tl.constexpr, rows, k_lo, k_hi, LINES: tl.constexpr):
     """``enter`` for a kernel streaming a weight (see ``PREFETCH_ENV``): ``rows [R]`` pointers to
     element ``k_lo`` of each of the program's weight rows (rows past the matrix clamped into it),
     ``[k_lo, k_hi)`` the program's K slice. With ``PDL`` and ``LINES`` > 0, each row's first
-    ``LINES`` 128-byte lines of the slice are prefetched into L2 before the wait; the weight is
-    the only thing read before it."""
+    ``LINES`` 128-byte lines of the slice are prefetched into L2 before the wait; nothing is
+    loaded into the program before it."""
     if PDL:
         if LINES > 0:
             if k_hi > k_lo:
@@ -124,8 +130,8 @@ def launch_kwargs(device: torch.device, kernel: str) -> dict:
 
 
 def prefetch_lines() -> int:
-    """``PREFETCH_ENV``'s lines per weight row (unset: ``PREFETCH_LINES``; ValueError if not a
-    whole number from 0 to 64)."""
+    """``PREFETCH_ENV``'s lines per weight row (unset: ``PREFETCH_LINES``; ValueError unless 0 or
+    a power of two up to 64)."""
     value = os.environ.get(PREFETCH_ENV, "").strip()
     if value == "":
         return PREFETCH_LINES
