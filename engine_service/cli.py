@@ -346,6 +346,12 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
     from deepwell.engine_service.layers.fp8_linear import FP8EnvError
     from deepwell.engine_service.layers.invariant import RowInvarianceError
 
+    from deepwell.kernels import pdl
+
+    try:  # the kernels' switches in the environment, before any weight loads
+        pdl.check_env()
+    except ValueError as exc:
+        raise configs.ConfigError(f"invalid environment: {exc}") from None
     if cfg.tensor_parallel > 1:  # N ranks, this process rank 0 (engine_service.parallel)
         build_runner = _tp_builder(cfg)
     try:

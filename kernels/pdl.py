@@ -140,6 +140,17 @@ def prefetch_lines() -> int:
     return int(value)
 
 
+def check_env() -> None:
+    """ValueError naming the variable if ``ENV``, ``PREFETCH_ENV`` or the split-K sum's switch
+    (``gemv.triton_kernel.FIXUP_ENV``) holds a value the kernels would refuse at their first
+    launch: the engine asks before it loads weights."""
+    from deepwell.kernels.gemv.triton_kernel import fixup_enabled
+
+    selected()
+    prefetch_lines()
+    fixup_enabled()
+
+
 def streaming_kwargs(device: torch.device) -> dict:
     """``launch_kwargs`` of a weight-streaming ("linear") kernel, with its ``PREFETCH`` lines
     (``enter_streaming``): 0 where PDL is off."""

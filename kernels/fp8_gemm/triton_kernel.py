@@ -30,7 +30,7 @@ from deepwell.kernels import pdl
 from deepwell.kernels.e4m3_unpack import INTERPRET, e4m3_f16, has_fp8_conversion
 from deepwell.kernels.fp8_gemm import reference
 from deepwell.kernels.fused.common import KIND, round_to
-from deepwell.kernels.gemv.triton_kernel import _fma_kernel, reduce_splits
+from deepwell.kernels.gemv.triton_kernel import _fma_kernel, fixup_counters, reduce_splits, split_fixup
 
 
 @triton.jit
@@ -38,10 +38,12 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
                   FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                  PREFETCH: tl.constexpr = 0):
+                  PREFETCH: tl.constexpr = 0, FIXUP: tl.constexpr = False, out_ptr=None, cnt_ptr=None, SPLITS=1):
     """``SWAP``: the operands swapped, ``out.T [BN, BM] = w [BN, BK] @ x.T [BK, BM]``, so the
     dequantized weight is the MMA's first operand (Hopper's wgmma takes that one from registers,
-    no shared-memory round trip) and the few tokens its N side; same products, same sums."""
+    no shared-memory round trip) and the few tokens its N side; same products, same sums.
+    ``FIXUP`` (with ``SPLIT``): the partials are summed into ``out_ptr`` inside this launch
+    (``gemv.triton_kernel.split_fixup``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -79,9 +81,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # the bits round_to gives, in 1/6 the instructions
     if SWAP:  # stored through the transposed view
         acc = tl.trans(acc)
-    if SPLIT:  # fp32 partial sums [splits, M, N]: summed (and the bias added) after the launch
-        o_ptr += pid_k * M * N
-        tl.store(o_ptr + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    if SPLIT:  # fp32 partial sums [splits, M, N]: summed (and the bias added) after the launch or by FIXUP
+        tl.store(o_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+        if FIXUP:
+            split_fixup(o_ptr, b_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(1) + pid_n, SPLITS, M, N, stride_om,
+                        rm, rn, HAS_BIAS, KIND_X)
     else:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -211,15 +215,23 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
     k_per = triton.cdiv(triton.cdiv(k, bk), split) * bk  # whole BK steps (BK divides the scale block)
     split = triton.cdiv(k, k_per)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    counters = fixup_counters(x.device, tiles_m * tiles_n) if split > 1 else None
     _w8a16_kernel[(tiles_m, tiles_n, split)](
         x, codes.contiguous().view(torch.uint8), scales.contiguous(), bias if bias is not None else scales, target,
         m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device),
         IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, SWAP=swap,
-        num_warps=num_warps, **pdl.streaming_kwargs(x.device))
-    if split > 1:  # one launch: the partials in split order, the bias, one rounding
+        num_warps=num_warps, **_fixup_kwargs(out, counters, split), **pdl.streaming_kwargs(x.device))
+    if split > 1 and counters is None:  # one launch: the partials in split order, the bias, one rounding
         reduce_splits(target, bias, out)
     return out
+
+
+def _fixup_kwargs(out: torch.Tensor, counters: torch.Tensor | None, splits: int) -> dict:
+    """The kernels' in-launch split-K sum arguments (``gemv.triton_kernel.split_fixup``)."""
+    if counters is None:
+        return {"FIXUP": False}
+    return {"FIXUP": True, "out_ptr": out, "cnt_ptr": counters, "SPLITS": splits}
 
 
 def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
@@ -256,13 +268,15 @@ def fma_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block
     k_per = max(triton.cdiv(steps, split), 1) * bk
     split = max(1, triton.cdiv(k, k_per))
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    counters = fixup_counters(x.device, tiles_m * tiles_n) if split > 1 else None
     _fma_kernel[(tiles_m, tiles_n, split)](  # gemv's FMA form, reading E4M3 codes (FP8=True)
         x, codes.contiguous().view(torch.uint8), bias if bias is not None else x, target,
         m, n, k, k_per, x.stride(0), k, out.stride(0), scales.contiguous(), scales.shape[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], SPLIT=split > 1, EVEN_N=n % block_n == 0,
         EVEN_K=k % bk == 0, ROWS=rows, BN=block_n, BK=bk, FP8=True, SBN=block[0], SBK=block[1],
-        FP8_HW=has_fp8_conversion(x.device), num_warps=num_warps, **pdl.streaming_kwargs(x.device))
-    if split > 1:
+        FP8_HW=has_fp8_conversion(x.device), num_warps=num_warps, **_fixup_kwargs(out, counters, split),
+        **pdl.streaming_kwargs(x.device))
+    if split > 1 and counters is None:
         reduce_splits(target, bias, out)
     return out
 

@@ -35,6 +35,7 @@ belongs here (up to ``MAX_TOKENS`` rows, on CUDA or under ``TRITON_INTERPRET=1``
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -63,6 +64,12 @@ MIN_SPLIT_STEPS = 4
 DEFAULT_BLOCK_N = {"dot": 64, "fma": 64}
 DEFAULT_BLOCK_K = {"dot": 128, "fma": 128}
 REDUCE_BLOCK = 1024
+#: Split-K sums inside the GEMM launch (``split_fixup``) instead of one more launch: on with
+#: ``DEEPWELL_SPLITK_FIXUP=1`` (off by default until it is timed end to end on a GPU). Counters
+#: for this many output tiles per launch are kept per device; a launch with more sums after it.
+FIXUP_ENV = "DEEPWELL_SPLITK_FIXUP"
+FIXUP_SLOTS = 1 << 14
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 @triton.jit
@@ -102,13 +109,41 @@ def _store_row(o_ptr, b_ptr, acc, m, M, N, rn, n_ok, pid_k, stride_om, SPLIT: tl
 
 
 @triton.jit
+def split_fixup(p_ptr, b_ptr, o_ptr, cnt_ptr, tile, splits, M, N, stride_om, rm, rn, HAS_BIAS: tl.constexpr,
+                KIND_X: tl.constexpr):
+    """The split-K sum inside the launch: called by every program of a split launch after it
+    stored its fp32 partials (``[splits, M, N]``) for rows ``rm`` x columns ``rn`` of output
+    tile ``tile``. The program counts itself in on the tile's counter; the last of the tile's
+    ``splits`` programs to arrive adds the partials in split order and the bias and rounds once
+    to ``o_ptr`` (the bits ``_reduce_kernel`` gives), then sets the counter back to 0 for the
+    next launch. The barrier and the counter's acquire-release order every program's partial
+    stores before the last one's loads, which bypass L1 (``.cg``)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == splits - 1:
+        ok = (rm < M)[:, None] & (rn < N)[None, :]
+        offs = rm[:, None] * N + rn[None, :]
+        acc = tl.zeros((rm.shape[0], rn.shape[0]), dtype=tl.float32)
+        for s in range(splits):
+            acc += tl.load(p_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], round_to(acc, KIND_X).to(o_ptr.dtype.element_ty),
+                 mask=ok)
+        tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
 def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_om, s_ptr, stride_sn,
                 HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 FP8: tl.constexpr = False, SBN: tl.constexpr = 1, SBK: tl.constexpr = 1, FP8_HW: tl.constexpr = True,
-                PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+                PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, FIXUP: tl.constexpr = False,
+                out_ptr=None, cnt_ptr=None, SPLITS=1):
     """16-bit weights, or (``FP8``: ``kernels.fp8_gemm.fma_matmul``) E4M3 codes whose step sums are
-    multiplied by their block scale ``s[n // SBN, k // SBK]`` (``BK`` divides ``SBK``)."""
+    multiplied by their block scale ``s[n // SBN, k // SBK]`` (``BK`` divides ``SBK``). ``FIXUP``
+    (with ``SPLIT``): the partials are summed into ``out_ptr`` inside this launch
+    (``split_fixup`` over ``SPLITS`` programs per tile, counters at ``cnt_ptr``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -178,6 +213,11 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn
         _store_row(o_ptr, b_ptr, acc6, m0 + 6, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
     if ROWS > 7:
         _store_row(o_ptr, b_ptr, acc7, m0 + 7, M, N, rn, n_ok, pid_k, stride_om, SPLIT, HAS_BIAS, KIND_X)
+    if SPLIT and FIXUP:
+        r = tl.arange(0, 8)  # FMA_ROWS_MAX
+        rm = tl.where(r < ROWS, m0 + r, M)  # rows past this program's group: masked out
+        split_fixup(o_ptr, b_ptr, out_ptr, cnt_ptr, pid_m * tl.num_programs(1) + pid_n, SPLITS, M, N, stride_om,
+                    rm, rn, HAS_BIAS, KIND_X)
 
 
 @triton.jit
@@ -341,6 +381,35 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     if split > 1:
         reduce_splits(target, bias, out)
     return out
+
+
+def fixup_enabled() -> bool:
+    """``FIXUP_ENV``: unset or "0" off, "1" on (ValueError otherwise)."""
+    value = os.environ.get(FIXUP_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FIXUP_ENV}={value!r}: use 1 (split-K sums inside the GEMM launch) or 0")
+    return value == "1"
+
+
+def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's tile counters for split-K sums inside the launch (``split_fixup``; all zero
+    between launches: the last program of a tile resets its own), or None where the sum takes
+    its own launch (``reduce_splits``): ``FIXUP_ENV`` is not "1", the device is neither CUDA nor
+    the interpreter's CPU, the launch has more than ``FIXUP_SLOTS`` tiles, or the counters do
+    not exist yet while a CUDA graph is being captured (the graph would own them). One GEMM
+    runs at a time per device (the engine's compute is on one stream at a time): the counters
+    are shared by every launch."""
+    if not fixup_enabled() or tiles > FIXUP_SLOTS:
+        return None
+    if not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
+        return None
+    key = (device.type, device.index)
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[key] = torch.zeros(FIXUP_SLOTS, dtype=torch.int32, device=device)
+    return counters
 
 
 def reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -307,3 +307,46 @@ def test_a_kernel_that_raises_is_rejected_not_served(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(tune, "graph_timer", lambda *a: lambda kind, m, n, k: timed.append(kind) or 1e-5)
     choice, _, rejected = tune.tune_kernels([(64, 256)], torch.device("cpu"), torch.float32)
     assert set(rejected) == {"swap128"} and "swap128" not in timed and choice[(64, 256)] == ("w8a16",) * tune.MAX_ROWS
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["w8a16", "swap", "swap128", "fma"])
+def test_split_sum_inside_the_launch_gives_the_reduce_launchs_bits(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """``DEEPWELL_SPLITK_FIXUP=1``: the last program of each output tile sums the split-K partials
+    (``gemv.triton_kernel.split_fixup``) with the bits the separate reduce launch gives, and
+    leaves every tile counter at zero for the next launch."""
+    from deepwell.kernels.fp8_gemm import triton_kernel as tk
+    from deepwell.kernels.gemv import triton_kernel as gemv
+
+    g = torch.Generator().manual_seed(11)
+    codes, scales = reference.quantize(torch.randn(200, 512, generator=g) * 0.05, (128, 128))
+    bias = torch.randn(200, generator=g).to(torch.bfloat16)
+    calls = {"w8a16": lambda x, b: tk.w8a16_matmul(x, codes, scales, bias=b, split_k=3),
+             "swap": lambda x, b: tk.w8a16_matmul(x, codes, scales, bias=b, split_k=3, swap=True),
+             "swap128": lambda x, b: tk.w8a16_matmul(x, codes, scales, bias=b, split_k=2, swap=True, block_n=128),
+             "fma": lambda x, b: tk.fma_matmul(x, codes, scales, bias=b, split_k=4)}
+    reduced: list[int] = []
+    real_reduce = gemv.reduce_splits
+    monkeypatch.setattr(tk, "reduce_splits", lambda *a: reduced.append(1) or real_reduce(*a))
+    for rows, b in ((1, None), (5, bias), (11, bias)):  # fma: 11 rows = a group of 8 and one of 3
+        x = torch.randn(rows, 512, generator=g).to(torch.bfloat16)
+        monkeypatch.delenv(gemv.FIXUP_ENV, raising=False)
+        want = calls[kind](x, b)
+        assert reduced == [1]  # the partials were summed by their own launch
+        monkeypatch.setenv(gemv.FIXUP_ENV, "1")
+        got = calls[kind](x, b)
+        assert reduced == [1]  # ... and now inside the GEMM's launch
+        assert torch.equal(got, want), (kind, rows)
+        assert not gemv.fixup_counters(torch.device("cpu"), 1).any()
+        reduced.clear()
+
+
+def test_fixup_counters_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepwell.kernels.gemv import triton_kernel as gemv
+
+    monkeypatch.delenv(gemv.FIXUP_ENV, raising=False)
+    assert gemv.fixup_counters(torch.device("cpu"), 4) is None  # off by default
+    monkeypatch.setenv(gemv.FIXUP_ENV, "1")
+    assert gemv.fixup_counters(torch.device("cpu"), gemv.FIXUP_SLOTS + 1) is None  # more tiles than counters
+    if not INTERPRET:
+        assert gemv.fixup_counters(torch.device("cpu"), 4) is None  # no kernel runs on this CPU

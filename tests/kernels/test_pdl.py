@@ -53,6 +53,25 @@ def test_weight_prefetch_lines(monkeypatch):
             pdl.prefetch_lines()
 
 
+@pytest.mark.parametrize(("name", "value"), [("DEEPWELL_PDL", "append,decode"), ("DEEPWELL_PDL_PREFETCH", "3"),
+                                            ("DEEPWELL_SPLITK_FIXUP", "yes")])
+def test_the_engine_refuses_a_bad_kernel_switch_before_loading(monkeypatch, tmp_path, name, value):
+    from deepwell import configs
+    from deepwell.engine_service import cli
+    from deepwell.engine_service.config import EngineConfig
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        pdl.check_env()
+
+    def never(*a, **k):  # the weights are not loaded
+        raise AssertionError("build_runner ran")
+
+    cfg = EngineConfig(model=str(tmp_path))
+    with pytest.raises(configs.ConfigError, match=f"invalid environment: {name}="):
+        cli._build_runner(never, cfg, None, "cpu", torch.float32)
+
+
 def _sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
@@ -114,11 +133,13 @@ def test_graph_of_layer_steps_with_pdl_equals_eager_without(monkeypatch, fmt, fe
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90(), reason="needs a GPU with programmatic dependent launch (sm_90+)")
-def test_graph_of_mlp_chains_with_pdl_equals_eager_without(monkeypatch):
+@pytest.mark.parametrize("fixup", ["0", "1"])
+def test_graph_of_mlp_chains_with_pdl_equals_eager_without(monkeypatch, fixup):
     """The "fused" and "linear" families: RMSNorm with the residual add, the FP8 few-row kernels
-    of every kind (split K, summed by one more launch), SwiGLU and the 16-bit GEMV, chained as in
-    an MLP at 1 and 5 rows, captured in one graph with PDL on every kernel and replayed, against
-    the chain run eagerly with ``DEEPWELL_PDL=0``: identical outputs."""
+    of every kind (split K, summed by one more launch or, ``fixup`` "1", inside the GEMM's own:
+    ``DEEPWELL_SPLITK_FIXUP``), SwiGLU and the 16-bit GEMV, chained as in an MLP at 1 and 5 rows,
+    captured in one graph with PDL on every kernel and replayed, against the chain run eagerly
+    with ``DEEPWELL_PDL=0`` and the separate sum: identical outputs."""
     from deepwell.kernels.fp8_gemm import reference as fp8_ref
     from deepwell.kernels.fp8_gemm import triton_kernel as fp8
     from deepwell.kernels.fused.activation import silu_and_mul
@@ -140,8 +161,10 @@ def test_graph_of_mlp_chains_with_pdl_equals_eager_without(monkeypatch):
         return gemv.linear(silu_and_mul(gate_up), down), r
 
     monkeypatch.setenv(pdl.ENV, "0")
+    monkeypatch.setenv(gemv.FIXUP_ENV, "0")
     want = [chain(kind, x, res) for kind, _, x, res in cases]
     monkeypatch.setenv(pdl.ENV, "all")
+    monkeypatch.setenv(gemv.FIXUP_ENV, fixup)
     for kind, _, x, res in cases:
         chain(kind, x, res)  # compile outside the capture
     torch.cuda.synchronize()
@@ -157,3 +180,6 @@ def test_graph_of_mlp_chains_with_pdl_equals_eager_without(monkeypatch):
         torch.cuda.synchronize()
         for (kind, rows, _, _), (out, r), (w_out, w_r) in zip(cases, got, want):
             assert torch.equal(out, w_out) and torch.equal(r, w_r), (kind, rows)
+    if fixup == "1":  # the sums ran inside the GEMMs, and every tile counter is back at zero
+        counters = gemv.fixup_counters(torch.device("cuda", torch.cuda.current_device()), 1)
+        assert counters is not None and not counters.any()
