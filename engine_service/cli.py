@@ -345,7 +345,6 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
     from deepwell.engine_service.kv.quant_pool import KVSettingsError
     from deepwell.engine_service.layers.fp8_linear import FP8EnvError
     from deepwell.engine_service.layers.invariant import RowInvarianceError
-
     from deepwell.kernels import pdl
 
     try:  # the kernels' switches in the environment, before any weight loads
