@@ -41,16 +41,25 @@ def _kl(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     ).sum(-1)
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor, torch.Tensor]]:
-    root = tmp_path_factory.mktemp("tiny_gpu")
-    out = {}
-    for n in TINY:
-        model = save_tiny(n, root / n)
+class _Cases(dict):
+    """Each tiny config's (checkpoint, HF fp32 logits, HF bf16 CUDA logits), made when a test
+    first asks for it (a ``-k`` run of one config builds one)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, n: str) -> tuple[Path, torch.Tensor, torch.Tensor]:
+        model = save_tiny(n, self.root / n)
         ref = hf_logits(model, prompt())
         hf16 = hf_logits(model.to("cuda", torch.bfloat16), prompt()).cpu()
-        out[n] = (root / n, ref, hf16)
-    return out
+        self[n] = (self.root / n, ref, hf16)
+        return self[n]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.Tensor, torch.Tensor]]:
+    return _Cases(tmp_path_factory.mktemp("tiny_gpu"))
 
 
 def _logits(runner, runs: list[list[int]]) -> list[torch.Tensor]:
