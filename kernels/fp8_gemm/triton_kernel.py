@@ -34,14 +34,34 @@ from deepwell.kernels.gemv.triton_kernel import _fma_kernel, fixup_counters, red
 
 
 @triton.jit
+def _f16_row_scale(amax):
+    """Per row, a power of two ``r`` with ``amax * r < 2**15`` and ``1 / r``, exact fp32 powers
+    of two built from ``amax``'s exponent (a zero row gets 2**126): the row times ``r`` fits
+    fp16, and a bf16 / fp16 value keeps its bits there unless it is below 2**-28 of the row's
+    largest (fp16's subnormals)."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent: amax < 2**(e - 126)
+    field = tl.minimum(tl.maximum(268 - e, 1), 253)  # r = 2**(14 - (e - 127)), kept normal
+    r = (field << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - field) << 23).to(tl.float32, bitcast=True)
+    return r, inv
+
+
+@triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, stride_wn, stride_sn, stride_om,
                   SBN: tl.constexpr, SBK: tl.constexpr, HAS_BIAS: tl.constexpr, KIND_X: tl.constexpr,
                   FP8_HW: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
-                  PREFETCH: tl.constexpr = 0, FIXUP: tl.constexpr = False, out_ptr=None, cnt_ptr=None, SPLITS=1):
+                  PREFETCH: tl.constexpr = 0, FIXUP: tl.constexpr = False, out_ptr=None, cnt_ptr=None, SPLITS=1,
+                  F16: tl.constexpr = False):
     """``SWAP``: the operands swapped, ``out.T [BN, BM] = w [BN, BK] @ x.T [BK, BM]``, so the
     dequantized weight is the MMA's first operand (Hopper's wgmma takes that one from registers,
     no shared-memory round trip) and the few tokens its N side; same products, same sums.
+    ``F16`` (16-bit activations): the block scale after the product instead of on every weight.
+    Per K step the E4M3 codes as their exact fp16 values times the step's activations in fp16
+    (each row times a power of two into fp16's range, ``_f16_row_scale``), fp32 sums,
+    then times each row's ``1 / r`` and each column's block scale: one conversion per weight
+    where the default forms code x scale in fp32 and rounds it to x's dtype, and the products
+    of the codes themselves (the default rounds each scaled weight once).
     ``FIXUP`` (with ``SPLIT``): the partials are summed into ``out_ptr`` inside this launch
     (``gemv.triton_kernel.split_fixup``)."""
     pid_m = tl.program_id(0)
@@ -65,8 +85,26 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
         k_ok = k < k_hi
         c = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
         s = tl.load(s_ptr + (rn // SBN) * stride_sn + k0 // SBK, mask=n_ok, other=0.0)
-        w = e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None]
-        if SWAP:
+        if F16:
+            wh = e4m3_f16(c, FP8_HW)
+            xf = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
+            r, inv = _f16_row_scale(tl.max(tl.abs(xf), axis=1))
+            xh = (xf * r[:, None]).to(tl.float16)
+            if SWAP:
+                if IEEE:  # the interpreter: the same fp16 values, fp32 products
+                    part = tl.dot(wh.to(tl.float32), tl.trans(xh.to(tl.float32)), input_precision="ieee")
+                else:
+                    part = tl.dot(wh, tl.trans(xh))
+                acc += part * s[:, None] * inv[None, :]
+            else:
+                if IEEE:
+                    part = tl.dot(xh.to(tl.float32), tl.trans(wh.to(tl.float32)), input_precision="ieee")
+                else:
+                    part = tl.dot(xh, tl.trans(wh))
+                acc += part * inv[:, None] * s[None, :]
+        elif SWAP:
+            w = e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None]
             xt = tl.load(x_ptr + rm[None, :] * stride_xm + k[:, None], mask=m_ok[None, :] & k_ok[:, None],
                          other=0.0)
             if IEEE:
@@ -74,6 +112,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, K_PER, stride_xm, 
             else:
                 acc += tl.dot(w.to(xt.dtype), xt)
         else:
+            w = e4m3_f16(c, FP8_HW).to(tl.float32) * s[:, None]
             x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x.to(tl.float32), tl.trans(round_to(w, KIND_X)), input_precision="ieee")
@@ -126,8 +165,9 @@ FMA_BLOCK_K = 128
 # The few-token kernels ``matmul`` chooses from below ``DEQUANT_MIN_TOKENS`` rows, by name:
 # "w8a16" (tensor cores, 16-row tiles, 64 x 64 weight tiles), "swap" / "swap128" (the same with
 # the weight as the MMA's first operand, 64 x 64 / 128 x 128 weight tiles), "fma" (no tensor
-# cores).
-FEW_ROW_KERNELS = ("w8a16", "swap", "swap128", "fma")
+# cores), "swap_f16" / "swap128_f16" (the swapped forms with the block scale after each step's
+# product: ``_w8a16_kernel``'s ``F16``; for fp32 activations the plain swapped forms).
+FEW_ROW_KERNELS = ("w8a16", "swap", "swap128", "fma", "swap_f16", "swap128_f16")
 # per weight shape (N, K): the kernel for 1, 2, ... rows, what ``tune`` timed fastest at load on
 # the serving GPU; row counts past the tuple "w8a16"; shapes not listed: "fma" up to
 # FMA_MAX_TOKENS rows, "w8a16" above
@@ -150,9 +190,11 @@ def few_row_matmul(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torc
         return fma_matmul(x, codes, scales, block, bias)
     if kind == "swap":
         return w8a16_matmul(x, codes, scales, block, bias, swap=True)
-    if kind == "swap128":
+    if kind in ("swap128", "swap128_f16"):
         return w8a16_matmul(x, codes, scales, block, bias, block_n=128, swap=True,
-                            block_k=128 if block[1] % 128 == 0 else None)
+                            block_k=128 if block[1] % 128 == 0 else None, f16=kind == "swap128_f16")
+    if kind == "swap_f16":
+        return w8a16_matmul(x, codes, scales, block, bias, swap=True, f16=True)
     if kind == "w8a16":
         return w8a16_matmul(x, codes, scales, block, bias)
     raise ValueError(f"unknown few-token kernel {kind!r}: one of {', '.join(FEW_ROW_KERNELS)}")
@@ -184,14 +226,15 @@ def _check_args(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bloc
 
 def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = (128, 128),
                  bias: torch.Tensor | None = None, block_n: int | None = None, split_k: int | None = None,
-                 swap: bool = False, block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                 swap: bool = False, block_k: int | None = None, num_warps: int = 4, f16: bool = False) -> torch.Tensor:
     """The Triton kernel: ``x [M, K]`` (fp32 / bf16 / fp16) times the FP8 weight ``[N, K]``;
     ``block_n`` (a power of two >= 16, default 64) the output columns per program; ``split_k``
     the programs along K (default ``split_count``; above 1 each writes fp32 partial sums that are
     then added, so the result depends on the split by the fp32 summation order only); ``swap``:
     the weight as the MMA's first operand (``_w8a16_kernel``'s ``SWAP``);
     ``block_k`` (a power of two >= 16 dividing the scale block's K side, default 64) the K step;
-    ``num_warps`` per program."""
+    ``num_warps`` per program; ``f16``: the block scale after each step's product in fp16
+    (``_w8a16_kernel``'s ``F16``; ignored for fp32 activations)."""
     _check_args(x, codes, scales, block)
     m, k = x.shape
     n = codes.shape[0]
@@ -221,7 +264,8 @@ def w8a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blo
         m, n, k, k_per, x.stride(0), k, scales.shape[1], out.stride(0), SBN=block[0], SBK=block[1],
         HAS_BIAS=bias is not None, KIND_X=KIND[x.dtype], FP8_HW=has_fp8_conversion(x.device),
         IEEE=x.dtype == torch.float32 or INTERPRET, SPLIT=split > 1, BM=bm, BN=bn, BK=bk, SWAP=swap,
-        num_warps=num_warps, **_fixup_kwargs(out, counters, split), **pdl.streaming_kwargs(x.device))
+        F16=f16 and x.dtype != torch.float32, num_warps=num_warps, **_fixup_kwargs(out, counters, split),
+        **pdl.streaming_kwargs(x.device))
     if split > 1 and counters is None:  # one launch: the partials in split order, the bias, one rounding
         reduce_splits(target, bias, out)
     return out
