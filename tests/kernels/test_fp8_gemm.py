@@ -375,6 +375,10 @@ def test_block_scale_after_the_product_in_fp16(kind: str) -> None:
     for i in (0, 2, 3, 4):
         err = ((got[i].double() - exact[i]).norm() / exact[i].norm()).item()
         assert err < 5e-3, (i, err)  # the output's rounding to bf16
+    unswapped = tk.w8a16_matmul(x, codes, scales, f16=True)  # the same form with x as the first operand
+    assert not unswapped[1].any()
+    for i in (0, 2, 3, 4):
+        assert ((unswapped[i].double() - exact[i]).norm() / exact[i].norm()).item() < 5e-3, i
     plain = kind.removesuffix("_f16")
     assert not torch.equal(got, tk.few_row_matmul(plain, x, codes, scales))
     x32 = torch.randn(3, 384, generator=g)
