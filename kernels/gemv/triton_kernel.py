@@ -109,25 +109,34 @@ def _store_row(o_ptr, b_ptr, acc, m, M, N, rn, n_ok, pid_k, stride_om, SPLIT: tl
 
 
 @triton.jit
+def _split_total(p_ptr, offs, ok, MN, splits, b_ptrs, HAS_BIAS: tl.constexpr):
+    """``sum_s p[s * MN + offs]`` in split order, then the bias at ``b_ptrs``: the fp32 value
+    both split-K sums (``_reduce_kernel``, ``split_fixup``) round once. The loads bypass L1
+    (``.cg``): other programs wrote the partials."""
+    acc = tl.zeros_like(offs).to(tl.float32)
+    for s in range(splits):
+        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
+    if HAS_BIAS:
+        acc += tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def split_fixup(p_ptr, b_ptr, o_ptr, cnt_ptr, tile, splits, M, N, stride_om, rm, rn, HAS_BIAS: tl.constexpr,
                 KIND_X: tl.constexpr):
     """The split-K sum inside the launch: called by every program of a split launch after it
     stored its fp32 partials (``[splits, M, N]``) for rows ``rm`` x columns ``rn`` of output
     tile ``tile``. The program counts itself in on the tile's counter; the last of the tile's
     ``splits`` programs to arrive adds the partials in split order and the bias and rounds once
-    to ``o_ptr`` (the bits ``_reduce_kernel`` gives), then sets the counter back to 0 for the
-    next launch. The barrier and the counter's acquire-release order every program's partial
-    stores before the last one's loads, which bypass L1 (``.cg``)."""
+    to ``o_ptr`` (``_split_total``, as ``_reduce_kernel``), then sets the counter back to 0 for
+    the next launch. The barrier and the counter's acquire-release order every program's
+    partial stores before the last one's loads."""
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
     if arrived == splits - 1:
         ok = (rm < M)[:, None] & (rn < N)[None, :]
         offs = rm[:, None] * N + rn[None, :]
-        acc = tl.zeros((rm.shape[0], rn.shape[0]), dtype=tl.float32)
-        for s in range(splits):
-            acc += tl.load(p_ptr + s * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc = _split_total(p_ptr, offs, ok, M * N, splits, b_ptr + rn[None, :] + 0 * offs, HAS_BIAS)
         tl.store(o_ptr + rm[:, None] * stride_om + rn[None, :], round_to(acc, KIND_X).to(o_ptr.dtype.element_ty),
                  mask=ok)
         tl.atomic_xchg(cnt_ptr + tile, 0)
@@ -267,11 +276,7 @@ def _reduce_kernel(p_ptr, b_ptr, o_ptr, MN, N, SPLITS, HAS_BIAS: tl.constexpr, K
     pdl.enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    acc = _split_total(p_ptr, offs, ok, MN, SPLITS, b_ptr + offs % N, HAS_BIAS)
     tl.store(o_ptr + offs, round_to(acc, KIND_X).to(o_ptr.dtype.element_ty), mask=ok)
 
 
