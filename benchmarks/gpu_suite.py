@@ -17,7 +17,9 @@ machine stays staged), checks that every module the suite imports is present, th
 ``pytest`` serially (parallel workers on one GPU make the large kernel tests fail for
 memory) and writes the log and a JUnit XML under ``$OUT`` (or ``--out``). With ``--workers N``
 the tests not marked ``gpu`` run first in N pytest-xdist workers (the device has 16 cores; the
-serial suite takes longer than one 10-minute call), then the ``gpu``-marked ones serially.
+serial suite takes longer than one 10-minute call), then the ``gpu``-marked ones serially; with
+``--gpu-workers M`` the ``gpu``-marked ones run in M workers too, except the full-size modules
+(``SERIAL_GPU_MODULES``), which follow alone on the card.
 
 Typical device calls (the wheels are ~23 MiB, the GGUF four parts of 28 MiB or less, the
 working tree ~5 MiB, and one call carries at most 64 MiB: three calls, each on the machine the
@@ -29,10 +31,10 @@ one before left warm, so each must follow within its 30 s)::
     run(carry=[".whl", ".model/part-3", ".model/manifest.json"],
         command="python3 benchmarks/gpu_suite.py run --workers 12")
 
-The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The 291 ``gpu``-marked ones
-take about 18 minutes serially (an H200: 144 in 540 s), so they run as three calls on the warm
-machine, ``run -m gpu --shard K/3 tests`` for K = 0, 1, 2 (every third test from the K-th: the
-slow ones of a module spread over the calls). The log has a line per test and each failure's
+The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The ~300 ``gpu``-marked ones
+take about 18 minutes serially (an H200: 144 in 540 s): run them as ``run --gpu-workers 4``, or as
+three serial calls on the warm machine, ``run -m gpu --shard K/3 tests`` for K = 0, 1, 2 (every
+third test from the K-th: the slow ones of a module spread over the calls). The log has a line per test and each failure's
 traceback as it happens, so a call stopped at its limit still says what failed.
 
 Without the GGUF the SmolLM2 tests skip (they say so); everything else still runs.
@@ -80,6 +82,10 @@ REQUIRED_MODULES = {
     "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "yaml": "pyyaml", "fla": "fla-core",
     "torch": "torch", "triton": "triton", "transformers": "transformers",
 }
+# gpu-marked modules that need the card to themselves: full-size contexts and workspaces, or a
+# pool sized from the free memory
+SERIAL_GPU_MODULES = ["tests/kernels/test_gpu_large.py", "tests/kernels/test_dequant.py",
+                      "tests/engine/test_pool_sizing.py"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]
 
@@ -232,14 +238,36 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     out = Path(args.out or os.environ.get("OUT") or ".")
     out.mkdir(parents=True, exist_ok=True)
     tests = pytest_args or ["tests"]
-    if not args.workers:
+    if not args.workers and not args.gpu_workers:
         return _pytest(out, "gpu_suite", tests, args.shard)
-    # the tests not marked gpu in parallel workers (small models, little GPU memory each), then
-    # the gpu-marked ones serially (their large kernels fail for memory when they share the card)
-    rc_cpu = _pytest(out, "gpu_suite_not_gpu", ["-n", str(args.workers), "-m", "not gpu", *tests], args.shard)
-    rc_gpu = _pytest(out, "gpu_suite_gpu", ["-m", "gpu", *tests], args.shard)
-    print(f"not gpu-marked (-n {args.workers}): exit {rc_cpu}; gpu-marked (serial): exit {rc_gpu}", flush=True)
-    return rc_cpu or rc_gpu
+    rcs: dict[str, int] = {}
+    if args.workers:
+        # the tests not marked gpu in parallel workers (small models, little GPU memory each)
+        rcs[f"not gpu-marked (-n {args.workers})"] = _pytest(
+            out, "gpu_suite_not_gpu", ["-n", str(args.workers), "-m", "not gpu", *tests], args.shard)
+    if args.gpu_workers:
+        # the gpu-marked ones that fit beside each other in parallel workers (most of the time is
+        # compiling, which is CPU work), then the full-size ones alone on the card
+        deselect = [f"--deselect={m}" for m in SERIAL_GPU_MODULES]
+        rcs[f"gpu-marked (-n {args.gpu_workers})"] = _pytest(
+            out, "gpu_suite_gpu_parallel", ["-n", str(args.gpu_workers), "-m", "gpu", *deselect, *tests], args.shard)
+        serial = _serial_modules(tests)
+        if serial:
+            rcs["gpu-marked, full size (serial)"] = _pytest(out, "gpu_suite_gpu_serial", ["-m", "gpu", *serial],
+                                                           args.shard)
+    else:
+        # serially: the large kernels fail for memory when many workers share the card
+        rcs["gpu-marked (serial)"] = _pytest(out, "gpu_suite_gpu", ["-m", "gpu", *tests], args.shard)
+    print("; ".join(f"{k}: exit {v}" for k, v in rcs.items()), flush=True)
+    # 5: a phase that selected nothing (e.g. only full-size modules requested)
+    return next((v for v in rcs.values() if v not in (0, 5)), 0)
+
+
+def _serial_modules(tests: list[str]) -> list[str]:
+    """The full-size GPU modules that lie under the requested test paths (options pass through)."""
+    paths = [t for t in tests if not t.startswith("-")]
+    return [m for m in SERIAL_GPU_MODULES
+            if any(m == p.rstrip("/") or m.startswith(p.rstrip("/") + "/") for p in paths)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--allow-missing", action="store_true", help="run even if a needed package is absent")
     r.add_argument("--workers", type=int, default=0, help="run the tests not marked gpu in this many pytest-xdist "
                    "workers first, then the gpu-marked ones serially (0 = everything serially)")
+    r.add_argument("--gpu-workers", type=int, default=0,
+                   help="run the gpu-marked tests in this many workers too, except the full-size modules "
+                        "(SERIAL_GPU_MODULES), which follow serially; with --gpu-workers and no --workers the "
+                        "tests not marked gpu do not run")
     r.add_argument("--shard", default="", metavar="K/N",
                    help="run every N-th test from the K-th (0 <= K < N), counted after -m / -k: a suite longer "
                         "than one call as N calls")
