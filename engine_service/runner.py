@@ -185,8 +185,9 @@ class TorchModelRunner:
         if self.kv_spec.float_layout.num_layers and self.kv_spec.quant_layout is None:
             return ("the KV cache is a gathered float pool (decode gathers each context to the longest): "
                     "use a paged KV format (--kv-paged on, or a quantized --kv-dtype)")
-        if self.args.moe is not None:
-            return "MoE layers route tokens on the host (data-dependent shapes)"
+        if self.args.moe is not None and self._device.type == "cuda" and not self.ops.moe_on_device(self.dtype):
+            return (f"the {self.ops.name} layer backend routes MoE tokens on the host (data-dependent shapes) in "
+                    f"{self.dtype}: use the cuda backend with bf16 / fp16 / fp32")
         return None
 
     def plan_graphs(self, max_batch: int, verify_tokens: int = 0) -> None:

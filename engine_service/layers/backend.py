@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from deepwell.kernels.fused import references as fused_ref
 from deepwell.kernels.gdn import pool_reference
+from deepwell.kernels.moe import reference as moe_reference
 
 GDN_CHUNK = 64
 ATTN_SCORE_BYTES = 256 << 20  # fp32 score block budget of the reference attention
@@ -317,22 +318,15 @@ class ReferenceBackend:
         topk_idx: torch.Tensor,
         topk_w: torch.Tensor,
     ) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        flat_idx = topk_idx.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=gate_up.shape[0]).tolist()
-        token_of = order // topk_idx.shape[1]
-        weight_of = topk_w.reshape(-1)[order]
-        pos = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[pos : pos + n]
-            y = self.linear(self.silu_and_mul(self.linear(x[tok], gate_up[e])), down[e])
-            y = y * weight_of[pos : pos + n, None].to(x.dtype)
-            out.index_add_(0, tok, y)
-            pos += n
-        return out
+        """The routed experts' SwiGLU per pick, weighted and added per token
+        (``kernels.moe.reference``: one GEMM pair per expert with picks, through this backend's
+        ``linear`` and ``silu_and_mul``)."""
+        return moe_reference.moe_experts(x, gate_up, down, topk_idx, topk_w, self.linear, self.silu_and_mul)
+
+    def moe_on_device(self, dtype: torch.dtype) -> bool:
+        """Whether ``moe_experts`` routes on the device without a host sync for CUDA tensors of
+        ``dtype`` (so MoE decode steps can be captured as CUDA graphs): not this loop."""
+        return False
 
 
 _l2norm = pool_reference.l2norm  # x * rsqrt(sum(x^2) + 1e-6), the decode step's and the kernels'

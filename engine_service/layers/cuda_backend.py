@@ -17,6 +17,8 @@ imports (the optional ``deepwell[cuda]`` extra), the four GDN ops run through ``
   does not need fla) for CUDA tensors of the shapes it takes, once it has matched the reference
   at that head shape on this device (``pool_recurrent.self_check``, on the first call), else the
   reference op (whose decode steps are this backend's ``gated_delta_rule_decode``);
+- ``moe_experts``: the routed experts in two grouped-GEMM Triton launches over the picks sorted
+  by expert on the GPU (``kernels.moe``; no host sync, so MoE decode steps capture as graphs);
 - ``causal_conv1d`` / ``causal_conv1d_decode``: fla's Triton causal conv (prefill) and its
   update kernel (decode), the engine's ``[C, K-1]`` conv state carried through fla's
   ``[C, K]`` layout with a zero column in front (``kernels.gdn.fla_ops``);
@@ -49,6 +51,7 @@ import structlog
 from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
 from deepwell.kernels.fused.ops import FusedOps
 from deepwell.kernels.gdn import fla_ops, pool_conv, pool_recurrent
+from deepwell.kernels.moe import triton_kernel as moe_kernel
 
 
 # relative error the Gated DeltaNet pool kernel may show against the reference at its start-up
@@ -239,6 +242,18 @@ class CudaBackend(FusedOps, ReferenceBackend):
             lo += n
         fla_ops.scatter_states(pool, slots, torch.stack(finals))
         return torch.cat(outs)
+
+    # -- mixture of experts ---------------------------------------------------------------
+    def moe_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: torch.Tensor,
+                    topk_w: torch.Tensor) -> torch.Tensor:
+        """``kernels.moe``'s two grouped launches for CUDA tensors of one supported dtype (no
+        host sync: MoE decode steps capture as CUDA graphs); the reference's loop otherwise."""
+        if self._fused(x, gate_up, down) and x.dtype == gate_up.dtype == down.dtype:
+            return moe_kernel.moe_experts(x, gate_up, down, topk_idx, topk_w)
+        return super().moe_experts(x, gate_up, down, topk_idx, topk_w)
+
+    def moe_on_device(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 def default_backend(device: torch.device | str) -> tuple[str, str]:

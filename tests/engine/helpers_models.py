@@ -109,6 +109,17 @@ def make_hf(name: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def save_tiny_head_dim(name: str, directory: Path, head_dim: int = 64) -> None:
+    """A tiny config of ``TINY`` with another head_dim (the quantized and paged KV formats take
+    64 / 128 / 256), its default initialization, saved as a checkpoint."""
+    import importlib
+
+    module, cfg_cls, model_cls, kwargs = TINY[name]
+    mod = importlib.import_module(f"transformers.models.{module}")
+    torch.manual_seed(0)
+    getattr(mod, model_cls)(getattr(mod, cfg_cls)(**{**kwargs, "head_dim": head_dim})).float().save_pretrained(directory)
+
+
 def save_tiny(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
     model = make_hf(name, seed)
     model.save_pretrained(directory)

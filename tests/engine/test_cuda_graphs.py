@@ -25,7 +25,7 @@ from deepwell.engine_service.layers.fp8_linear import FP8Linear, dequant_bytes, 
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
 from deepwell.engine_service.runner_api import ForwardBatch, SeqSlice
-from tests.engine.helpers_models import greedy_three, one_torch_thread, prompt
+from tests.engine.helpers_models import greedy_three, one_torch_thread, prompt, save_tiny_head_dim
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
@@ -147,6 +147,13 @@ def test_engine_tokens_equal_with_graph_steps(hybrid64: Path) -> None:
     assert _greedy(hybrid64, 3) == _greedy(hybrid64, 0)
 
 
+def test_moe_engine_tokens_equal_with_graph_steps(tmp_path: Path) -> None:
+    """MoE models take graph steps too (on CUDA their routed experts run without a host sync,
+    ``kernels.moe``; here the static-buffer steps run eagerly)."""
+    save_tiny_head_dim("qwen3_5_moe", tmp_path / "moe64")
+    assert _greedy(tmp_path / "moe64", 3) == _greedy(tmp_path / "moe64", 0)
+
+
 def test_graph_settings(hybrid64: Path) -> None:
     with pytest.raises(configs.ConfigError, match="cuda_graphs"):
         EngineConfig(cuda_graphs="on", device="cpu")
@@ -195,28 +202,16 @@ def _hf(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _llama64(directory: Path) -> None:
-    from tests.engine.helpers_models import TINY
-
-    import importlib
-
-    module, cfg_cls, model_cls, kwargs = TINY["llama"]
-    mod = importlib.import_module(f"transformers.models.{module}")
-    torch.manual_seed(0)
-    cfg = getattr(mod, cfg_cls)(**{**kwargs, "head_dim": 64})
-    getattr(mod, model_cls)(cfg).float().save_pretrained(directory)
-
-
 def _model(tmp_path: Path, hybrid64: Path, arch: str) -> Path:
-    if arch != "llama":
+    if arch == "qwen3_5":
         return hybrid64
-    _llama64(tmp_path / "llama64")
-    return tmp_path / "llama64"
+    save_tiny_head_dim(arch, tmp_path / f"{arch}64")
+    return tmp_path / f"{arch}64"
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama", "qwen3_5_moe"])
 @pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
 def test_decode_step_has_no_capture_hazards_on_gpu(tmp_path: Path, hybrid64: Path, arch: str, kv: str) -> None:
     r = build_runner(open_model(_model(tmp_path, hybrid64, arch)), device="cuda", dtype=torch.bfloat16, kv_dtype=kv,
@@ -234,7 +229,7 @@ def test_decode_step_has_no_capture_hazards_on_gpu(tmp_path: Path, hybrid64: Pat
 
 @pytest.mark.gpu
 @pytest.mark.timeout(900)  # the kernels' first compilation
-@pytest.mark.parametrize("arch", ["qwen3_5", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama", "qwen3_5_moe"])
 @pytest.mark.parametrize("kv", ["bf16", "nvfp4"])
 def test_captured_decode_agrees_with_eager_and_hf(tmp_path: Path, hybrid64: Path, arch: str, kv: str) -> None:
     from tests.engine.helpers_models import hf_logits

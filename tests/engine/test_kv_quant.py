@@ -124,14 +124,9 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 
 def save_hybrid(directory: Path, head_dim: int = 64) -> None:
     """The tiny qwen3_5 of ``helpers_models`` with head_dim 64 (the kernels need 64/128/256)."""
-    import importlib
+    from tests.engine.helpers_models import save_tiny_head_dim
 
-    from tests.engine.helpers_models import TINY
-
-    module, cfg_cls, model_cls, kwargs = TINY["qwen3_5"]
-    mod = importlib.import_module(f"transformers.models.{module}")
-    torch.manual_seed(0)
-    getattr(mod, model_cls)(getattr(mod, cfg_cls)(**{**kwargs, "head_dim": head_dim})).float().save_pretrained(directory)
+    save_tiny_head_dim("qwen3_5", directory, head_dim)
 
 
 # -- the real engine process (first: the test process is still small, and a large one slows

@@ -1,0 +1,193 @@
+"""The routed experts of a mixture-of-experts layer in two Triton launches, with no host sync
+and fixed launch shapes for a given token count: capturable in a CUDA graph.
+
+``reference.moe_experts_summed`` is the meaning. The picks ``(token, j)`` are sorted by expert
+on the GPU (``plan``) and cut into tiles of ``BM`` picks of one expert; a tile's program reads
+its expert's weights once for all its picks (tensor-core products, fp32 sums):
+
+1. ``_gate_up_kernel`` over (tile, block of I): the gate and up columns of the block,
+   ``h = round(round(silu(round(g))) * round(u))`` stored per pick (``h [P, I]``);
+2. ``_down_kernel`` over (tile, block of H): ``y = round(round(h @ down[e].T) * w)`` per pick;
+
+then each token's k picks are added in fp32 and rounded once (torch).
+
+The grid is the most tiles any routing of ``P = N * k`` picks can need,
+``(P + min(P, E) (BM - 1)) // BM`` (each expert with picks wastes under one tile): with ``E``
+large and ``N`` small that is ``P`` tiles, the experts a step actually reads. A tile past the plan's
+last one returns at once (its expert is -1), so no weight is read for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepwell.kernels.fused.common import INTERPRET, KIND, round_to, silu_f32
+from deepwell.kernels.moe import reference
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The picks sorted by expert and cut into tiles (all on x's device, fixed shapes).
+
+    ``order [P]``: pick ids (``token * k + j``) sorted by expert, stable; ``tile_expert [T]``:
+    each tile's expert, -1 past the last tile; ``tile_row0`` / ``tile_row1 [T]``: the tile's
+    picks are ``order[row0:row1]`` (at most ``block_m``)."""
+
+    order: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row0: torch.Tensor
+    tile_row1: torch.Tensor
+    block_m: int
+
+
+def max_tiles(picks: int, num_experts: int, block_m: int) -> int:
+    """The most tiles ``picks`` picks over ``num_experts`` experts can fill: with ``a`` experts
+    picked, ``sum ceil(c_e / BM) <= (picks + a (BM - 1)) / BM``, and ``a <= min(picks, E)``."""
+    return (picks + min(picks, num_experts) * (block_m - 1)) // block_m
+
+
+def plan(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Plan:
+    """Sort the picks by expert and tile them, with device ops only (no host sync)."""
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    picks = flat.numel()
+    dev = flat.device
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    t = torch.arange(max_tiles(picks, num_experts, block_m), dtype=torch.int64, device=dev)
+    e = torch.searchsorted(tile_end, t, right=True)  # tiles before t's expert end at or before t
+    valid = e < num_experts
+    ec = e.clamp(max=num_experts - 1)
+    row0 = (ends - counts)[ec] + (t - (tile_end - tiles)[ec]) * block_m
+    row1 = torch.minimum(ends[ec], row0 + block_m)
+    return Plan(order=order, tile_expert=torch.where(valid, ec, -1).to(torch.int32),
+                tile_row0=row0.to(torch.int32), tile_row1=row1.to(torch.int32), block_m=block_m)
+
+
+@triton.jit
+def _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM: tl.constexpr):
+    """This program's tile: its expert, its picks' ids, which rows hold one, their tokens."""
+    t = tl.program_id(0)
+    e = tl.load(te_ptr + t)
+    r = tl.load(r0_ptr + t) + tl.arange(0, BM)
+    ok = r < tl.load(r1_ptr + t)
+    pick = tl.load(order_ptr + r, mask=ok, other=0)
+    return e, pick, ok, pick // TOPK
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, H, I, TOPK,
+                    stride_x, stride_we, stride_wn, stride_h,
+                    KIND_X: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM)
+    if e < 0:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < I
+    rk = tl.arange(0, BK)
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_x
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    g_cols = w_e + n.to(tl.int64)[None, :] * stride_wn  # gate rows n, up rows I + n, as [BK, BN]
+    u_cols = w_e + (I + n).to(tl.int64)[None, :] * stride_wn
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k = k0 + rk
+        k_ok = k < H
+        a = tl.load(x_rows + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        wm = k_ok[:, None] & n_ok[None, :]
+        wg = tl.load(g_cols + k[:, None], mask=wm, other=0.0)
+        wu = tl.load(u_cols + k[:, None], mask=wm, other=0.0)
+        if IEEE:  # fp32 operands (16-bit ones widened: exact), fp32 products
+            a = a.to(tl.float32)
+            acc_g += tl.dot(a, wg.to(tl.float32), input_precision="ieee")
+            acc_u += tl.dot(a, wu.to(tl.float32), input_precision="ieee")
+        else:
+            acc_g += tl.dot(a, wg)
+            acc_u += tl.dot(a, wu)
+    g = round_to(acc_g, KIND_X)
+    u = round_to(acc_u, KIND_X)
+    h = round_to(round_to(silu_f32(g), KIND_X) * u, KIND_X)
+    tl.store(h_ptr + pick.to(tl.int64)[:, None] * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, H, I, TOPK,
+                 stride_h, stride_we, stride_wn, stride_y,
+                 KIND_X: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM)
+    if e < 0:
+        return
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < H
+    rk = tl.arange(0, BK)
+    h_rows = h_ptr + pick.to(tl.int64)[:, None] * stride_h
+    w_cols = w_ptr + e.to(tl.int64) * stride_we + n.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        k = k0 + rk
+        k_ok = k < I
+        a = tl.load(h_rows + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    wt = tl.load(tw_ptr + pick, mask=ok, other=0.0).to(tl.float32)
+    y = round_to(round_to(acc, KIND_X) * wt[:, None], KIND_X)
+    tl.store(y_ptr + pick.to(tl.int64)[:, None] * stride_y + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=ok[:, None] & n_ok[None, :])
+
+
+def tiles_for(picks: int) -> tuple[int, int]:
+    """``(BM, BN)``: 16 picks per tile and narrow column blocks for a decode step's few picks
+    (more programs reading weights), 64 x 64 for prefill chunks."""
+    if picks <= 128:
+        return 16, 32
+    return 64, 64
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: torch.Tensor,
+                topk_w: torch.Tensor) -> torch.Tensor:
+    """``reference.moe_experts_summed`` in two launches (x fp32 / bf16 / fp16, weights the same
+    dtype; fp32 products in IEEE fp32, not TF32)."""
+    reference.check(x, gate_up, down, topk_idx, topk_w)
+    if x.dtype not in KIND or gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"moe_experts takes x and weights of one dtype in fp32 / bf16 / fp16, got x {x.dtype}, "
+                         f"gate_up {gate_up.dtype}, down {down.dtype}")
+    n_tok, k = topk_idx.shape
+    num_e, two_i, hid = gate_up.shape
+    inter = two_i // 2
+    picks = n_tok * k
+    if picks == 0:
+        return torch.zeros_like(x)
+    bm, bn = tiles_for(picks)
+    p = plan(topk_idx, num_e, bm)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    down = down if down.stride(-1) == 1 else down.contiguous()
+    tw = topk_w.reshape(-1).to(x.dtype).contiguous()
+    h = torch.empty(picks, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(picks, hid, dtype=x.dtype, device=x.device)
+    tiles = p.tile_expert.numel()
+    # fp32 in IEEE fp32 (not TF32); under the interpreter 16-bit tiles are widened first (its
+    # 16-bit products are wrong), which gives the tensor cores' exact products and fp32 sums
+    common = dict(KIND_X=KIND[x.dtype], IEEE=x.dtype == torch.float32 or INTERPRET, BM=bm, BK=64,
+                  num_warps=4)
+    _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
+        x, gate_up, h, p.order, p.tile_expert, p.tile_row0, p.tile_row1, hid, inter, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BN=bn, **common)
+    _down_kernel[(tiles, triton.cdiv(hid, bn))](
+        h, down, tw, y, p.order, p.tile_expert, p.tile_row0, p.tile_row1, hid, inter, k,
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0), BN=bn, **common)
+    return y.view(n_tok, k, hid).float().sum(1).to(x.dtype)

@@ -1,0 +1,226 @@
+"""Routed experts (``kernels.moe``): the tile plan covers every pick once, the Triton kernels
+match ``reference.moe_experts_summed`` (the interpreter on CPU at small sizes; compiled on a
+GPU at a Qwen3.6-35B-A3B layer's shape, and captured in a CUDA graph whose replays follow new
+routings), the engine's loop (``reference.moe_experts``) agrees with both, and the kernels
+build offline for sm_90.
+
+Tolerances: under the interpreter the 16-bit tiles are widened to fp32 (exact products, fp32
+sums, as tensor cores) and the results equal the summed reference bit for bit in bf16 and
+within fp32 rounding in fp32; the loop adds the k picks in the output dtype, so it is within a
+few bf16 ulps of either.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepwell.engine_service.layers.backend import ReferenceBackend
+from deepwell.engine_service.layers.cuda_backend import CudaBackend
+from deepwell.engine_service.layers.moe import SparseMoE
+from deepwell.kernels.moe import reference, triton_kernel
+
+ROOT = Path(__file__).resolve().parents[2]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+kernel_runs = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="needs the Triton interpreter (CPU) or a GPU")
+
+
+def _case(n: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int = 0, device: str = DEV,
+          idx: torch.Tensor | None = None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    gu = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(dtype)
+    dn = (torch.randn(e, h, i, generator=gen) / i**0.5).to(dtype)
+    if idx is None:
+        idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]) if n else torch.empty(0, k)
+    w = torch.rand(n, k, generator=gen).to(dtype)
+    return [t.to(device) for t in (x, gu, dn, idx.long(), w)]
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("n", "e", "k", "bm"), [(1, 8, 2, 16), (5, 64, 8, 16), (40, 4, 3, 16), (300, 16, 4, 64),
+                                                 (33, 2, 1, 16)])
+def test_plan_tiles_every_pick_once_with_its_expert(n: int, e: int, k: int, bm: int) -> None:
+    gen = torch.Generator().manual_seed(n)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    p = triton_kernel.plan(idx, e, bm)
+    flat = idx.reshape(-1)
+    assert p.tile_expert.numel() == triton_kernel.max_tiles(n * k, e, bm)
+    seen = []
+    for t in range(p.tile_expert.numel()):
+        ex, r0, r1 = int(p.tile_expert[t]), int(p.tile_row0[t]), int(p.tile_row1[t])
+        if ex < 0:
+            continue
+        assert 0 < r1 - r0 <= bm
+        picks = p.order[r0:r1]
+        assert bool((flat[picks] == ex).all())
+        seen += picks.tolist()
+    assert sorted(seen) == list(range(n * k))
+    # the tiles in use come first: a tile past the last one has expert -1
+    used = (p.tile_expert >= 0).int()
+    assert bool((used[:-1] >= used[1:]).all())
+
+
+def test_plan_bound_is_tight_when_every_pick_has_its_own_expert() -> None:
+    idx = torch.arange(32).view(4, 8)
+    p = triton_kernel.plan(idx, 256, 16)
+    assert p.tile_expert.numel() == 32 and bool((p.tile_expert >= 0).all())
+
+
+# -- the kernels against the references -------------------------------------------------------
+
+CASES = [  # n tokens, experts, top-k, hidden, intermediate
+    (1, 8, 2, 64, 32),
+    (5, 8, 3, 48, 40),      # H, I not multiples of the blocks
+    (37, 6, 2, 64, 32),     # more picks than experts: tiles of several picks
+    (20, 3, 3, 32, 16),     # 60 picks over 3 experts: several tiles per expert (BM 16)
+    (200, 8, 2, 32, 16),    # prefill tiles (BM 64)
+]
+
+
+@kernel_runs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_kernel_matches_the_summed_reference_and_the_loop(case: tuple, dtype: torch.dtype) -> None:
+    x, gu, dn, idx, w = _case(*case, dtype)
+    got = triton_kernel.moe_experts(x, gu, dn, idx, w)
+    want = reference.moe_experts_summed(x, gu, dn, idx, w)
+    loop = reference.moe_experts(x, gu, dn, idx, w)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loop, want, rtol=1e-5, atol=1e-5)
+    else:
+        if DEV == "cpu":  # widened tiles: the reference's GEMMs, bit for bit
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(loop.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+@kernel_runs
+def test_all_picks_on_one_expert_and_experts_without_picks() -> None:
+    idx = torch.full((40, 1), 2)
+    x, gu, dn, idx, w = _case(40, 6, 1, 32, 16, torch.float32, idx=idx)
+    torch.testing.assert_close(triton_kernel.moe_experts(x, gu, dn, idx, w),
+                               reference.moe_experts_summed(x, gu, dn, idx, w), rtol=1e-5, atol=1e-5)
+
+
+@kernel_runs
+def test_no_tokens_and_bad_shapes() -> None:
+    x, gu, dn, idx, w = _case(0, 4, 2, 32, 16, torch.float32)
+    assert triton_kernel.moe_experts(x, gu, dn, idx, w).shape == (0, 32)
+    x, gu, dn, idx, w = _case(3, 4, 2, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="expert shapes"):
+        triton_kernel.moe_experts(x, gu, dn[:, :16], idx, w)
+    with pytest.raises(ValueError, match="topk_idx"):
+        triton_kernel.moe_experts(x, gu, dn, idx[:2], w)
+    with pytest.raises(ValueError, match="one dtype"):
+        triton_kernel.moe_experts(x, gu.to(torch.bfloat16), dn, idx, w)
+
+
+@kernel_runs
+def test_the_cuda_backend_serves_a_moe_layer_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SparseMoE layer (with a shared expert) on the CUDA backend (the kernels under the
+    interpreter on CPU) agrees with the reference backend, and goes through the kernel."""
+    calls = []
+    real = triton_kernel.moe_experts
+    monkeypatch.setattr(triton_kernel, "moe_experts", lambda *a: calls.append(1) or real(*a))
+    layers = []
+    for backend in (ReferenceBackend(), CudaBackend()):
+        backend.fused_on_cpu = True
+        torch.manual_seed(0)
+        layer = SparseMoE(hidden=32, num_experts=6, top_k=2, intermediate=16, shared_intermediate=24,
+                          norm_topk_prob=True, backend=backend)
+        for prm in layer.parameters():
+            prm.data.normal_(0, 0.2)
+        layers.append(layer.to(DEV))
+    x = torch.randn(9, 32, device=DEV)
+    torch.testing.assert_close(layers[1](x), layers[0](x), rtol=1e-5, atol=1e-5)
+    assert calls
+
+
+# -- on a GPU: full-size routing, and inside a CUDA graph ---------------------------------------
+
+QWEN36_A3B = (256, 8, 2048, 512)  # experts, top-k, hidden, expert intermediate
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4, 300])
+def test_full_size_layer_on_the_gpu(n: int) -> None:
+    e, k, h, i = QWEN36_A3B
+    x, gu, dn, idx, w = _case(n, e, k, h, i, torch.bfloat16, device="cuda")
+    got = triton_kernel.moe_experts(x, gu, dn, idx, w)
+    want = reference.moe_experts_summed(x.float(), gu.float(), dn.float(), idx, w.float())
+    rel = ((got.float() - want).norm() / want.norm()).item()
+    assert rel <= 1e-2, rel
+
+
+@pytest.mark.gpu
+def test_captured_moe_follows_new_routings() -> None:
+    e, k, h, i = QWEN36_A3B
+    x, gu, dn, idx, w = _case(4, e, k, h, i, torch.bfloat16, device="cuda")
+    triton_kernel.moe_experts(x, gu, dn, idx, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_kernel.moe_experts(x, gu, dn, idx, w)
+    for seed in range(3):
+        _, _, _, new_idx, new_w = _case(4, e, k, h, i, torch.bfloat16, seed=seed + 1, device="cuda")
+        new_idx[0, :] = new_idx[1, :]  # two tokens on the same experts: tiles of two picks
+        idx.copy_(new_idx)
+        w.copy_(new_w)
+        x.normal_()
+        graph.replay()
+        assert torch.equal(out, triton_kernel.moe_experts(x, gu, dn, idx, w))
+
+
+# -- the compiled kernels build, offline --------------------------------------------------------
+
+def offline_build(arch: int) -> int:
+    """Compile each kernel's launches (decode and prefill tiles, bf16 and fp32) for ``sm_{arch}``
+    with Triton's bundled ptxas; prints a line per launch, returns the failure count."""
+    from triton.runtime.jit import JITFunction
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import triton_archs
+
+    launches = []
+    original = JITFunction.run
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
+    try:
+        e, k, h, i = QWEN36_A3B
+        for n, dtype in [(1, torch.bfloat16), (300, torch.bfloat16), (2, torch.float32)]:
+            triton_kernel.moe_experts(*_case(n, e, k, h, i, dtype, device="cpu"))
+    finally:
+        JITFunction.run = original
+    failed = 0
+    for fn, a, kw in launches:
+        try:
+            result = f"ok ({triton_archs.build(fn, a, kw, arch)} B shared)"
+        except Exception as exc:  # report every failure
+            failed += 1
+            result = "FAIL " + str(exc)[-2000:]
+        print(f"sm_{arch} {fn.fn.__name__}: {result}", flush=True)
+    return failed
+
+
+def _has_ptxas() -> bool:
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
+def test_kernels_build_for_hopper(tmp_path: Path) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    code = "import sys; from tests.kernels.test_moe import offline_build; sys.exit(offline_build(90))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert res.stdout.count(": ok (") == 6, res.stdout
