@@ -9,7 +9,10 @@ its expert's weights once for all its picks (tensor-core products, fp32 sums):
    ``h = round(round(silu(round(g))) * round(u))`` stored per pick (``h [P, I]``);
 2. ``_down_kernel`` over (tile, block of H): ``y = round(round(h @ down[e].T) * w)`` per pick;
 
-then each token's k picks are added in fp32 and rounded once (torch).
+then each token's k picks are added in fp32 and rounded once (torch). FP8 experts
+(``reference.Scales``) are read as E4M3 bytes, each tile's codes times their block scale formed
+in fp32 and rounded to x's dtype before the product: the dequantized weight's exact bits, so
+half the bytes of bf16 experts are read for the same result.
 
 The grid is the most tiles any routing of ``P = N * k`` picks can need,
 ``(P + min(P, E) (BM - 1)) // BM`` (each expert with picks wastes under one tile): with ``E``
@@ -25,8 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from deepwell.kernels.e4m3_unpack import e4m3_f16, has_fp8_conversion
 from deepwell.kernels.fused.common import INTERPRET, KIND, round_to, silu_f32
 from deepwell.kernels.moe import reference
+
+BLOCK_K = 64  # K per step; an FP8 scale block spans a multiple of it
 
 
 @dataclass(frozen=True)
@@ -83,10 +89,28 @@ def _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, H, I, TOPK,
-                    stride_x, stride_we, stride_wn, stride_h,
+def _weight_tile(cols, rows, k, k0, mask, s_cols, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
+                 FP8: tl.constexpr, FP8_HW: tl.constexpr, KIND_X: tl.constexpr, IEEE: tl.constexpr, x_dtype):
+    """A ``[BK, BN]`` weight tile (columns ``cols`` = row pointers of the weight, ``rows`` their
+    indices) for ``tl.dot``: 16-bit as stored; FP8 codes times their block's scale, formed in fp32
+    and rounded to x's dtype (``fp8_gemm.reference.dequantize``: the same bits). ``IEEE``: fp32."""
+    w = tl.load(cols + k[:, None], mask=mask, other=0)
+    if FP8:
+        sc = tl.load(s_cols + (rows // SBN)[None, :] * stride_sn + k0 // SBK, mask=mask, other=0.0)
+        w = round_to(e4m3_f16(w, FP8_HW).to(tl.float32) * sc, KIND_X)
+        if not IEEE:
+            w = w.to(x_dtype)
+    if IEEE:
+        w = w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, s_ptr, H, I, TOPK,
+                    stride_x, stride_we, stride_wn, stride_h, stride_se, stride_sn,
                     KIND_X: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr):
+                    BK: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                    FP8_HW: tl.constexpr):
     e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM)
     if e < 0:
         return
@@ -97,6 +121,7 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, H, I
     w_e = w_ptr + e.to(tl.int64) * stride_we
     g_cols = w_e + n.to(tl.int64)[None, :] * stride_wn  # gate rows n, up rows I + n, as [BK, BN]
     u_cols = w_e + (I + n).to(tl.int64)[None, :] * stride_wn
+    s_e = s_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
@@ -104,12 +129,12 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, H, I
         k_ok = k < H
         a = tl.load(x_rows + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         wm = k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(g_cols + k[:, None], mask=wm, other=0.0)
-        wu = tl.load(u_cols + k[:, None], mask=wm, other=0.0)
+        wg = _weight_tile(g_cols, n, k, k0, wm, s_e, stride_sn, SBN, SBK, FP8, FP8_HW, KIND_X, IEEE, a.dtype)
+        wu = _weight_tile(u_cols, I + n, k, k0, wm, s_e, stride_sn, SBN, SBK, FP8, FP8_HW, KIND_X, IEEE, a.dtype)
         if IEEE:  # fp32 operands (16-bit ones widened: exact), fp32 products
             a = a.to(tl.float32)
-            acc_g += tl.dot(a, wg.to(tl.float32), input_precision="ieee")
-            acc_u += tl.dot(a, wu.to(tl.float32), input_precision="ieee")
+            acc_g += tl.dot(a, wg, input_precision="ieee")
+            acc_u += tl.dot(a, wu, input_precision="ieee")
         else:
             acc_g += tl.dot(a, wg)
             acc_u += tl.dot(a, wu)
@@ -121,10 +146,11 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, H, I
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, H, I, TOPK,
-                 stride_h, stride_we, stride_wn, stride_y,
+def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, s_ptr, H, I, TOPK,
+                 stride_h, stride_we, stride_wn, stride_y, stride_se, stride_sn,
                  KIND_X: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
+                 BK: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+                 FP8_HW: tl.constexpr):
     e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM)
     if e < 0:
         return
@@ -133,14 +159,16 @@ def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr,
     rk = tl.arange(0, BK)
     h_rows = h_ptr + pick.to(tl.int64)[:, None] * stride_h
     w_cols = w_ptr + e.to(tl.int64) * stride_we + n.to(tl.int64)[None, :] * stride_wn
+    s_e = s_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
         k = k0 + rk
         k_ok = k < I
         a = tl.load(h_rows + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w = _weight_tile(w_cols, n, k, k0, k_ok[:, None] & n_ok[None, :], s_e, stride_sn, SBN, SBK, FP8, FP8_HW,
+                         KIND_X, IEEE, a.dtype)
         if IEEE:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
     wt = tl.load(tw_ptr + pick, mask=ok, other=0.0).to(tl.float32)
@@ -158,13 +186,19 @@ def tiles_for(picks: int) -> tuple[int, int]:
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: torch.Tensor,
-                topk_w: torch.Tensor) -> torch.Tensor:
-    """``reference.moe_experts_summed`` in two launches (x fp32 / bf16 / fp16, weights the same
-    dtype; fp32 products in IEEE fp32, not TF32)."""
-    reference.check(x, gate_up, down, topk_idx, topk_w)
-    if x.dtype not in KIND or gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"moe_experts takes x and weights of one dtype in fp32 / bf16 / fp16, got x {x.dtype}, "
-                         f"gate_up {gate_up.dtype}, down {down.dtype}")
+                topk_w: torch.Tensor, scales: reference.Scales | None = None) -> torch.Tensor:
+    """``reference.moe_experts_summed`` in two launches: x fp32 / bf16 / fp16 with weights of the
+    same dtype, or (``scales``) FP8 expert codes whose scale blocks span a multiple of 64 along
+    K; fp32 products in IEEE fp32, not TF32."""
+    reference.check(x, gate_up, down, topk_idx, topk_w, scales)
+    if x.dtype not in KIND:
+        raise ValueError(f"moe_experts takes x in fp32 / bf16 / fp16, got {x.dtype}")
+    if scales is None and (gate_up.dtype != x.dtype or down.dtype != x.dtype):
+        raise ValueError(f"moe_experts takes x and weights of one dtype (or FP8 weights with scales), got x "
+                         f"{x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
+    sbn, sbk = scales.block if scales else (1, BLOCK_K)
+    if sbk % BLOCK_K:
+        raise ValueError(f"FP8 expert scale blocks must span a multiple of {BLOCK_K} along K, got {scales.block}")
     n_tok, k = topk_idx.shape
     num_e, two_i, hid = gate_up.shape
     inter = two_i // 2
@@ -176,18 +210,28 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
+    if scales is not None:  # the kernels read the codes as bytes
+        gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
+    s_gu = scales.gate_up.contiguous() if scales else x  # unread without FP8
+    s_dn = scales.down.contiguous() if scales else x
     tw = topk_w.reshape(-1).to(x.dtype).contiguous()
     h = torch.empty(picks, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(picks, hid, dtype=x.dtype, device=x.device)
     tiles = p.tile_expert.numel()
     # fp32 in IEEE fp32 (not TF32); under the interpreter 16-bit tiles are widened first (its
     # 16-bit products are wrong), which gives the tensor cores' exact products and fp32 sums
-    common = dict(KIND_X=KIND[x.dtype], IEEE=x.dtype == torch.float32 or INTERPRET, BM=bm, BK=64,
-                  num_warps=4)
+    common = dict(KIND_X=KIND[x.dtype], IEEE=x.dtype == torch.float32 or INTERPRET, BM=bm, BK=BLOCK_K,
+                  FP8=scales is not None, SBN=sbn, SBK=sbk, FP8_HW=has_fp8_conversion(x.device), num_warps=4)
     _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
-        x, gate_up, h, p.order, p.tile_expert, p.tile_row0, p.tile_row1, hid, inter, k,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), BN=bn, **common)
+        x, gate_up, h, p.order, p.tile_expert, p.tile_row0, p.tile_row1, s_gu, hid, inter, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), _stride(scales, "gate_up", 0),
+        _stride(scales, "gate_up", 1), BN=bn, **common)
     _down_kernel[(tiles, triton.cdiv(hid, bn))](
-        h, down, tw, y, p.order, p.tile_expert, p.tile_row0, p.tile_row1, hid, inter, k,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0), BN=bn, **common)
+        h, down, tw, y, p.order, p.tile_expert, p.tile_row0, p.tile_row1, s_dn, hid, inter, k,
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0), _stride(scales, "down", 0),
+        _stride(scales, "down", 1), BN=bn, **common)
     return y.view(n_tok, k, hid).float().sum(1).to(x.dtype)
+
+
+def _stride(scales: reference.Scales | None, which: str, dim: int) -> int:
+    return getattr(scales, which).contiguous().stride(dim) if scales else 0
