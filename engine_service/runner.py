@@ -49,6 +49,7 @@ from deepwell.engine_service.layers import gemv_linear
 from deepwell.engine_service.layers.cuda_backend import default_backend  # also registers "cuda"
 from deepwell.engine_service.layers.fp8_linear import BLOCK as FP8_BLOCK
 from deepwell.engine_service.layers.fp8_linear import attach_draft_head, prepare_linears, quantize_linears
+from deepwell.engine_service.layers.moe import prepare_experts, quantize_experts
 from deepwell.engine_service.layers.fp8_linear import wants_draft_head
 from deepwell.engine_service.layers.fp8_linear import tune as tune_fp8
 from deepwell.engine_service.loading.fp8 import block_size as fp8_block_size
@@ -727,8 +728,10 @@ def build_runner(
     elif native_fp8:  # the checkpoint's own codes and scales, loaded into FP8 layers
         block = fp8_block_size(source.config) or FP8_BLOCK
         names = prepare_linears(model, block)
-        load_weights(model, family, text_cfg, source.iter_fp8(), fp8_layers=names, fp8_block=block)
-        log.info("weights_fp8", layers=len(names), block=list(block), source="checkpoint (native)")
+        experts = prepare_experts(model, block)
+        load_weights(model, family, text_cfg, source.iter_fp8(), fp8_layers=names | experts, fp8_block=block)
+        log.info("weights_fp8", layers=len(names), expert_tensors=len(experts), block=list(block),
+                 source="checkpoint (native)")
     else:
         load_weights(model, family, text_cfg, source.iter_tensors())
     if batch_invariant:
@@ -738,7 +741,9 @@ def build_runner(
         check_row_invariance(model)  # RowInvarianceError where this BLAS breaks the mode's premise
     if weight_dtype == "fp8" and not native_fp8:
         count, saved = quantize_linears(model)
-        log.info("weights_fp8", layers=count, bytes_saved=saved, block=list(FP8_BLOCK), source="quantized at load")
+        moes, saved_moe = quantize_experts(model, FP8_BLOCK)
+        log.info("weights_fp8", layers=count, moe_layers=moes, bytes_saved=saved + saved_moe, block=list(FP8_BLOCK),
+                 source="quantized at load")
     if mtp and model.mtp is not None and (native_fp8 or weight_dtype == "fp8") and wants_draft_head():
         log.info("draft_head_fp8", bytes=attach_draft_head(model),
                  detail="drafts read an FP8 copy of the LM head; verification keeps the 16-bit one")

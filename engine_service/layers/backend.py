@@ -28,7 +28,8 @@ Shapes (T = tokens of one sequence unless stated, H* = heads, D = head dim):
   slots[B], lengths[B] | None, out, write_back)``: ``gated_delta_rule_decode`` token by token
   on the states ``pool[slots]``, written back in place (after each sequence's first
   ``lengths[b]`` tokens) — decode steps, speculative verify steps and their group commit.
-- ``moe_experts(x[N,H], gate_up[E,2I,H], down[E,H,I], topk_idx[N,k], topk_w[N,k])``.
+- ``moe_experts(x[N,H], gate_up[E,2I,H], down[E,H,I], topk_idx[N,k], topk_w[N,k], scales)``
+  (``scales``: FP8 experts' block scales, ``kernels.moe.reference.Scales``, or None).
 """
 
 from __future__ import annotations
@@ -317,11 +318,13 @@ class ReferenceBackend:
         down: torch.Tensor,
         topk_idx: torch.Tensor,
         topk_w: torch.Tensor,
+        scales: moe_reference.Scales | None = None,
     ) -> torch.Tensor:
         """The routed experts' SwiGLU per pick, weighted and added per token
         (``kernels.moe.reference``: one GEMM pair per expert with picks, through this backend's
-        ``linear`` and ``silu_and_mul``)."""
-        return moe_reference.moe_experts(x, gate_up, down, topk_idx, topk_w, self.linear, self.silu_and_mul)
+        ``linear`` and ``silu_and_mul``; FP8 experts with ``scales`` dequantized as picked)."""
+        return moe_reference.moe_experts(x, gate_up, down, topk_idx, topk_w, self.linear, self.silu_and_mul,
+                                         scales)
 
     def moe_on_device(self, dtype: torch.dtype) -> bool:
         """Whether ``moe_experts`` routes on the device without a host sync for CUDA tensors of

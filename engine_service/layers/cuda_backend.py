@@ -51,7 +51,7 @@ import structlog
 from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
 from deepwell.kernels.fused.ops import FusedOps
 from deepwell.kernels.gdn import fla_ops, pool_conv, pool_recurrent
-from deepwell.kernels.moe import triton_kernel as moe_kernel
+from deepwell.kernels.moe import reference as moe_reference, triton_kernel as moe_kernel
 
 
 # relative error the Gated DeltaNet pool kernel may show against the reference at its start-up
@@ -245,12 +245,21 @@ class CudaBackend(FusedOps, ReferenceBackend):
 
     # -- mixture of experts ---------------------------------------------------------------
     def moe_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: torch.Tensor,
-                    topk_w: torch.Tensor) -> torch.Tensor:
-        """``kernels.moe``'s two grouped launches for CUDA tensors of one supported dtype (no
-        host sync: MoE decode steps capture as CUDA graphs); the reference's loop otherwise."""
-        if self._fused(x, gate_up, down) and x.dtype == gate_up.dtype == down.dtype:
-            return moe_kernel.moe_experts(x, gate_up, down, topk_idx, topk_w)
-        return super().moe_experts(x, gate_up, down, topk_idx, topk_w)
+                    topk_w: torch.Tensor, scales: moe_reference.Scales | None = None) -> torch.Tensor:
+        """``kernels.moe``'s two grouped launches for CUDA tensors (16-bit experts of x's dtype,
+        or FP8 ones; no host sync: MoE decode steps capture as CUDA graphs); the reference's loop
+        otherwise."""
+        if self._moe_kernel(x, gate_up, down, scales):
+            return moe_kernel.moe_experts(x, gate_up, down, topk_idx, topk_w, scales)
+        return super().moe_experts(x, gate_up, down, topk_idx, topk_w, scales)
+
+    def _moe_kernel(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    scales: moe_reference.Scales | None) -> bool:
+        if not self._fused(x) or gate_up.device != x.device:
+            return False
+        if scales is None:
+            return gate_up.dtype == down.dtype == x.dtype
+        return scales.block[1] % moe_kernel.BLOCK_K == 0
 
     def moe_on_device(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16, torch.float16)

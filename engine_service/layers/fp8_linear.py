@@ -14,7 +14,8 @@ scales: an FP8 checkpoint's own codes and scales then load into them unchanged (
 decoder layers (and the MTP module) whose sides are both at least ``min_features`` by its FP8
 form (scale = block amax / 448); the embedding, the LM head, MoE routers (``mlp.gate``) and
 small projections (the Gated DeltaNet's per-head ``in_proj_a`` / ``in_proj_b``) stay in the
-model dtype, as in Qwen's own FP8 checkpoints; MoE experts (fused tensors) too, for now.
+model dtype, as in Qwen's own FP8 checkpoints. MoE experts (fused tensors) have their own FP8
+form, ``layers.moe.FP8Experts`` (``prepare_experts`` / ``quantize_experts``).
 
 ``attach_draft_head(model)`` gives a model that drafts with its MTP layer an FP8 copy of its LM
 head, ``model.draft_head``: a draft step reads half the bytes of the 16-bit head (at the 27B shape

@@ -145,7 +145,8 @@ def _offer(
 
 class _FP8Targets:
     """Native FP8 loading: the FP8 layers prepared before the load (``fp8_linear.prepare_linears``:
-    their ``<m>.weight`` names) and their block. A checkpoint's FP8 pair loads into such a layer
+    their ``<m>.weight`` names; ``moe.prepare_experts``: the fused experts' and each expert's) and
+    their block. A checkpoint's FP8 pair loads into such a layer
     unchanged when the family's adapter passes the tensor through as it is; otherwise (no FP8
     layer there, or a fused layout to rearrange) it is dequantized and loads as a 16-bit tensor
     would. A 16-bit tensor for an FP8 layer is quantized as it loads."""
@@ -178,8 +179,13 @@ class _FP8Targets:
         for pname, t in pieces:
             if pname in self.names and self.block is not None and t.dtype not in (torch.float8_e4m3fn,
                                                                                     torch.float8_e5m2):
-                codes, scales = fp8_gemm.quantize(t.to(device), self.block)
-                out += [(pname, codes), (pname[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX, scales)]
+                if t.dim() == 3:  # fused experts [E, rows, cols] (layers.moe.FP8Experts): per expert
+                    pairs = [fp8_gemm.quantize(t[e].to(device), self.block) for e in range(t.shape[0])]
+                    out += [(pname, torch.stack([c for c, _ in pairs])),
+                            (pname + "_scale_inv", torch.stack([sc for _, sc in pairs]))]
+                else:
+                    codes, scales = fp8_gemm.quantize(t.to(device), self.block)
+                    out += [(pname, codes), (pname[: -len(WEIGHT_SUFFIX)] + SCALE_SUFFIX, scales)]
                 self.quantized += 1
             else:
                 out.append((pname, t))

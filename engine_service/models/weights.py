@@ -1,8 +1,8 @@
 """Streaming weight loading into pre-allocated parameters.
 
 Each parameter is a *target* under its HF name; fused expert tensors additionally accept
-per-expert tensors (``...experts.{e}.{gate,up,down}_proj.weight``), each a slice of the
-fused parameter. A tensor is copied into its target (dtype/device converted by
+per-expert tensors (``...experts.{e}.{gate,up,down}_proj.weight``, and for FP8 experts their
+``.weight_scale_inv``), each a slice of the fused parameter. A tensor is copied into its target (dtype/device converted by
 ``copy_``) and dropped, so peak memory is the model plus one tensor. Shapes are checked
 before copying; after the stream ends every required piece must have arrived, else the
 error names the missing tensors and their expected shapes.
@@ -43,9 +43,9 @@ class WeightTargets:
     def add_module(self, module: nn.Module, prefix: str = "") -> None:
         for name, param in module.named_parameters():
             full = prefix + name
-            if full.endswith("experts.gate_up_proj"):
+            if full.endswith(("experts.gate_up_proj", "experts.gate_up_proj_scale_inv")):
                 self._add_experts(full, param, gate_up=True)
-            elif full.endswith("experts.down_proj"):
+            elif full.endswith(("experts.down_proj", "experts.down_proj_scale_inv")):
                 self._add_experts(full, param, gate_up=False)
             else:
                 self._add(full, param.data, (full,))
@@ -57,20 +57,24 @@ class WeightTargets:
                 self.required[c] = tuple(dst.shape)
 
     def _add_experts(self, full: str, param: torch.Tensor, gate_up: bool) -> None:
+        """The fused tensor and its per-expert slices: ``<m>.{e}.{proj}.weight``, or for FP8
+        experts' block scales (``*_scale_inv``, ``layers.moe.FP8Experts``) ``.weight_scale_inv``
+        (the gate and up halves own whole scale blocks)."""
         base = full.rsplit(".", 1)[0]  # ...experts
+        suffix = "weight_scale_inv" if full.endswith("_scale_inv") else "weight"
         num = param.shape[0]
         pieces: list[str] = []
         for e in range(num):
             if gate_up:
                 inter = param.shape[1] // 2
                 for j, proj in enumerate(("gate_proj", "up_proj")):
-                    name = f"{base}.{e}.{proj}.weight"
+                    name = f"{base}.{e}.{proj}.{suffix}"
                     view = param.data[e, j * inter : (j + 1) * inter]
                     self.targets[name] = Target(tuple(view.shape), _copy_into(view), (name,))
                     self.required[name] = tuple(view.shape)
                     pieces.append(name)
             else:
-                name = f"{base}.{e}.down_proj.weight"
+                name = f"{base}.{e}.down_proj.{suffix}"
                 view = param.data[e]
                 self.targets[name] = Target(tuple(view.shape), _copy_into(view), (name,))
                 self.required[name] = tuple(view.shape)

@@ -23,7 +23,7 @@ import torch
 
 from deepwell.engine_service.layers.backend import ReferenceBackend
 from deepwell.engine_service.layers.cuda_backend import CudaBackend
-from deepwell.engine_service.layers.moe import SparseMoE
+from deepwell.engine_service.layers.moe import FP8Experts, SparseMoE
 from deepwell.kernels.fp8_gemm import reference as fp8_ref
 from deepwell.kernels.moe import reference, triton_kernel
 
@@ -185,9 +185,10 @@ def test_no_tokens_and_bad_shapes() -> None:
 
 
 @kernel_runs
-def test_the_cuda_backend_serves_a_moe_layer_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A SparseMoE layer (with a shared expert) on the CUDA backend (the kernels under the
-    interpreter on CPU) agrees with the reference backend, and goes through the kernel."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["16bit", "fp8"])
+def test_the_cuda_backend_serves_a_moe_layer_through_the_kernel(monkeypatch: pytest.MonkeyPatch, fp8: bool) -> None:
+    """A SparseMoE layer (with a shared expert; 16-bit or FP8 experts) on the CUDA backend (the
+    kernels under the interpreter on CPU) agrees with the reference backend, through the kernel."""
     calls = []
     real = triton_kernel.moe_experts
     monkeypatch.setattr(triton_kernel, "moe_experts", lambda *a: calls.append(1) or real(*a))
@@ -199,6 +200,8 @@ def test_the_cuda_backend_serves_a_moe_layer_through_the_kernel(monkeypatch: pyt
                           norm_topk_prob=True, backend=backend)
         for prm in layer.parameters():
             prm.data.normal_(0, 0.2)
+        if fp8:
+            layer.experts = FP8Experts.from_experts(layer.experts, (16, 64))
         layers.append(layer.to(DEV))
     x = torch.randn(9, 32, device=DEV)
     torch.testing.assert_close(layers[1](x), layers[0](x), rtol=1e-5, atol=1e-5)
