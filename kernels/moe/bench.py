@@ -1,10 +1,11 @@
 """The routed experts of one MoE layer on a CUDA device: the engine's loop (``reference``)
 against the two Triton launches (``triton_kernel``), eager and in a CUDA graph.
 
-    python -m deepwell.kernels.moe.bench [--tokens 1 4 8 32 256] [--shape 256 8 2048 512]
+    python -m deepwell.kernels.moe.bench [--tokens 1 4 8 32 256] [--shape 256 8 2048 512] [--fp8]
 
 The default shape is a Qwen3.6-35B-A3B layer (256 experts, top-8, hidden 2048, expert
-intermediate 512; bf16, random weights, random routing). First the HBM copy bandwidth (a 2 GiB
+intermediate 512; bf16 experts, or with ``--fp8`` block-scaled FP8 ones; random weights, random
+routing). First the HBM copy bandwidth (a 2 GiB
 device-to-device copy). Then per token count: the mean time of one layer's routed experts over
 ``--calls`` calls, each with its own routing (so most experts a call reads are not in L2),
 timed with CUDA events around all of them:
@@ -23,8 +24,11 @@ import argparse
 
 import torch
 
+from deepwell.kernels import fp8_gemm
 from deepwell.kernels.gemv.bench import copy_bandwidth
 from deepwell.kernels.moe import reference, triton_kernel
+
+FP8_BLOCK = (128, 128)
 
 
 def _time(fn, calls: int) -> float:
@@ -41,31 +45,42 @@ def _time(fn, calls: int) -> float:
     return start.elapsed_time(end) * 1e-3 / calls
 
 
-def run(tokens: list[int], shape: tuple[int, int, int, int], calls: int) -> None:
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [fp8_gemm.quantize(w[e], FP8_BLOCK) for e in range(w.shape[0])]
+    return torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def run(tokens: list[int], shape: tuple[int, int, int, int], calls: int, fp8: bool) -> None:
     e, k, h, i = shape
     dev = torch.device("cuda")
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(dev)}: HBM copy {bw / 1e12:.2f} TB/s; experts {e}, top-{k}, hidden {h}, "
-          f"intermediate {i}, bf16, {calls} calls each with its own routing")
+          f"intermediate {i}, {'FP8 (128 x 128 blocks)' if fp8 else 'bf16'} experts, bf16 activations, {calls} "
+          "calls each with its own routing")
     gu = torch.randn(e, 2 * i, h, device=dev, dtype=torch.bfloat16) / h**0.5
     dn = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16) / i**0.5
-    expert_bytes = (gu[0].numel() + dn[0].numel()) * gu.element_size()
+    scales = None
+    if fp8:
+        (gu, gs), (dn, ds) = _fp8(gu), _fp8(dn)
+        scales = reference.Scales(gs, ds, FP8_BLOCK)
+    expert_bytes = (gu[0].numel() + dn[0].numel()) * gu.element_size() + (
+        (scales.gate_up[0].numel() + scales.down[0].numel()) * 4 if scales else 0)
     for n in tokens:
         x = torch.randn(n, h, device=dev, dtype=torch.bfloat16)
         idx = [torch.rand(n, e, device=dev).topk(k, dim=-1).indices for _ in range(calls)]
         w = [torch.rand(n, k, device=dev, dtype=torch.bfloat16) for _ in range(calls)]
         read = sum(int(t.unique().numel()) for t in idx) / calls * expert_bytes
-        ref = reference.moe_experts(x, gu, dn, idx[0], w[0])
-        got = triton_kernel.moe_experts(x, gu, dn, idx[0], w[0])
+        ref = reference.moe_experts(x, gu, dn, idx[0], w[0], scales=scales)
+        got = triton_kernel.moe_experts(x, gu, dn, idx[0], w[0], scales)
         rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         times = {
-            "loop": _time(lambda j: reference.moe_experts(x, gu, dn, idx[j], w[j]), calls),
-            "kernel": _time(lambda j: triton_kernel.moe_experts(x, gu, dn, idx[j], w[j]), calls),
+            "loop": _time(lambda j: reference.moe_experts(x, gu, dn, idx[j], w[j], scales=scales), calls),
+            "kernel": _time(lambda j: triton_kernel.moe_experts(x, gu, dn, idx[j], w[j], scales), calls),
         }
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for j in range(calls):
-                triton_kernel.moe_experts(x, gu, dn, idx[j], w[j])
+                triton_kernel.moe_experts(x, gu, dn, idx[j], w[j], scales)
         times["kernel graph"] = _time(lambda j: graph.replay() if j == 0 else None, 1) / calls
         for name, t in times.items():
             print(f"tokens {n:4d} {name:13s} {t * 1e6:9.1f} us  {read / t / 1e9:7.0f} GB/s = "
@@ -80,10 +95,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32, 256])
     ap.add_argument("--shape", type=int, nargs=4, default=[256, 8, 2048, 512], metavar=("E", "K", "H", "I"))
     ap.add_argument("--calls", type=int, default=20, help="calls timed per figure, each with its own routing")
+    ap.add_argument("--fp8", action="store_true", help="FP8 experts (block-scaled E4M3, 128 x 128 blocks)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    run(args.tokens, tuple(args.shape), args.calls)
+    run(args.tokens, tuple(args.shape), args.calls, args.fp8)
 
 
 if __name__ == "__main__":
