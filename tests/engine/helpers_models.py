@@ -186,6 +186,32 @@ def run_chunks(runner: Any, ids: list[int], chunks: list[int], table: list[int],
     return out
 
 
+def chunk_logits(runner: Any) -> torch.Tensor:
+    """A fresh runner's logits after chunks of 30, 1 and 9 tokens of ``prompt(40)`` (8 pages, 1
+    state slot): the FP8 weight tests' comparison."""
+    runner.allocate(8, 1)
+    runner.reset_state(0)
+    return torch.stack(run_chunks(runner, prompt(40), [30, 1, 9], list(range(8))))
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, tensors: dict[str, torch.Tensor], block: tuple[int, int]) -> None:
+    """``tensors`` (codes, ``*_scale_inv`` and 16-bit ones) saved as ``dst``, an FP8 block-scaled
+    checkpoint (Qwen's ``quantization_config`` with ``block``) with ``src``'s config and side files."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for side in src.iterdir():
+        if side.name not in ("model.safetensors", "config.json"):
+            shutil.copy(side, dst / side.name)
+
+
 def greedy_three(core: Any, max_tokens: int = 8) -> list[list[int]]:
     """Three greedy requests (prompts of 40, 90 and 7 tokens) through an ``EngineCore`` until done:
     each one's generated tokens; every page is free again after."""

@@ -8,8 +8,6 @@ kernels step K by 64 and the gate and up halves of a fused expert must own whole
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from deepwell.engine_service.layers.moe import Experts, FP8Experts, prepare_expe
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
 from deepwell.kernels import fp8_gemm
-from tests.engine.helpers_models import one_torch_thread, prompt, run_chunks, save_tiny
+from tests.engine.helpers_models import chunk_logits, one_torch_thread, save_tiny, write_fp8_checkpoint
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
@@ -31,12 +29,6 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("qwen3_5_moe")
     save_tiny("qwen3_5_moe", d)
     return d
-
-
-def _logits(runner) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    runner.allocate(8, 1)
-    runner.reset_state(0)
-    return torch.stack(run_chunks(runner, prompt(40), [30, 1, 9], list(range(8))))
 
 
 def _experts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -58,7 +50,7 @@ def _dequantized_into(dst: torch.nn.Module, src: torch.nn.Module) -> None:
 
 def test_quantized_experts_compute_their_dequantized_weights(tiny_moe: Path) -> None:
     base = build_runner(open_model(tiny_moe), page_size=8)
-    ref = _logits(base)
+    ref = chunk_logits(base)
     r = build_runner(open_model(tiny_moe), page_size=8)
     before = {n: (m.gate_up_proj.clone(), m.down_proj.clone()) for n, m in _experts(r.model).items()}
     count, saved = quantize_experts(r.model, BLOCK)
@@ -68,11 +60,11 @@ def test_quantized_experts_compute_their_dequantized_weights(tiny_moe: Path) -> 
         codes, scales = fp8_gemm.quantize(before[name][0][5], BLOCK)
         assert torch.equal(m.gate_up_proj[5].view(torch.uint8), codes.view(torch.uint8))
         assert torch.equal(m.gate_up_proj_scale_inv[5], scales)
-    got = _logits(r)
+    got = chunk_logits(r)
     assert not torch.allclose(got, ref, atol=1e-4)  # FP8 rounding changes them
     plain = build_runner(open_model(tiny_moe), page_size=8)
     _dequantized_into(plain.model, r.model)
-    want = _logits(plain)
+    want = chunk_logits(plain)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), float((got - want).abs().max())
 
 
@@ -89,9 +81,8 @@ def _fp8_moe_checkpoint(src: Path, dst: Path) -> dict[str, tuple[torch.Tensor, t
     """``src``'s experts as Qwen's FP8 layout (``BLOCK``), except expert 1 of layer 0 (left in 16
     bits) and the down_proj of expert 2 of layer 1 (one per-tensor scale); the rest of the model
     stays 16-bit. Returns the codes and scales written, by weight name."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    dst.mkdir()
     written: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
@@ -105,13 +96,7 @@ def _fp8_moe_checkpoint(src: Path, dst: Path) -> dict[str, tuple[torch.Tensor, t
             codes, scales = fp8_gemm.quantize(t.float(), BLOCK)
         out[name], out[name + "_scale_inv"] = codes, scales
         written[name] = (codes, scales)
-    save_file(out, str(dst / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for side in src.iterdir():
-        if side.name not in ("model.safetensors", "config.json"):
-            shutil.copy(side, dst / side.name)
+    write_fp8_checkpoint(src, dst, out, BLOCK)
     return written
 
 
@@ -146,5 +131,5 @@ def test_fp8_moe_checkpoint_loads_its_own_expert_codes(tiny_moe: Path, tmp_path:
     # the served model computes what the dequantized checkpoint computes (expert 1 of layer 0
     # rounded to its FP8 values)
     _dequantized_into(deq.model, native.model)
-    got, want = _logits(native), _logits(deq)
+    got, want = chunk_logits(native), chunk_logits(deq)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), float((got - want).abs().max())

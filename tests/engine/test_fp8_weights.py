@@ -16,7 +16,7 @@ from deepwell.engine_service.layers.fp8_linear import FP8Linear, quantize_linear
 from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.runner import build_runner
 from deepwell.kernels import fp8_gemm
-from tests.engine.helpers_models import one_torch_thread, prompt, run_chunks, save_tiny
+from tests.engine.helpers_models import chunk_logits, one_torch_thread, save_tiny, write_fp8_checkpoint
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
@@ -28,15 +28,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _logits(runner) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    runner.allocate(8, 1)
-    runner.reset_state(0)
-    return torch.stack(run_chunks(runner, prompt(40), [30, 1, 9], list(range(8))))
-
-
 def test_fp8_layers_keep_the_logits_within_fp8_rounding(tiny: Path) -> None:
     base = build_runner(open_model(tiny), page_size=8)
-    ref = _logits(base)
+    ref = chunk_logits(base)
     r = build_runner(open_model(tiny), page_size=8)
     count, saved = quantize_linears(r.model, min_features=32, block=(32, 32))
     layers = [m for m in r.model.modules() if isinstance(m, FP8Linear)]
@@ -45,7 +39,7 @@ def test_fp8_layers_keep_the_logits_within_fp8_rounding(tiny: Path) -> None:
     assert "lm_head" not in names and not any(n.endswith("in_proj_a") for n in names)
     for m in layers:
         assert m.weight.dtype == torch.float8_e4m3fn
-    got = _logits(r)
+    got = chunk_logits(r)
     assert not torch.allclose(got, ref, atol=1e-4)  # FP8's 3 mantissa bits change them
     # exactly what the original model gives with each of those weights rounded to its FP8 value
     rounded = build_runner(open_model(tiny), page_size=8)
@@ -54,7 +48,7 @@ def test_fp8_layers_keep_the_logits_within_fp8_rounding(tiny: Path) -> None:
         for name in names:
             q = dict(r.model.named_modules())[name]
             mods[name].weight.copy_(fp8_gemm.dequantize(q.weight, q.weight_scale_inv, q.block))
-    want = _logits(rounded)
+    want = chunk_logits(rounded)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), float((got - want).abs().max())
     # each FP8 layer computes exactly the reference product of its dequantized weight
     m = layers[0]
@@ -81,12 +75,8 @@ def _fp8_checkpoint(src: Path, dst: Path) -> dict[str, tuple[torch.Tensor, torch
     every decoder linear of both sides >= 32 quantized, except layer 0's ``mlp.down_proj``
     (left in 16 bits) and layer 1's ``mlp.up_proj`` (one per-tensor scale). Returns the codes and
     scales written, by weight name."""
-    import json
-    import shutil
+    from safetensors.torch import load_file
 
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir()
     tensors = load_file(str(src / "model.safetensors"))
     written: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
@@ -104,13 +94,7 @@ def _fp8_checkpoint(src: Path, dst: Path) -> dict[str, tuple[torch.Tensor, torch
         out[name], out[name[: -len("weight")] + "weight_scale_inv"] = codes, scales
         out[name[: -len("weight")] + "input_scale"] = torch.ones(1)  # static activation scales: dropped
         written[name] = (codes, scales)
-    save_file(out, str(dst / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for side in src.iterdir():
-        if side.name not in ("model.safetensors", "config.json"):
-            shutil.copy(side, dst / side.name)
+    write_fp8_checkpoint(src, dst, out, BLOCK)
     return written
 
 
@@ -165,7 +149,7 @@ def test_fp8_checkpoint_loads_its_own_codes(tiny: Path, tmp_path: Path) -> None:
     native = build_runner(src, page_size=8)
     native.model = model
     native.model.rotary = r.model.rotary
-    got, want_logits = _logits(native), _logits(r)
+    got, want_logits = chunk_logits(native), chunk_logits(r)
     assert torch.allclose(got, want_logits, rtol=1e-4, atol=1e-4), float((got - want_logits).abs().max())
 
 
@@ -188,4 +172,4 @@ def test_weight_dtype_fp8_on_an_fp8_checkpoint_loads_through_the_pairs(tiny: Pat
     src = open_model(tmp_path / "fp8")
     native = build_runner(src, page_size=8, weight_dtype="fp8")  # tiny: no layer reaches 128 features
     ref = build_runner(src, page_size=8)
-    assert torch.equal(_logits(native), _logits(ref))
+    assert torch.equal(chunk_logits(native), chunk_logits(ref))

@@ -12,18 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.kernels.offline import has_ptxas
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _has_ptxas() -> bool:
-    try:
-        import triton
-    except ImportError:
-        return False
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
+@pytest.mark.skipif(not has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
 def test_every_backend_kernel_builds_for_sm80(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_archs.py"), "--arch", "80", "--quick"],

@@ -12,13 +12,10 @@ result within 8 ulps (``FP32_ULPS``).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from deepwell.engine_service.layers.attention import Attention, AttentionSpec
 from deepwell.engine_service.layers.backend import ReferenceBackend
@@ -28,8 +25,8 @@ from deepwell.engine_service.layers.mlp import SwiGLU
 from deepwell.engine_service.layers.rope import RopeSpec, RotaryEmbedding, apply_rope
 from deepwell.kernels.fused import FusedOps, references as ref
 from deepwell.kernels.fused import activation, gdn, norm, rotary
+from tests.kernels.offline import has_ptxas, run_offline_build
 
-ROOT = Path(__file__).resolve().parents[2]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 kernel_runs = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="needs the Triton interpreter (CPU) or a GPU")
@@ -435,56 +432,25 @@ def test_gpu_real_sizes(t):
 
 # -- the compiled (not interpreted) kernels build, offline -------------------------------------
 
-def offline_build(arch: int) -> int:
-    """Compile one launch of every kernel variant for ``sm_{arch}`` with Triton's bundled ptxas
-    (``benchmarks/triton_archs.py``'s capture-and-build; run with ``TRITON_INTERPRET=0``, so the
-    GPU's libdevice paths are the ones built). Prints a line per launch; the failure count."""
-    from triton.runtime.jit import JITFunction
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import triton_archs
-
-    launches = []
-    original = JITFunction.run
-    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
-    try:
-        bf = torch.bfloat16
-        x, w = torch.randn(3, 5120, dtype=bf), torch.randn(5120, dtype=bf)
-        norm.rms_norm(x, w, 1e-6, True)
-        norm.rms_norm(x, w.float(), 1e-6, False)
-        norm.add_rms_norm(x, x, w, 1e-6, True)
-        z = torch.randn(3, 48, 128, dtype=bf)
-        norm.gated_rms_norm(z.float(), z, w[:128], 1e-6, bf)
-        activation.silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf))
-        activation.sigmoid_gate_mul(torch.randn(3, 4 * 256, dtype=bf), torch.randn(3, 4, 512, dtype=bf)[..., 256:])
-        qk, cos = torch.randn(3, 4, 256, dtype=bf), torch.randn(3, 64, dtype=bf)
-        rotary.rope(qk, qk, cos, cos, inplace=True)
-        rotary.rope(qk.float(), qk.float(), cos.float(), cos.float())
-        gdn.gdn_gating(z[:, :, 0], z[:, :, 1], w[:48], w[:48])
-    finally:
-        JITFunction.run = original
-    failed = 0
-    for fn, a, kw in launches:
-        try:
-            result = f"ok ({triton_archs.build(fn, a, kw, arch)} B shared)"
-        except Exception as exc:  # report every failure
-            failed += 1
-            result = "FAIL " + str(exc)[-2000:]
-        print(f"sm_{arch} {fn.fn.__name__}: {result}", flush=True)
-    return failed
+def hopper_launches() -> None:
+    """The calls whose launches ``test_kernels_build_for_hopper`` builds: every kernel variant once."""
+    bf = torch.bfloat16
+    x, w = torch.randn(3, 5120, dtype=bf), torch.randn(5120, dtype=bf)
+    norm.rms_norm(x, w, 1e-6, True)
+    norm.rms_norm(x, w.float(), 1e-6, False)
+    norm.add_rms_norm(x, x, w, 1e-6, True)
+    z = torch.randn(3, 48, 128, dtype=bf)
+    norm.gated_rms_norm(z.float(), z, w[:128], 1e-6, bf)
+    activation.silu_and_mul(torch.randn(3, 2 * 1000, dtype=bf))
+    activation.sigmoid_gate_mul(torch.randn(3, 4 * 256, dtype=bf), torch.randn(3, 4, 512, dtype=bf)[..., 256:])
+    qk, cos = torch.randn(3, 4, 256, dtype=bf), torch.randn(3, 64, dtype=bf)
+    rotary.rope(qk, qk, cos, cos, inplace=True)
+    rotary.rope(qk.float(), qk.float(), cos.float(), cos.float())
+    gdn.gdn_gating(z[:, :, 0], z[:, :, 1], w[:48], w[:48])
 
 
-def _has_ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
+@pytest.mark.skipif(not has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
 def test_kernels_build_for_hopper(tmp_path: Path) -> None:
     """The compiled kernels (libdevice exp / log1p, no interpreter) build for sm_90 (~10 s)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    code = "import sys; from tests.kernels.test_fused_ops import offline_build; sys.exit(offline_build(90))"
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert res.stdout.count(": ok (") == 9, res.stdout
+    out = run_offline_build("tests.kernels.test_fused_ops", "hopper_launches", 90, tmp_path)
+    assert out.count(": ok (") == 9, out

@@ -14,8 +14,6 @@ bf16 ulps of either.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,8 +24,8 @@ from deepwell.engine_service.layers.cuda_backend import CudaBackend
 from deepwell.engine_service.layers.moe import FP8Experts, SparseMoE
 from deepwell.kernels.fp8_gemm import reference as fp8_ref
 from deepwell.kernels.moe import reference, triton_kernel
+from tests.kernels.offline import has_ptxas, run_offline_build
 
-ROOT = Path(__file__).resolve().parents[2]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 kernel_runs = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="needs the Triton interpreter (CPU) or a GPU")
@@ -257,47 +255,18 @@ def test_captured_moe_follows_new_routings() -> None:
 
 # -- the compiled kernels build, offline --------------------------------------------------------
 
-def offline_build(arch: int) -> int:
-    """Compile each kernel's launches (decode and prefill tiles, bf16 and fp32) for ``sm_{arch}``
-    with Triton's bundled ptxas; prints a line per launch, returns the failure count."""
-    from triton.runtime.jit import JITFunction
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import triton_archs
-
-    launches = []
-    original = JITFunction.run
-    JITFunction.run = lambda self, *a, grid, warmup, **kw: launches.append((self, a, kw))
-    try:
-        e, k, h, i = QWEN36_A3B
-        for n, dtype in [(1, torch.bfloat16), (300, torch.bfloat16), (2, torch.float32)]:
-            triton_kernel.moe_experts(*_case(n, e, k, h, i, dtype, device="cpu"))
-        x, gu, dn, idx, w = _case(1, 2 * k, k, h, i, torch.bfloat16, device="cpu")
-        (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
-        triton_kernel.moe_experts(x, gc, dc, idx, w, reference.Scales(gs, ds, (128, 128)))
-    finally:
-        JITFunction.run = original
-    failed = 0
-    for fn, a, kw in launches:
-        try:
-            result = f"ok ({triton_archs.build(fn, a, kw, arch)} B shared)"
-        except Exception as exc:  # report every failure
-            failed += 1
-            result = "FAIL " + str(exc)[-2000:]
-        print(f"sm_{arch} {fn.fn.__name__}: {result}", flush=True)
-    return failed
+def hopper_launches() -> None:
+    """The calls whose launches ``test_kernels_build_for_hopper`` builds: decode and prefill
+    tiles in bf16, fp32, and FP8 experts."""
+    e, k, h, i = QWEN36_A3B
+    for n, dtype in [(1, torch.bfloat16), (300, torch.bfloat16), (2, torch.float32)]:
+        triton_kernel.moe_experts(*_case(n, e, k, h, i, dtype, device="cpu"))
+    x, gu, dn, idx, w = _case(1, 2 * k, k, h, i, torch.bfloat16, device="cpu")
+    (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
+    triton_kernel.moe_experts(x, gc, dc, idx, w, reference.Scales(gs, ds, (128, 128)))
 
 
-def _has_ptxas() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
+@pytest.mark.skipif(not has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
 def test_kernels_build_for_hopper(tmp_path: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    code = "import sys; from tests.kernels.test_moe import offline_build; sys.exit(offline_build(90))"
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    assert res.stdout.count(": ok (") == 8, res.stdout
+    out = run_offline_build("tests.kernels.test_moe", "hopper_launches", 90, tmp_path)
+    assert out.count(": ok (") == 8, out
