@@ -33,6 +33,9 @@ from deepwell.kernels.fused.common import INTERPRET, KIND, round_to, silu_f32
 from deepwell.kernels.moe import reference
 
 BLOCK_K = 64  # K per step; an FP8 scale block spans a multiple of it
+# picks per launch pair: a longer prefill chunk runs in slices of tokens, so the per-pick buffers
+# (h [picks, I], y [picks, H] in x's dtype) stay within ~64 MiB at H = 2048
+MAX_PICKS = 16384
 
 
 @dataclass(frozen=True)
@@ -200,11 +203,22 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
     if sbk % BLOCK_K:
         raise ValueError(f"FP8 expert scale blocks must span a multiple of {BLOCK_K} along K, got {scales.block}")
     n_tok, k = topk_idx.shape
+    if n_tok * k > MAX_PICKS:  # a long prefill chunk: in slices of tokens (bounded h and y buffers)
+        step = max(1, MAX_PICKS // k)
+        return torch.cat([_moe(x[i : i + step], gate_up, down, topk_idx[i : i + step], topk_w[i : i + step], scales)
+                          for i in range(0, n_tok, step)])
+    return _moe(x, gate_up, down, topk_idx, topk_w, scales)
+
+
+def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: torch.Tensor,
+         topk_w: torch.Tensor, scales: reference.Scales | None) -> torch.Tensor:
+    n_tok, k = topk_idx.shape
     num_e, two_i, hid = gate_up.shape
     inter = two_i // 2
     picks = n_tok * k
     if picks == 0:
         return torch.zeros_like(x)
+    sbn, sbk = scales.block if scales else (1, BLOCK_K)
     bm, bn = tiles_for(picks)
     p = plan(topk_idx, num_e, bm)
     x = x if x.stride(-1) == 1 else x.contiguous()

@@ -170,6 +170,14 @@ def test_all_picks_on_one_expert_and_experts_without_picks() -> None:
 
 
 @kernel_runs
+def test_long_chunks_run_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_kernel, "MAX_PICKS", 16)  # 40 tokens x 2 picks: slices of 8 tokens
+    x, gu, dn, idx, w = _case(40, 6, 2, 32, 16, torch.float32)
+    torch.testing.assert_close(triton_kernel.moe_experts(x, gu, dn, idx, w),
+                               reference.moe_experts_summed(x, gu, dn, idx, w), rtol=1e-5, atol=1e-5)
+
+
+@kernel_runs
 def test_no_tokens_and_bad_shapes() -> None:
     x, gu, dn, idx, w = _case(0, 4, 2, 32, 16, torch.float32)
     assert triton_kernel.moe_experts(x, gu, dn, idx, w).shape == (0, 32)
