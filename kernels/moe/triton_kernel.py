@@ -92,15 +92,16 @@ def _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(cols, rows, k, k0, mask, s_cols, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
+def _weight_tile(cols, rows, rows_ok, k, k_ok, k0, s_cols, stride_sn, SBN: tl.constexpr, SBK: tl.constexpr,
                  FP8: tl.constexpr, FP8_HW: tl.constexpr, KIND_X: tl.constexpr, IEEE: tl.constexpr, x_dtype):
     """A ``[BK, BN]`` weight tile (columns ``cols`` = row pointers of the weight, ``rows`` their
-    indices) for ``tl.dot``: 16-bit as stored; FP8 codes times their block's scale, formed in fp32
-    and rounded to x's dtype (``fp8_gemm.reference.dequantize``: the same bits). ``IEEE``: fp32."""
-    w = tl.load(cols + k[:, None], mask=mask, other=0)
+    indices) for ``tl.dot``: 16-bit as stored; FP8 codes times their block's scale (one per
+    column: the step lies in one block along K), formed in fp32 and rounded to x's dtype
+    (``fp8_gemm.reference.dequantize``: the same bits). ``IEEE``: fp32."""
+    w = tl.load(cols + k[:, None], mask=k_ok[:, None] & rows_ok[None, :], other=0)
     if FP8:
-        sc = tl.load(s_cols + (rows // SBN)[None, :] * stride_sn + k0 // SBK, mask=mask, other=0.0)
-        w = round_to(e4m3_f16(w, FP8_HW).to(tl.float32) * sc, KIND_X)
+        sc = tl.load(s_cols + (rows // SBN) * stride_sn + k0 // SBK, mask=rows_ok, other=0.0)
+        w = round_to(e4m3_f16(w, FP8_HW).to(tl.float32) * sc[None, :], KIND_X)
         if not IEEE:
             w = w.to(x_dtype)
     if IEEE:
@@ -131,9 +132,10 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, s_pt
         k = k0 + rk
         k_ok = k < H
         a = tl.load(x_rows + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        wm = k_ok[:, None] & n_ok[None, :]
-        wg = _weight_tile(g_cols, n, k, k0, wm, s_e, stride_sn, SBN, SBK, FP8, FP8_HW, KIND_X, IEEE, a.dtype)
-        wu = _weight_tile(u_cols, I + n, k, k0, wm, s_e, stride_sn, SBN, SBK, FP8, FP8_HW, KIND_X, IEEE, a.dtype)
+        wg = _weight_tile(g_cols, n, n_ok, k, k_ok, k0, s_e, stride_sn, SBN, SBK, FP8, FP8_HW, KIND_X, IEEE,
+                          a.dtype)
+        wu = _weight_tile(u_cols, I + n, n_ok, k, k_ok, k0, s_e, stride_sn, SBN, SBK, FP8, FP8_HW, KIND_X, IEEE,
+                          a.dtype)
         if IEEE:  # fp32 operands (16-bit ones widened: exact), fp32 products
             a = a.to(tl.float32)
             acc_g += tl.dot(a, wg, input_precision="ieee")
@@ -168,8 +170,7 @@ def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr,
         k = k0 + rk
         k_ok = k < I
         a = tl.load(h_rows + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        w = _weight_tile(w_cols, n, k, k0, k_ok[:, None] & n_ok[None, :], s_e, stride_sn, SBN, SBK, FP8, FP8_HW,
-                         KIND_X, IEEE, a.dtype)
+        w = _weight_tile(w_cols, n, n_ok, k, k_ok, k0, s_e, stride_sn, SBN, SBK, FP8, FP8_HW, KIND_X, IEEE, a.dtype)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:
