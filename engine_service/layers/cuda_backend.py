@@ -49,6 +49,7 @@ import torch
 import structlog
 
 from deepwell.engine_service.layers.backend import ReferenceBackend, register_backend
+from deepwell.kernels.fused.common import KIND as FUSED_DTYPES
 from deepwell.kernels.fused.ops import FusedOps
 from deepwell.kernels.gdn import fla_ops, pool_conv, pool_recurrent
 from deepwell.kernels.moe import reference as moe_reference, triton_kernel as moe_kernel
@@ -262,7 +263,7 @@ class CudaBackend(FusedOps, ReferenceBackend):
         return scales.block[1] % moe_kernel.BLOCK_K == 0
 
     def moe_on_device(self, dtype: torch.dtype) -> bool:
-        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return dtype in FUSED_DTYPES
 
 
 def default_backend(device: torch.device | str) -> tuple[str, str]:

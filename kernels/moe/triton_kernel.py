@@ -200,8 +200,7 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
     if scales is None and (gate_up.dtype != x.dtype or down.dtype != x.dtype):
         raise ValueError(f"moe_experts takes x and weights of one dtype (or FP8 weights with scales), got x "
                          f"{x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
-    sbn, sbk = scales.block if scales else (1, BLOCK_K)
-    if sbk % BLOCK_K:
+    if scales is not None and scales.block[1] % BLOCK_K:
         raise ValueError(f"FP8 expert scale blocks must span a multiple of {BLOCK_K} along K, got {scales.block}")
     n_tok, k = topk_idx.shape
     if n_tok * k > MAX_PICKS:  # a long prefill chunk: in slices of tokens (bounded h and y buffers)
@@ -227,8 +226,9 @@ def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: t
     down = down if down.stride(-1) == 1 else down.contiguous()
     if scales is not None:  # the kernels read the codes as bytes
         gate_up, down = gate_up.view(torch.uint8), down.view(torch.uint8)
-    s_gu = scales.gate_up.contiguous() if scales else x  # unread without FP8
-    s_dn = scales.down.contiguous() if scales else x
+    # the block scales [E, rows / bn, cols / bk] and their expert and row strides (unread without FP8)
+    s_gu, s_dn = (scales.gate_up.contiguous(), scales.down.contiguous()) if scales else (x, x)
+    st_gu, st_dn = (s_gu.stride()[:2], s_dn.stride()[:2]) if scales else ((0, 0), (0, 0))
     tw = topk_w.reshape(-1).to(x.dtype).contiguous()
     h = torch.empty(picks, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(picks, hid, dtype=x.dtype, device=x.device)
@@ -239,14 +239,8 @@ def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: t
                   FP8=scales is not None, SBN=sbn, SBK=sbk, FP8_HW=has_fp8_conversion(x.device), num_warps=4)
     _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
         x, gate_up, h, p.order, p.tile_expert, p.tile_row0, p.tile_row1, s_gu, hid, inter, k,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), _stride(scales, "gate_up", 0),
-        _stride(scales, "gate_up", 1), BN=bn, **common)
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), *st_gu, BN=bn, **common)
     _down_kernel[(tiles, triton.cdiv(hid, bn))](
         h, down, tw, y, p.order, p.tile_expert, p.tile_row0, p.tile_row1, s_dn, hid, inter, k,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0), _stride(scales, "down", 0),
-        _stride(scales, "down", 1), BN=bn, **common)
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0), *st_dn, BN=bn, **common)
     return y.view(n_tok, k, hid).float().sum(1).to(x.dtype)
-
-
-def _stride(scales: reference.Scales | None, which: str, dim: int) -> int:
-    return getattr(scales, which).contiguous().stride(dim) if scales else 0
