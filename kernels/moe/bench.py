@@ -16,6 +16,9 @@ timed with CUDA events around all of them:
 
 and for each the bytes of the distinct experts each call picks over its time, as a fraction of
 the copy bandwidth (a decode step reads each picked expert once, so this is the roofline).
+``--tiles 16x32x64 16x16x128x4x4 ...`` adds a graphed time per launch shape
+(``triton_kernel.Tiles``: BMxBNxBK[xWARPS[xSTAGES]]), each checked against the default shape's
+output first.
 """
 
 from __future__ import annotations
@@ -50,7 +53,17 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
-def run(tokens: list[int], shape: tuple[int, int, int, int], calls: int, fp8: bool) -> None:
+def _graphed(fn, calls: int) -> float:
+    """Mean seconds per call of ``fn(j)``, j < calls, all captured in one CUDA graph."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for j in range(calls):
+            fn(j)
+    return _time(lambda j: graph.replay() if j == 0 else None, 1) / calls
+
+
+def run(tokens: list[int], shape: tuple[int, int, int, int], calls: int, fp8: bool,
+        tiles: list[triton_kernel.Tiles]) -> None:
     e, k, h, i = shape
     dev = torch.device("cuda")
     bw = copy_bandwidth()
@@ -77,11 +90,14 @@ def run(tokens: list[int], shape: tuple[int, int, int, int], calls: int, fp8: bo
             "loop": _time(lambda j: reference.moe_experts(x, gu, dn, idx[j], w[j], scales=scales), calls),
             "kernel": _time(lambda j: triton_kernel.moe_experts(x, gu, dn, idx[j], w[j], scales), calls),
         }
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for j in range(calls):
-                triton_kernel.moe_experts(x, gu, dn, idx[j], w[j], scales)
-        times["kernel graph"] = _time(lambda j: graph.replay() if j == 0 else None, 1) / calls
+        times["kernel graph"] = _graphed(lambda j: triton_kernel.moe_experts(x, gu, dn, idx[j], w[j], scales), calls)
+        for ts in tiles:
+            alt = triton_kernel.moe_experts(x, gu, dn, idx[0], w[0], scales, ts)
+            diff = ((alt.float() - got.float()).norm() / got.float().norm()).item()
+            name = f"{ts.bm}x{ts.bn}x{ts.bk}x{ts.warps}x{ts.stages}"
+            times[name] = _graphed(lambda j, ts=ts: triton_kernel.moe_experts(x, gu, dn, idx[j], w[j], scales, ts),
+                                   calls)
+            print(f"tokens {n:4d} tiles {name}: rel L2 to the default tiles {diff:.1e}")
         for name, t in times.items():
             print(f"tokens {n:4d} {name:13s} {t * 1e6:9.1f} us  {read / t / 1e9:7.0f} GB/s = "
                   f"{read / t / bw:5.1%} of copy  (experts read {read / 2**20:.0f} MiB)")
@@ -96,10 +112,16 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=4, default=[256, 8, 2048, 512], metavar=("E", "K", "H", "I"))
     ap.add_argument("--calls", type=int, default=20, help="calls timed per figure, each with its own routing")
     ap.add_argument("--fp8", action="store_true", help="FP8 experts (block-scaled E4M3, 128 x 128 blocks)")
+    ap.add_argument("--tiles", nargs="*", default=[], metavar="BMxBNxBK[xW[xS]]",
+                    help="more launch shapes to time, graphed (triton_kernel.Tiles)")
     args = ap.parse_args()
+    try:
+        tiles = [triton_kernel.Tiles.parse(t) for t in args.tiles]
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    run(args.tokens, tuple(args.shape), args.calls, args.fp8)
+    run(args.tokens, tuple(args.shape), args.calls, args.fp8, tiles)
 
 
 if __name__ == "__main__":

@@ -181,19 +181,49 @@ def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr,
              mask=ok[:, None] & n_ok[None, :])
 
 
-def tiles_for(picks: int) -> tuple[int, int]:
-    """``(BM, BN)``: 16 picks per tile and narrow column blocks for a decode step's few picks
-    (more programs reading weights), 64 x 64 for prefill chunks."""
+@dataclass(frozen=True)
+class Tiles:
+    """A launch's tile shape: ``bm`` picks x ``bn`` columns per program, ``bk`` along K per step
+    (a multiple of 16 that divides an FP8 scale block), ``warps`` per program, ``stages`` of
+    software pipelining of the K loop."""
+
+    bm: int
+    bn: int
+    bk: int = BLOCK_K
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("bm", "bn", "bk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= 16, got {v}")
+        if self.warps not in (1, 2, 4, 8) or not 1 <= self.stages <= 8:
+            raise ValueError(f"Tiles: warps must be 1, 2, 4 or 8 and stages 1..8, got {self.warps}, {self.stages}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Tiles":
+        """``BMxBNxBK[xWARPS[xSTAGES]]`` (e.g. ``16x32x128x4``); ValueError naming the form."""
+        parts = spec.lower().split("x")
+        if not 3 <= len(parts) <= 5 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"tiles {spec!r}: expected BMxBNxBK[xWARPS[xSTAGES]], e.g. 16x32x64")
+        return cls(*map(int, parts))
+
+
+def tiles_for(picks: int) -> Tiles:
+    """16 picks per tile and narrow column blocks for a decode step's few picks (more programs
+    reading weights), 64 x 64 for prefill chunks."""
     if picks <= 128:
-        return 16, 32
-    return 64, 64
+        return Tiles(16, 32)
+    return Tiles(64, 64)
 
 
 def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: torch.Tensor,
-                topk_w: torch.Tensor, scales: reference.Scales | None = None) -> torch.Tensor:
+                topk_w: torch.Tensor, scales: reference.Scales | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """``reference.moe_experts_summed`` in two launches: x fp32 / bf16 / fp16 with weights of the
     same dtype, or (``scales``) FP8 expert codes whose scale blocks span a multiple of 64 along
-    K; fp32 products in IEEE fp32, not TF32."""
+    K; fp32 products in IEEE fp32, not TF32. ``tiles``: the launch shape (default ``tiles_for``
+    the pick count; the benchmark sweeps others)."""
     reference.check(x, gate_up, down, topk_idx, topk_w, scales)
     if x.dtype not in KIND:
         raise ValueError(f"moe_experts takes x in fp32 / bf16 / fp16, got {x.dtype}")
@@ -202,16 +232,18 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
                          f"{x.dtype}, gate_up {gate_up.dtype}, down {down.dtype}")
     if scales is not None and scales.block[1] % BLOCK_K:
         raise ValueError(f"FP8 expert scale blocks must span a multiple of {BLOCK_K} along K, got {scales.block}")
+    if scales is not None and tiles is not None and scales.block[1] % tiles.bk:
+        raise ValueError(f"tiles.bk={tiles.bk} must divide the FP8 scale block along K ({scales.block[1]})")
     n_tok, k = topk_idx.shape
     if n_tok * k > MAX_PICKS:  # a long prefill chunk: in slices of tokens (bounded h and y buffers)
         step = max(1, MAX_PICKS // k)
-        return torch.cat([_moe(x[i : i + step], gate_up, down, topk_idx[i : i + step], topk_w[i : i + step], scales)
-                          for i in range(0, n_tok, step)])
-    return _moe(x, gate_up, down, topk_idx, topk_w, scales)
+        return torch.cat([_moe(x[i : i + step], gate_up, down, topk_idx[i : i + step], topk_w[i : i + step], scales,
+                               tiles) for i in range(0, n_tok, step)])
+    return _moe(x, gate_up, down, topk_idx, topk_w, scales, tiles)
 
 
 def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: torch.Tensor,
-         topk_w: torch.Tensor, scales: reference.Scales | None) -> torch.Tensor:
+         topk_w: torch.Tensor, scales: reference.Scales | None, tiles: Tiles | None) -> torch.Tensor:
     n_tok, k = topk_idx.shape
     num_e, two_i, hid = gate_up.shape
     inter = two_i // 2
@@ -219,7 +251,8 @@ def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: t
     if picks == 0:
         return torch.zeros_like(x)
     sbn, sbk = scales.block if scales else (1, BLOCK_K)
-    bm, bn = tiles_for(picks)
+    ts = tiles or tiles_for(picks)
+    bm, bn = ts.bm, ts.bn
     p = plan(topk_idx, num_e, bm)
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
@@ -235,8 +268,9 @@ def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: t
     tiles = p.tile_expert.numel()
     # fp32 in IEEE fp32 (not TF32); under the interpreter 16-bit tiles are widened first (its
     # 16-bit products are wrong), which gives the tensor cores' exact products and fp32 sums
-    common = dict(KIND_X=KIND[x.dtype], IEEE=x.dtype == torch.float32 or INTERPRET, BM=bm, BK=BLOCK_K,
-                  FP8=scales is not None, SBN=sbn, SBK=sbk, FP8_HW=has_fp8_conversion(x.device), num_warps=4)
+    common = dict(KIND_X=KIND[x.dtype], IEEE=x.dtype == torch.float32 or INTERPRET, BM=bm, BK=ts.bk,
+                  FP8=scales is not None, SBN=sbn, SBK=sbk, FP8_HW=has_fp8_conversion(x.device), num_warps=ts.warps,
+                  num_stages=ts.stages)
     _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
         x, gate_up, h, p.order, p.tile_expert, p.tile_row0, p.tile_row1, s_gu, hid, inter, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), *st_gu, BN=bn, **common)

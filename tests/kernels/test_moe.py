@@ -162,6 +162,35 @@ def test_fp8_scales_are_checked() -> None:
 
 
 @kernel_runs
+@pytest.mark.parametrize("spec", ["16x16x128", "32x64x64x2x2", "16x32x16x1x1"])
+def test_other_launch_shapes_give_the_same_result(spec: str) -> None:
+    """The benchmark's swept tile shapes: fp32 within fp32 rounding, FP8 (128-wide scale blocks)
+    too; a K step that does not divide the scale block is refused."""
+    tiles = triton_kernel.Tiles.parse(spec)
+    x, gu, dn, idx, w = _case(7, 5, 2, 256, 128, torch.float32, seed=3)
+    torch.testing.assert_close(triton_kernel.moe_experts(x, gu, dn, idx, w, tiles=tiles),
+                               reference.moe_experts_summed(x, gu, dn, idx, w), rtol=1e-5, atol=1e-5)
+    (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
+    scales = reference.Scales(gs.to(DEV), ds.to(DEV), (128, 128))
+    torch.testing.assert_close(triton_kernel.moe_experts(x, gc.to(DEV), dc.to(DEV), idx, w, scales, tiles),
+                               reference.moe_experts_summed(x, gc.to(DEV), dc.to(DEV), idx, w, scales),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tiles_are_checked() -> None:
+    assert triton_kernel.Tiles.parse("16x32x128x8x2") == triton_kernel.Tiles(16, 32, 128, 8, 2)
+    for bad, why in (("16x32", "BMxBNxBK"), ("16x24x64", "power of two"), ("8x32x64", "power of two"),
+                     ("16x32x64x3", "warps"), ("16x32x64x4x0", "stages")):
+        with pytest.raises(ValueError, match=why):
+            triton_kernel.Tiles.parse(bad)
+    x, gu, dn, idx, w = _case(3, 4, 2, 256, 128, torch.float32)
+    (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
+    with pytest.raises(ValueError, match="must divide the FP8 scale block"):
+        triton_kernel.moe_experts(x, gc, dc, idx, w, reference.Scales(gs, ds, (128, 128)),
+                                  triton_kernel.Tiles(16, 32, 256))
+
+
+@kernel_runs
 def test_all_picks_on_one_expert_and_experts_without_picks() -> None:
     idx = torch.full((40, 1), 2)
     x, gu, dn, idx, w = _case(40, 6, 1, 32, 16, torch.float32, idx=idx)
