@@ -97,7 +97,12 @@ def test_decode_rows_and_verify_rows_attend_alike(threads: int) -> None:
 
 
 def _core(path: Path, spec: int, cache: bool = False) -> EngineCore:
-    runner = build_runner(open_model(path), page_size=8, mtp=spec > 0, batch_invariant=True)
+    """An engine in ``--batch-invariant`` mode; skipped, with the reason, where this machine's BLAS
+    makes the mode refuse to start (the device host's MKL at one thread: 64 x 128, 5 rows)."""
+    try:
+        runner = build_runner(open_model(path), page_size=8, mtp=spec > 0, batch_invariant=True)
+    except RowInvarianceError as exc:
+        pytest.skip(str(exc))
     return EngineCore(runner, EngineLimits(num_pages=96, num_state_slots=12, max_concurrency=4, token_budget=64,
                                            queue_size=8, max_context=512, chunk_tokens=24, prefix_cache=cache,
                                            speculative_tokens=spec))

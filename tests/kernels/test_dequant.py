@@ -63,8 +63,11 @@ def test_prefill_over_the_workspace_equals_the_packed_pages(fmt, rot):
         return dict(sm_scale=0.125, out=torch.full(q.shape, float("nan"), device=DEV))
 
     want = direct.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, **fp32_out())
-    for be in (TritonBackend(prefill_dequant_min_rows=1),  # the whole batch in one workspace
-               TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=w * page)):  # one sequence at a time
+    # the Triton kernel over the workspace (on a Hopper GPU the backend would send these chunks to
+    # cuDNN over dense K / V instead: tests/kernels/test_prefill_cudnn.py)
+    for be in (TritonBackend(prefill_dequant_min_rows=1, prefill_dense=False),  # the whole batch in one workspace
+               TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=w * page,
+                             prefill_dense=False)):  # one sequence at a time
         got = be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, **fp32_out())
         # same fp16 values (int8: rounded to fp16 in the workspace); row blocks of 128 vs 64
         assert rel_l2(got.cpu(), want.cpu()) <= (5e-4 if fmt == "int8" else 1e-6)
@@ -106,7 +109,8 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(attn_tk, "paged_attention", spy)
-    be = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=partials + 3 * page + 100)
+    be = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=partials + 3 * page + 100,
+                       prefill_dense=False)  # the Triton kernel's segments (cuDNN's: test_prefill_cudnn.py)
     got = be.prefill_attention(q, layer, case.block_tables, case.context_lens, ql, sm_scale=0.125,
                                out=torch.full(q.shape, float("nan"), device=DEV))
     assert calls == [(0, 3), (3, 6), (6, 7), None]
@@ -131,7 +135,8 @@ def test_a_context_over_the_budget_is_attended_in_segments(monkeypatch):
         q8, layer8, short.block_tables, short.context_lens, [8], sm_scale=0.125, out=torch.empty(q8.shape, device=DEV))
     monkeypatch.setattr(attn_tk, "paged_attention", lambda *a, **kw: calls.append(kw.get("num_splits")) or real(*a, **kw))
     calls.clear()
-    be4 = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=5 * 8 * 6 * 65 * 4 + 3 * page + 100)
+    be4 = TritonBackend(prefill_dequant_min_rows=1, prefill_workspace_bytes=5 * 8 * 6 * 65 * 4 + 3 * page + 100,
+                        prefill_dense=False)
     got8 = be4.prefill_attention(q8, layer8, short.block_tables, short.context_lens, [8], sm_scale=0.125,
                                  out=torch.full(q8.shape, float("nan"), device=DEV))
     assert calls == [3, 3, 3, 3]  # segments of 3, 3, 3, 1 pages, each in three splits
@@ -180,7 +185,7 @@ def test_short_chunk_over_a_long_prefix_is_split(min_rows, monkeypatch):
     layout = KVLayout.make("nvfp4", 2, 64)
     case = build_case(layout, [1100], seed=6, device=DEV)
     q = torch.randn(8, 6, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEV)
-    be = TritonBackend(prefill_dequant_min_rows=min_rows)
+    be = TritonBackend(prefill_dequant_min_rows=min_rows, prefill_dense=False)
     assert be.prefill_splits(1, 2, case.block_tables.shape[1], 8 * 6, 64, 8, 1) == 2  # 18 pages: 8+ per split
     assert be.prefill_splits(1, 2, 1000, 8 * 6, 64, 8, 1) == 8  # two waves of 8 SMs
     assert be.prefill_splits(64, 2, 1000, 8 * 6, 64, 8, 1) == 1  # enough row blocks
