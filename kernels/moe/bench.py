@@ -17,7 +17,7 @@ timed with CUDA events around all of them:
 and for each the bytes of the distinct experts each call picks over its time, as a fraction of
 the copy bandwidth (a decode step reads each picked expert once, so this is the roofline).
 ``--tiles 16x32x64 16x16x128x4x4 ...`` adds a graphed time per launch shape
-(``triton_kernel.Tiles``: BMxBNxBK[xWARPS[xSTAGES]]), each checked against the default shape's
+(``triton_kernel.Tiles``: BMxBNxBK[xWARPS[xSTAGES]], a trailing ``p`` for a tile per pick), each checked against the default shape's
 output first.
 """
 
@@ -94,7 +94,7 @@ def run(tokens: list[int], shape: tuple[int, int, int, int], calls: int, fp8: bo
         for ts in tiles:
             alt = triton_kernel.moe_experts(x, gu, dn, idx[0], w[0], scales, ts)
             diff = ((alt.float() - got.float()).norm() / got.float().norm()).item()
-            name = f"{ts.bm}x{ts.bn}x{ts.bk}x{ts.warps}x{ts.stages}"
+            name = ts.name
             times[name] = _graphed(lambda j, ts=ts: triton_kernel.moe_experts(x, gu, dn, idx[j], w[j], scales, ts),
                                    calls)
             print(f"tokens {n:4d} tiles {name}: rel L2 to the default tiles {diff:.1e}")
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=4, default=[256, 8, 2048, 512], metavar=("E", "K", "H", "I"))
     ap.add_argument("--calls", type=int, default=20, help="calls timed per figure, each with its own routing")
     ap.add_argument("--fp8", action="store_true", help="FP8 experts (block-scaled E4M3, 128 x 128 blocks)")
-    ap.add_argument("--tiles", nargs="*", default=[], metavar="BMxBNxBK[xW[xS]]",
+    ap.add_argument("--tiles", nargs="*", default=[], metavar="BMxBNxBK[xW[xS]][p]",
                     help="more launch shapes to time, graphed (triton_kernel.Tiles)")
     args = ap.parse_args()
     try:

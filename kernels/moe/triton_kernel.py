@@ -81,13 +81,20 @@ def plan(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Plan:
 
 
 @triton.jit
-def _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM: tl.constexpr):
-    """This program's tile: its expert, its picks' ids, which rows hold one, their tokens."""
+def _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM: tl.constexpr, PER_PICK: tl.constexpr):
+    """This program's tile: its expert, its picks' ids, which rows hold one, their tokens.
+    ``PER_PICK``: tile t is pick t alone (``te_ptr`` the flat expert ids; no plan)."""
     t = tl.program_id(0)
-    e = tl.load(te_ptr + t)
-    r = tl.load(r0_ptr + t) + tl.arange(0, BM)
-    ok = r < tl.load(r1_ptr + t)
-    pick = tl.load(order_ptr + r, mask=ok, other=0)
+    if PER_PICK:
+        e = tl.load(te_ptr + t).to(tl.int32)
+        r = tl.arange(0, BM)
+        ok = r < 1
+        pick = t + r * 0
+    else:
+        e = tl.load(te_ptr + t)
+        r = tl.load(r0_ptr + t) + tl.arange(0, BM)
+        ok = r < tl.load(r1_ptr + t)
+        pick = tl.load(order_ptr + r, mask=ok, other=0)
     return e, pick, ok, pick // TOPK
 
 
@@ -114,8 +121,8 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, s_pt
                     stride_x, stride_we, stride_wn, stride_h, stride_se, stride_sn,
                     KIND_X: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-                    FP8_HW: tl.constexpr):
-    e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM)
+                    FP8_HW: tl.constexpr, PER_PICK: tl.constexpr):
+    e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM, PER_PICK)
     if e < 0:
         return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -155,8 +162,8 @@ def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr,
                  stride_h, stride_we, stride_wn, stride_y, stride_se, stride_sn,
                  KIND_X: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
-                 FP8_HW: tl.constexpr):
-    e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM)
+                 FP8_HW: tl.constexpr, PER_PICK: tl.constexpr):
+    e, pick, ok, tok = _tile_rows(order_ptr, te_ptr, r0_ptr, r1_ptr, TOPK, BM, PER_PICK)
     if e < 0:
         return
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -185,13 +192,16 @@ def _down_kernel(h_ptr, w_ptr, tw_ptr, y_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr,
 class Tiles:
     """A launch's tile shape: ``bm`` picks x ``bn`` columns per program, ``bk`` along K per step
     (a multiple of 16 that divides an FP8 scale block), ``warps`` per program, ``stages`` of
-    software pipelining of the K loop."""
+    software pipelining of the K loop. ``per_pick``: no plan, each pick its own tile (one row of
+    ``bm`` used): none of the plan's ~20 small launches, but an expert picked twice is read twice
+    (a single token's top-k experts are distinct)."""
 
     bm: int
     bn: int
     bk: int = BLOCK_K
     warps: int = 4
     stages: int = 3
+    per_pick: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "bk"):
@@ -203,16 +213,26 @@ class Tiles:
 
     @classmethod
     def parse(cls, spec: str) -> "Tiles":
-        """``BMxBNxBK[xWARPS[xSTAGES]]`` (e.g. ``16x32x128x4``); ValueError naming the form."""
-        parts = spec.lower().split("x")
+        """``BMxBNxBK[xWARPS[xSTAGES]][p]`` (e.g. ``16x32x128x4``; a trailing ``p``: ``per_pick``);
+        ValueError naming the form."""
+        low = spec.lower()
+        per_pick = low.endswith("p")
+        parts = low.removesuffix("p").split("x")
         if not 3 <= len(parts) <= 5 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"tiles {spec!r}: expected BMxBNxBK[xWARPS[xSTAGES]], e.g. 16x32x64")
-        return cls(*map(int, parts))
+            raise ValueError(f"tiles {spec!r}: expected BMxBNxBK[xWARPS[xSTAGES]][p], e.g. 16x32x64")
+        return cls(*map(int, parts), per_pick=per_pick)
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}x{self.warps}x{self.stages}{'p' if self.per_pick else ''}"
 
 
-def tiles_for(picks: int) -> Tiles:
-    """16 picks per tile and narrow column blocks for a decode step's few picks (more programs
-    reading weights), 64 x 64 for prefill chunks."""
+def tiles_for(picks: int, tokens: int) -> Tiles:
+    """One token: a tile per pick (its experts are distinct; no plan launches). A decode step's
+    few picks: 16 per tile and narrow column blocks (more programs reading weights). Prefill
+    chunks: 64 x 64."""
+    if tokens == 1:
+        return Tiles(16, 32, per_pick=True)
     if picks <= 128:
         return Tiles(16, 32)
     return Tiles(64, 64)
@@ -251,9 +271,16 @@ def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: t
     if picks == 0:
         return torch.zeros_like(x)
     sbn, sbk = scales.block if scales else (1, BLOCK_K)
-    ts = tiles or tiles_for(picks)
+    ts = tiles or tiles_for(picks, n_tok)
     bm, bn = ts.bm, ts.bn
-    p = plan(topk_idx, num_e, bm)
+    if ts.per_pick:  # tile t = pick t: the flat expert ids stand in for the plan (order, row ranges unread)
+        flat = topk_idx.reshape(-1).contiguous()
+        tile_args = (flat, flat, flat, flat)
+        n_tiles = picks
+    else:
+        p = plan(topk_idx, num_e, bm)
+        tile_args = (p.order, p.tile_expert, p.tile_row0, p.tile_row1)
+        n_tiles = p.tile_expert.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
     gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
     down = down if down.stride(-1) == 1 else down.contiguous()
@@ -265,16 +292,15 @@ def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: t
     tw = topk_w.reshape(-1).to(x.dtype).contiguous()
     h = torch.empty(picks, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(picks, hid, dtype=x.dtype, device=x.device)
-    tiles = p.tile_expert.numel()
     # fp32 in IEEE fp32 (not TF32); under the interpreter 16-bit tiles are widened first (its
     # 16-bit products are wrong), which gives the tensor cores' exact products and fp32 sums
     common = dict(KIND_X=KIND[x.dtype], IEEE=x.dtype == torch.float32 or INTERPRET, BM=bm, BK=ts.bk,
                   FP8=scales is not None, SBN=sbn, SBK=sbk, FP8_HW=has_fp8_conversion(x.device), num_warps=ts.warps,
-                  num_stages=ts.stages)
-    _gate_up_kernel[(tiles, triton.cdiv(inter, bn))](
-        x, gate_up, h, p.order, p.tile_expert, p.tile_row0, p.tile_row1, s_gu, hid, inter, k,
+                  num_stages=ts.stages, PER_PICK=ts.per_pick)
+    _gate_up_kernel[(n_tiles, triton.cdiv(inter, bn))](
+        x, gate_up, h, *tile_args, s_gu, hid, inter, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), *st_gu, BN=bn, **common)
-    _down_kernel[(tiles, triton.cdiv(hid, bn))](
-        h, down, tw, y, p.order, p.tile_expert, p.tile_row0, p.tile_row1, s_dn, hid, inter, k,
+    _down_kernel[(n_tiles, triton.cdiv(hid, bn))](
+        h, down, tw, y, *tile_args, s_dn, hid, inter, k,
         h.stride(0), down.stride(0), down.stride(1), y.stride(0), *st_dn, BN=bn, **common)
     return y.view(n_tok, k, hid).float().sum(1).to(x.dtype)

@@ -162,7 +162,7 @@ def test_fp8_scales_are_checked() -> None:
 
 
 @kernel_runs
-@pytest.mark.parametrize("spec", ["16x16x128", "32x64x64x2x2", "16x32x16x1x1"])
+@pytest.mark.parametrize("spec", ["16x16x128", "32x64x64x2x2", "16x32x16x1x1", "16x32x64p"])
 def test_other_launch_shapes_give_the_same_result(spec: str) -> None:
     """The benchmark's swept tile shapes: fp32 within fp32 rounding, FP8 (128-wide scale blocks)
     too; a K step that does not divide the scale block is refused."""
@@ -179,6 +179,10 @@ def test_other_launch_shapes_give_the_same_result(spec: str) -> None:
 
 def test_tiles_are_checked() -> None:
     assert triton_kernel.Tiles.parse("16x32x128x8x2") == triton_kernel.Tiles(16, 32, 128, 8, 2)
+    assert triton_kernel.Tiles.parse("16x32x64P") == triton_kernel.Tiles(16, 32, per_pick=True)
+    assert triton_kernel.Tiles.parse("16x32x64p").name == "16x32x64x4x3p"
+    # one token: a tile per pick; more: the plan
+    assert triton_kernel.tiles_for(8, 1).per_pick and not triton_kernel.tiles_for(16, 2).per_pick
     for bad, why in (("16x32", "BMxBNxBK"), ("16x24x64", "power of two"), ("8x32x64", "power of two"),
                      ("16x32x64x3", "warps"), ("16x32x64x4x0", "stages")):
         with pytest.raises(ValueError, match=why):
@@ -294,16 +298,17 @@ def test_captured_moe_follows_new_routings() -> None:
 
 def hopper_launches() -> None:
     """The calls whose launches ``test_kernels_build_for_hopper`` builds: decode and prefill
-    tiles in bf16, fp32, and FP8 experts."""
+    tiles in bf16, fp32, and FP8 experts (one token: a tile per pick; more: the plan's tiles)."""
     e, k, h, i = QWEN36_A3B
     for n, dtype in [(1, torch.bfloat16), (300, torch.bfloat16), (2, torch.float32)]:
         triton_kernel.moe_experts(*_case(n, e, k, h, i, dtype, device="cpu"))
-    x, gu, dn, idx, w = _case(1, 2 * k, k, h, i, torch.bfloat16, device="cpu")
-    (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
-    triton_kernel.moe_experts(x, gc, dc, idx, w, reference.Scales(gs, ds, (128, 128)))
+    for n in (1, 2):
+        x, gu, dn, idx, w = _case(n, 2 * k, k, h, i, torch.bfloat16, device="cpu")
+        (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
+        triton_kernel.moe_experts(x, gc, dc, idx, w, reference.Scales(gs, ds, (128, 128)))
 
 
 @pytest.mark.skipif(not has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
 def test_kernels_build_for_hopper(tmp_path: Path) -> None:
     out = run_offline_build("tests.kernels.test_moe", "hopper_launches", 90, tmp_path)
-    assert out.count(": ok (") == 8, out
+    assert out.count(": ok (") == 10, out
