@@ -14,6 +14,9 @@ then each token's k picks are added in fp32 and rounded once (torch). FP8 expert
 in fp32 and rounded to x's dtype before the product: the dequantized weight's exact bits, so
 half the bytes of bf16 experts are read for the same result.
 
+``plan_one_launch`` does the same in one program for a decode step's few picks, and one token's picks
+(distinct experts) each get a tile of their own with no plan at all (``Tiles.per_pick``).
+
 The grid is the most tiles any routing of ``P = N * k`` picks can need,
 ``(P + min(P, E) (BM - 1)) // BM`` (each expert with picks wastes under one tile): with ``E``
 large and ``N`` small that is ``P`` tiles, the experts a step actually reads. A tile past the plan's
@@ -78,6 +81,58 @@ def plan(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Plan:
     row1 = torch.minimum(ends[ec], row0 + block_m)
     return Plan(order=order, tile_expert=torch.where(valid, ec, -1).to(torch.int32),
                 tile_row0=row0.to(torch.int32), tile_row1=row1.to(torch.int32), block_m=block_m)
+
+
+# the most picks ``plan_one_launch`` takes (its pairwise [P, P] comparisons fit one program)
+PLAN_ONE_LAUNCH_PICKS = 128
+
+
+@triton.jit
+def _plan_kernel(idx_ptr, order_ptr, te_ptr, r0_ptr, r1_ptr, P, T, BM: tl.constexpr, BP: tl.constexpr,
+                 BT: tl.constexpr):
+    """``plan`` in one program by pairwise counts over the ``P`` picks: pick i's place in the
+    stable sort by expert is (picks of lower experts) + (earlier picks of its expert), its rank;
+    a pick whose rank is a multiple of ``BM`` leads a tile, whose index is the number of leaders
+    of lower experts plus rank // BM. Tiles past the last: expert -1, rows [0, 0)."""
+    i = tl.arange(0, BP)
+    ok = i < P
+    e = tl.load(idx_ptr + i, mask=ok, other=0).to(tl.int32)
+    e = tl.where(ok, e, 2147483647)  # padding: above every expert, never counted
+    ei, ej, okj = e[:, None], e[None, :], ok[None, :]
+    same = (ei == ej) & okj
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    lower = (ej < ei) & okj
+    pos = tl.sum(lower.to(tl.int32), axis=1) + rank
+    tl.store(order_ptr + pos, i, mask=ok)
+    lead = ok & (rank % BM == 0)
+    tile = tl.sum((lower & lead[None, :]).to(tl.int32), axis=1) + rank // BM
+    tl.store(te_ptr + tile, e, mask=lead)
+    tl.store(r0_ptr + tile, pos, mask=lead)
+    tl.store(r1_ptr + tile, pos + tl.minimum(count - rank, BM), mask=lead)
+    t = tl.arange(0, BT)
+    dead = (t >= tl.sum(lead.to(tl.int32), axis=0)) & (t < T)
+    zero = tl.zeros([BT], dtype=tl.int32)
+    tl.store(te_ptr + t, zero - 1, mask=dead)
+    tl.store(r0_ptr + t, zero, mask=dead)
+    tl.store(r1_ptr + t, zero, mask=dead)
+
+
+def plan_one_launch(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Plan:
+    """``plan`` for at most ``PLAN_ONE_LAUNCH_PICKS`` picks in one Triton launch (``plan``'s
+    torch ops are ~25 small launches, which a decode step's few picks do not amortize); the same
+    order and tiles (tiles past the last: rows [0, 0))."""
+    flat = topk_idx.reshape(-1).contiguous()
+    picks = flat.numel()
+    if not 0 < picks <= PLAN_ONE_LAUNCH_PICKS:
+        raise ValueError(f"plan_one_launch takes 1..{PLAN_ONE_LAUNCH_PICKS} picks, got {picks}")
+    tiles = max_tiles(picks, num_experts, block_m)
+    dev = flat.device
+    order = torch.empty(picks, dtype=torch.int32, device=dev)
+    te, r0, r1 = (torch.empty(tiles, dtype=torch.int32, device=dev) for _ in range(3))
+    _plan_kernel[(1,)](flat, order, te, r0, r1, picks, tiles, BM=block_m, BP=triton.next_power_of_2(picks),
+                       BT=triton.next_power_of_2(tiles), num_warps=4)
+    return Plan(order=order, tile_expert=te, tile_row0=r0, tile_row1=r1, block_m=block_m)
 
 
 @triton.jit
@@ -278,7 +333,7 @@ def _moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_idx: t
         tile_args = (flat, flat, flat, flat)
         n_tiles = picks
     else:
-        p = plan(topk_idx, num_e, bm)
+        p = (plan_one_launch if picks <= PLAN_ONE_LAUNCH_PICKS else plan)(topk_idx, num_e, bm)
         tile_args = (p.order, p.tile_expert, p.tile_row0, p.tile_row1)
         n_tiles = p.tile_expert.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()

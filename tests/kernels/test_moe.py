@@ -76,6 +76,30 @@ def test_plan_tiles_every_pick_once_with_its_expert(n: int, e: int, k: int, bm: 
     assert bool((used[:-1] >= used[1:]).all())
 
 
+@kernel_runs
+@pytest.mark.parametrize(("n", "e", "k", "bm"), [(1, 8, 2, 16), (5, 64, 8, 16), (40, 4, 3, 16), (16, 256, 8, 16),
+                                                 (33, 2, 1, 16), (7, 3, 3, 4), (1, 256, 8, 16)])
+def test_plan_in_one_launch_equals_the_torch_plan(n: int, e: int, k: int, bm: int) -> None:
+    """The one-program plan (decode steps' few picks): the same order and tiles as ``plan``;
+    tiles past the last have expert -1 and no rows."""
+    gen = torch.Generator().manual_seed(n + e)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    idx[n // 2 :] = idx[: n - n // 2].clone()  # repeated routings: experts picked by several tokens
+    want = triton_kernel.plan(idx, e, bm)
+    got = triton_kernel.plan_one_launch(idx.to(DEV), e, bm)
+    assert torch.equal(got.order.cpu().long(), want.order.cpu())
+    assert torch.equal(got.tile_expert.cpu(), want.tile_expert.cpu())
+    live = want.tile_expert.cpu() >= 0
+    for a, b in ((got.tile_row0, want.tile_row0), (got.tile_row1, want.tile_row1)):
+        assert torch.equal(a.cpu()[live], b.cpu()[live])
+        assert not bool(a.cpu()[~live].any())
+
+
+def test_plan_in_one_launch_is_bounded() -> None:
+    with pytest.raises(ValueError, match="1..128 picks"):
+        triton_kernel.plan_one_launch(torch.zeros(17, 8, dtype=torch.long), 8, 16)
+
+
 def test_plan_bound_is_tight_when_every_pick_has_its_own_expert() -> None:
     idx = torch.arange(32).view(4, 8)
     p = triton_kernel.plan(idx, 256, 16)
@@ -306,9 +330,11 @@ def hopper_launches() -> None:
         x, gu, dn, idx, w = _case(n, 2 * k, k, h, i, torch.bfloat16, device="cpu")
         (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
         triton_kernel.moe_experts(x, gc, dc, idx, w, reference.Scales(gs, ds, (128, 128)))
+    # the one-launch plan at its largest (16 tokens x top-8: [128, 128] pairwise counts)
+    triton_kernel.plan_one_launch(torch.randint(0, e, (16, k)), e, 16)
 
 
 @pytest.mark.skipif(not has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
 def test_kernels_build_for_hopper(tmp_path: Path) -> None:
     out = run_offline_build("tests.kernels.test_moe", "hopper_launches", 90, tmp_path)
-    assert out.count(": ok (") == 10, out
+    assert out.count(": ok (") == 13, out
