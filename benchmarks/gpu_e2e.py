@@ -5,6 +5,7 @@
     python3 benchmarks/gpu_e2e.py --skip-decode --skip-prefill --prefill-414k --kv-dtypes nvfp4 --json X
     python3 benchmarks/gpu_e2e.py --skip-decode --skip-prefill --hf --json X  # HF transformers on a slice
     python3 benchmarks/gpu_e2e.py --skip-prefill --profile --batches 1 --contexts 4096 --json X
+    python3 benchmarks/gpu_e2e.py --shape qwen3.6-35b-a3b --weight-dtypes fp8 --kv-dtypes nvfp4 --json X
     python3 benchmarks/gpu_e2e.py --tiny --device cpu --contexts 256 --batches 1 2 --kv-dtypes bf16 --json X
     python3 benchmarks/gpu_e2e.py --skip-decode --skip-prefill --kv-dtypes nvfp4 --speculative 2 4 \
         --contexts 4096 131072 --batches 1 8 --json X                        # MTP speculative rounds only
@@ -28,6 +29,12 @@ the quantized KV's start-up calibration and kernel check included). The prefix c
 weight dtype; each KV dtype gets a fresh runner over the same weights and a fresh pool.
 Contexts beyond the model's 262,144 positions are served with YaRN factor 4 (Qwen3.5's
 documented extension, ``--rope-scaling``), as ``deepwell engine --rope-scaling yarn:4`` does.
+``--shape qwen3.6-35b-a3b``: the MoE half of the family instead (40 layers, hidden 2048, every
+layer 256 routed experts of 512, top-8, plus a shared expert; 34.7B parameters, ~3B per token):
+its roofline counts the experts a step reads, ``weights_read`` (every other weight, and of each
+MoE layer's experts the ``E (1 - (1 - k/E)^B)`` that ``B`` tokens pick in expectation under
+uniform routing, which the random-weight router approximates), and its FLOPs a token's top-k;
+``--hf`` is for the dense shape only.
 
 Denominators (measured first, in the same run): HBM bandwidth = bytes read + written by a
 ``--bw-gib`` device-to-device copy / its time; bf16 GEMM peak = 2 x 8192^3 / the time of one
@@ -129,6 +136,7 @@ from deepwell.engine_service.engine import EngineCore, FinishedEvent, TokensEven
 from deepwell.engine_service.kv.pool import Region  # noqa: E402
 from deepwell.engine_service.kv.quant_pool import KVSettingsError  # noqa: E402
 from deepwell.engine_service.kv.settings import KVSettings  # noqa: E402
+from deepwell.engine_service.layers.moe import SparseMoE  # noqa: E402
 from deepwell.engine_service.layers.context import SeqInfo, StepContext  # noqa: E402
 from deepwell.engine_service.loading import open_model  # noqa: E402
 from deepwell.engine_service.runner import TorchModelRunner, build_runner  # noqa: E402
@@ -147,6 +155,19 @@ TINY = {  # the Qwen3.5 hybrid structure (3 GDN : 1 full attention, gated attent
     "linear_key_head_dim": 32, "linear_value_head_dim": 32, "vocab_size": 2048, "max_position_embeddings": 65536,
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(4)],
 }
+
+# Qwen3.6-35B-A3B's text model (= Qwen3.5-35B-A3B's): the MoE half of the target family; every
+# layer a sparse MoE block (256 routed experts, top-8, and one shared expert, all 512 wide)
+QWEN36_35B_A3B = {
+    **QWEN35_27B, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], "hidden_size": 2048,
+    "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2, "linear_num_value_heads": 32,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+}
+TINY_MOE = {**TINY, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 16,
+            "num_experts_per_tok": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}
+SHAPES = {"qwen3.5-27b": ("Qwen3.5-27B", QWEN35_27B, TINY), "qwen3.6-35b-a3b": ("Qwen3.6-35B-A3B", QWEN36_35B_A3B, TINY_MOE)}
+del QWEN36_35B_A3B["intermediate_size"]  # MoE layers only: no dense MLP width
 
 # the issue's targets
 T_DECODE_B1_4K = 0.80  # batch 1 at 4k: fraction of the weights-read roofline
@@ -339,14 +360,35 @@ def model_stats(model: Any) -> dict[str, Any]:
     norm_params, norm_bytes = size(m.model.norm)
     head_params, head_bytes = size(m.lm_head) if not a.tie_embeddings else size(m.model.embed_tokens)
     embed_params, embed_bytes = size(m.model.embed_tokens)
+    blocks = [mod for mod in m.model.layers.modules() if isinstance(mod, SparseMoE)]
+    expert_params, expert_bytes = (sum(v) for v in zip((0, 0), *(size(b.experts) for b in blocks)))
+    num_experts = blocks[0].experts.gate_up_proj.shape[0] if blocks else 0
+    top_k = blocks[0].top_k if blocks else 0
     return {
-        "weight_bytes_streamed": layer_bytes + norm_bytes + head_bytes,  # the embedding table is only gathered
+        # every weight; the embedding table is only gathered (a MoE step reads its picked experts:
+        # ``weights_read``)
+        "weight_bytes_streamed": layer_bytes + norm_bytes + head_bytes,
+        "moe_layers": len(blocks), "num_experts": num_experts, "top_k": top_k, "expert_bytes": expert_bytes,
+        "expert_params": expert_params,
+        # what one token computes with: the routed experts' share is top_k / num_experts
+        "active_layer_params": layer_params + norm_params - expert_params * (1 - top_k / num_experts if blocks else 1),
         "layer_params": layer_params + norm_params, "head_params": head_params, "embed_params": embed_params,
         "total_params": layer_params + norm_params + embed_params + (0 if a.tie_embeddings else head_params),
         "attention_layers": len(a.attention_layers), "recurrent_layers": len(a.recurrent_layers),
         "heads": a.attention.num_heads, "kv_heads": a.attention.num_kv_heads, "head_dim": a.attention.head_dim,
         "hidden": a.hidden, "vocab": a.vocab_size, "layers": a.num_layers,
     }
+
+
+def weights_read(stats: dict[str, Any], tokens: int) -> float:
+    """Weight bytes a step of ``tokens`` tokens reads: every weight, except that a MoE layer reads
+    only the experts its tokens pick, ``E (1 - (1 - k / E)^tokens)`` of ``E`` in expectation when
+    each token picks ``k`` distinct experts uniformly (the random-weight router is close to it)."""
+    if not stats["moe_layers"]:
+        return stats["weight_bytes_streamed"]
+    e, k = stats["num_experts"], stats["top_k"]
+    picked = 1.0 - (1.0 - k / e) ** tokens
+    return stats["weight_bytes_streamed"] - stats["expert_bytes"] * (1.0 - picked)
 
 
 def with_mtp(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -390,11 +432,11 @@ def mtp_weights(model: Any) -> dict[str, Any]:
 
 def prefill_flops(stats: dict[str, Any], tokens: int) -> float:
     attn = 4 * stats["attention_layers"] * stats["heads"] * stats["head_dim"] * tokens * tokens / 2
-    return 2 * stats["layer_params"] * tokens + 2 * stats["head_params"] + attn
+    return 2 * stats["active_layer_params"] * tokens + 2 * stats["head_params"] + attn
 
 
 FLOPS_FORMULA = ("FLOPs = 2 x P_layers x T + 2 x P_head + 4 x L_attn x H x D x T^2/2 "
-                 "(P_layers {P:.3g} decoder-layer params, P_head {Ph:.3g} LM head, one logits row; "
+                 "(P_layers {P:.3g} decoder-layer params a token computes with (MoE: its top-k experts), P_head {Ph:.3g} LM head, one logits row; "
                  "L_attn {L}, H {H}, D {D}; causal QK^T + PV; GDN recurrence FLOPs not counted); "
                  "MFU = FLOP/s / measured GEMM peak")
 
@@ -1002,7 +1044,8 @@ class Bench:
 
     def run_main(self) -> None:
         a, rep = self.args, self.rep
-        cfg = slice_config(TINY if a.tiny else QWEN35_27B, a.model_layers)
+        _, full, tiny = SHAPES[a.shape]
+        cfg = slice_config(tiny if a.tiny else full, a.model_layers)
         src = self.source(cfg, "main", self.main_contexts()) if self.jobs() else None
         src_mtp = self.source(with_mtp(cfg), "main-mtp", self.main_contexts(True)) if a.speculative else None
         opt = fp8_weight_option()
@@ -1036,7 +1079,10 @@ class Bench:
         rep.data["model"][wl] = st
         rep.line(f"model {wl}-w: {st['layers']} layers ({st['attention_layers']} attention, "
                  f"{st['recurrent_layers']} GDN), {st['total_params'] / 1e9:.2f}B params, "
-                 f"{gb(st['weight_bytes_streamed'])} streamed per decode step, random weights on "
+                 f"{gb(st['weight_bytes_streamed'])} of weights" + (
+                     f" ({st['moe_layers']} MoE layers of {st['num_experts']} experts, top-{st['top_k']}: "
+                     f"{gb(weights_read(st, 1))} read per token at batch 1)" if st["moe_layers"] else
+                     " streamed per decode step") + f", random weights on "
                  f"{self.dev} in {time.perf_counter() - t0:.1f} s" + fp8_kernels(w))
         if w == "fp8":
             self.fp8_gemm_report(eng, wl)
@@ -1249,7 +1295,7 @@ class Bench:
                                 T_BATCH_SCALING, "x")
 
     def roofline(self, st: dict[str, Any], spec: Any, batch: int, ctx: float) -> dict[str, float]:
-        w = st["weight_bytes_streamed"]
+        w = weights_read(st, batch)
         kvb = batch * ctx * spec.bytes_per_page / spec.page_size
         state = batch * 2 * spec.bytes_per_state_slot  # read and written back in place
         total = w + kvb + state
@@ -1425,7 +1471,7 @@ class Bench:
         mfu = fps / self.peak
         rep.add("prefill", {**base, **r, "flops": flops, "flops_per_s": fps, "mfu": mfu})
         if not any("FLOPs =" in n for n in rep.data["notes"]):
-            rep.note(FLOPS_FORMULA.format(P=st["layer_params"], Ph=st["head_params"], L=st["attention_layers"],
+            rep.note(FLOPS_FORMULA.format(P=st["active_layer_params"], Ph=st["head_params"], L=st["attention_layers"],
                                           H=st["heads"], D=st["head_dim"]))
         rep.line(f"{label}: {r['tok_s']:.0f} tok/s = {flops_s(fps)} = {mfu:.0%} MFU "
                  f"({r['seconds']:.2f} s, GEMM peak {flops_s(self.peak)})")
@@ -1534,6 +1580,8 @@ class Bench:
 # ----------------------------------------------------------------------------- CLI
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen3.5-27b", choices=sorted(SHAPES),
+                    help="the model's shape: the dense Qwen3.5-27B (the issue's) or the MoE Qwen3.6-35B-A3B")
     ap.add_argument("--tiny", action="store_true", help="a tiny Qwen3.5-style hybrid (4 layers, hidden 128): plumbing")
     ap.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (auto: cuda if available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
@@ -1603,6 +1651,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--accept-rate must be in [0, 1)")
     if args.rope_scaling not in ("auto", "model"):
         rope_scaling.parse(args.rope_scaling)
+    if args.hf and args.shape != "qwen3.5-27b":
+        ap.error("--hf compares the dense Qwen3.5-27B shape only")
     return args
 
 
@@ -1613,9 +1663,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rep = Report(args.json, args.tiny)
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    shape = SHAPES[args.shape][0]
     rep.data["config"] = {**{k: v for k, v in vars(args).items()}, "device_name": name,
-                          "torch": torch.__version__, "shape": "tiny" if args.tiny else "Qwen3.5-27B"}
-    rep.line(f"gpu_e2e: {'tiny Qwen3.5-style' if args.tiny else 'Qwen3.5-27B-shaped'} random-weight model on {name} "
+                          "torch": torch.__version__, "shape": f"tiny {shape}" if args.tiny else shape}
+    rep.line(f"gpu_e2e: {f'tiny {shape}-style' if args.tiny else f'{shape}-shaped'} random-weight model on {name} "
              f"(torch {torch.__version__}); page {PAGE_SIZE}, token budget {args.token_budget}, prefix cache off")
     bench = Bench(args, rep)
     t0 = time.perf_counter()

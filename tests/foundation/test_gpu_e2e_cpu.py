@@ -19,6 +19,28 @@ from deepwell.engine_service.loading import open_model
 from deepwell.engine_service.sampling import SamplingParams
 
 
+
+def test_tiny_moe_shape_counts_the_picked_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--shape qwen3.6-35b-a3b --tiny``: a MoE hybrid through the same engine; its roofline
+    counts the experts a step's tokens pick (expected under uniform routing), not all of them."""
+    out = tmp_path / "e2e.json"
+    gpu_e2e.main(["--shape", "qwen3.6-35b-a3b", "--tiny", "--device", "cpu", "--contexts", "256", "--batches", "1",
+                  "4", "--kv-dtypes", "bf16", "--weight-dtypes", "bf16", "--skip-prefill", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["errors"] == [] and data["config"]["shape"] == "tiny Qwen3.6-35B-A3B"
+    st = data["model"]["fp32"]
+    assert st["moe_layers"] == 4 and st["num_experts"] == 16 and st["top_k"] == 4
+    assert 0 < st["expert_bytes"] < st["weight_bytes_streamed"]
+    assert st["active_layer_params"] == pytest.approx(st["layer_params"] - st["expert_params"] * 12 / 16)
+    decode = {d["batch"]: d for d in data["decode"]}
+    for b in (1, 4):  # E (1 - (1 - k/E)^B) of the E experts per layer
+        picked = 1 - (1 - 4 / 16) ** b
+        assert decode[b]["weight_bytes"] == pytest.approx(
+            st["weight_bytes_streamed"] - st["expert_bytes"] * (1 - picked))
+    assert "4 MoE layers of 16 experts, top-4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        gpu_e2e.parse_args(["--shape", "qwen3.6-35b-a3b", "--hf"])
+
 def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
