@@ -207,6 +207,10 @@ def test_tiles_are_checked() -> None:
     assert triton_kernel.Tiles.parse("16x32x64p").name == "16x32x64x4x3p"
     # one token: a tile per pick; more: the plan
     assert triton_kernel.tiles_for(8, 1).per_pick and not triton_kernel.tiles_for(16, 2).per_pick
+    # K steps of 128 unless an FP8 scale block is narrower; FP8 keeps the narrow tiles longer
+    assert triton_kernel.tiles_for(16, 2).bk == 128 and triton_kernel.tiles_for(16, 2, 64).bk == 64
+    assert triton_kernel.tiles_for(512, 64) == triton_kernel.Tiles(64, 64)
+    assert triton_kernel.tiles_for(512, 64, 128) == triton_kernel.Tiles(16, 32, 128)
     for bad, why in (("16x32", "BMxBNxBK"), ("16x24x64", "power of two"), ("8x32x64", "power of two"),
                      ("16x32x64x3", "warps"), ("16x32x64x4x0", "stages")):
         with pytest.raises(ValueError, match=why):
