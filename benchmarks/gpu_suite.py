@@ -31,6 +31,9 @@ one before left warm, so each must follow within its 30 s)::
     run(carry=[".whl", ".model/part-3", ".model/manifest.json"],
         command="python3 benchmarks/gpu_suite.py run --workers 12")
 
+(``--workers 12 --no-gpu-marked`` runs the tests not marked gpu alone, so the gpu-marked ones can
+go to other calls: ``--gpu-workers 6`` and its serial full-size modules.)
+
 The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The ~300 ``gpu``-marked ones
 take about 18 minutes serially (an H200: 144 in 540 s); in six workers an H100 ran 266 in ~350 s
 (``run --gpu-workers 6``, the full-size modules then alone), or they run as three serial calls on
@@ -206,7 +209,7 @@ def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "") -> in
     if shard:
         env["DEEPWELL_TEST_SHARD"] = shard
         name = f"{name}-{shard.replace('/', 'of')}"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs",
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs", "--durations=25",
            f"--junitxml={out / (name + '.xml')}", *pytest_args]
     print(" ".join(cmd), flush=True)
     # line-buffered: a run killed at the call's time limit still leaves every line it printed
@@ -247,7 +250,9 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
         # the tests not marked gpu in parallel workers (small models, little GPU memory each)
         rcs[f"not gpu-marked (-n {args.workers})"] = _pytest(
             out, "gpu_suite_not_gpu", ["-n", str(args.workers), "-m", "not gpu", *tests], args.shard)
-    if args.gpu_workers:
+    if args.no_gpu_marked:
+        pass  # only the tests not marked gpu (a call of its own; the gpu-marked ones in later calls)
+    elif args.gpu_workers:
         # the gpu-marked ones that fit beside each other in parallel workers (most of the time is
         # compiling, which is CPU work), then the full-size ones alone on the card
         deselect = [f"--deselect={m}" for m in SERIAL_GPU_MODULES]
@@ -288,12 +293,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the gpu-marked tests in this many workers too, except the full-size modules "
                         "(SERIAL_GPU_MODULES), which follow serially; with --gpu-workers and no --workers the "
                         "tests not marked gpu do not run")
+    r.add_argument("--no-gpu-marked", action="store_true",
+                   help="with --workers: run only the tests not marked gpu (the gpu-marked ones in another call)")
     r.add_argument("--shard", default="", metavar="K/N",
                    help="run every N-th test from the K-th (0 <= K < N), counted after -m / -k: a suite longer "
                         "than one call as N calls")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "run" and args.shard and not _valid_shard(args.shard):
         ap.error(f"--shard {args.shard!r} must be K/N with 0 <= K < N")
+    if args.cmd == "run" and args.no_gpu_marked and not args.workers:
+        ap.error("--no-gpu-marked runs the tests not marked gpu in --workers N workers: give --workers")
     if args.cmd == "prepare":
         if rest:
             ap.error(f"unexpected arguments: {rest}")

@@ -74,6 +74,8 @@ def test_run_refuses_a_bad_shard() -> None:
     for bad in ("3/3", "a/b", "1"):
         with pytest.raises(SystemExit):
             gpu_suite.main(["run", "--shard", bad, "--stage-only"])
+    with pytest.raises(SystemExit):  # nothing would run
+        gpu_suite.main(["run", "--no-gpu-marked", "--stage-only"])
 
 
 def test_a_failure_is_reported_when_it_happens(capsys) -> None:
