@@ -186,7 +186,7 @@ def test_fp8_scales_are_checked() -> None:
 
 
 @kernel_runs
-@pytest.mark.parametrize("spec", ["16x16x128", "32x64x64x2x2", "16x32x16x1x1", "16x32x64p"])
+@pytest.mark.parametrize("spec", ["16x16x128", "32x64x64x2x2", "16x32x32x1x1", "16x32x64p"])
 def test_other_launch_shapes_give_the_same_result(spec: str) -> None:
     """The benchmark's swept tile shapes: fp32 within fp32 rounding, FP8 (128-wide scale blocks)
     too; a K step that does not divide the scale block is refused."""
@@ -326,10 +326,10 @@ def test_captured_moe_follows_new_routings() -> None:
 
 def hopper_launches() -> None:
     """The calls whose launches ``test_kernels_build_for_hopper`` builds: decode and prefill
-    tiles in bf16, fp32, and FP8 experts (one token: a tile per pick; more: the plan's tiles)."""
+    tiles of bf16 and FP8 experts (one token: a tile per pick; more: the plan's tiles)."""
     e, k, h, i = QWEN36_A3B
-    for n, dtype in [(1, torch.bfloat16), (300, torch.bfloat16), (2, torch.float32)]:
-        triton_kernel.moe_experts(*_case(n, e, k, h, i, dtype, device="cpu"))
+    for n in (1, 300):  # fp32 experts are a CPU case: the interpreter tests cover them
+        triton_kernel.moe_experts(*_case(n, e, k, h, i, torch.bfloat16, device="cpu"))
     for n in (1, 2):
         x, gu, dn, idx, w = _case(n, 2 * k, k, h, i, torch.bfloat16, device="cpu")
         (gc, gs), (dc, ds) = _fp8(gu, (128, 128)), _fp8(dn, (128, 128))
@@ -341,4 +341,4 @@ def hopper_launches() -> None:
 @pytest.mark.skipif(not has_ptxas(), reason="this Triton has no NVIDIA backend (ptxas)")
 def test_kernels_build_for_hopper(tmp_path: Path) -> None:
     out = run_offline_build("tests.kernels.test_moe", "hopper_launches", 90, tmp_path)
-    assert out.count(": ok (") == 13, out
+    assert out.count(": ok (") == 10, out
