@@ -248,7 +248,7 @@ class Tiles:
     """A launch's tile shape: ``bm`` picks x ``bn`` columns per program, ``bk`` along K per step
     (a multiple of 16 that divides an FP8 scale block), ``warps`` per program, ``stages`` of
     software pipelining of the K loop. ``per_pick``: no plan, each pick its own tile (one row of
-    ``bm`` used): none of the plan's ~20 small launches, but an expert picked twice is read twice
+    ``bm`` used): none of the plan's ~25 small launches, but an expert picked twice is read twice
     (a single token's top-k experts are distinct)."""
 
     bm: int
