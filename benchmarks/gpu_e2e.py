@@ -158,8 +158,8 @@ TINY = {  # the Qwen3.5 hybrid structure (3 GDN : 1 full attention, gated attent
 
 # Qwen3.6-35B-A3B's text model (= Qwen3.5-35B-A3B's): the MoE half of the target family; every
 # layer a sparse MoE block (256 routed experts, top-8, and one shared expert, all 512 wide)
-QWEN36_35B_A3B = {
-    **QWEN35_27B, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], "hidden_size": 2048,
+QWEN36_35B_A3B = {  # MoE layers only: no dense MLP width (``intermediate_size``)
+    **{k: v for k, v in QWEN35_27B.items() if k != "intermediate_size"}, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], "hidden_size": 2048,
     "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2, "linear_num_value_heads": 32,
     "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
@@ -167,7 +167,6 @@ QWEN36_35B_A3B = {
 TINY_MOE = {**TINY, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 16,
             "num_experts_per_tok": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}
 SHAPES = {"qwen3.5-27b": ("Qwen3.5-27B", QWEN35_27B, TINY), "qwen3.6-35b-a3b": ("Qwen3.6-35B-A3B", QWEN36_35B_A3B, TINY_MOE)}
-del QWEN36_35B_A3B["intermediate_size"]  # MoE layers only: no dense MLP width
 
 # the targets
 T_DECODE_B1_4K = 0.80  # batch 1 at 4k: fraction of the weights-read roofline
@@ -361,7 +360,8 @@ def model_stats(model: Any) -> dict[str, Any]:
     head_params, head_bytes = size(m.lm_head) if not a.tie_embeddings else size(m.model.embed_tokens)
     embed_params, embed_bytes = size(m.model.embed_tokens)
     blocks = [mod for mod in m.model.layers.modules() if isinstance(mod, SparseMoE)]
-    expert_params, expert_bytes = (sum(v) for v in zip((0, 0), *(size(b.experts) for b in blocks)))
+    expert_sizes = [size(b.experts) for b in blocks]
+    expert_params, expert_bytes = sum(p for p, _ in expert_sizes), sum(b for _, b in expert_sizes)
     num_experts = blocks[0].experts.gate_up_proj.shape[0] if blocks else 0
     top_k = blocks[0].top_k if blocks else 0
     return {
