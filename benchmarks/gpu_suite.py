@@ -260,8 +260,8 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             out, "gpu_suite_gpu_parallel", ["-n", str(args.gpu_workers), "-m", "gpu", *deselect, *tests], args.shard)
         serial = _serial_modules(tests)
         if serial:
-            rcs["gpu-marked, full size (serial)"] = _pytest(out, "gpu_suite_gpu_serial", ["-m", "gpu", *serial],
-                                                           args.shard)
+            rcs["gpu-marked, full size (serial)"] = _pytest(
+                out, "gpu_suite_gpu_serial", ["-m", "gpu", *_options(tests), *serial], args.shard)
     else:
         # serially: the large kernels fail for memory when many workers share the card
         rcs["gpu-marked (serial)"] = _pytest(out, "gpu_suite_gpu", ["-m", "gpu", *tests], args.shard)
@@ -270,8 +270,14 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     return next((v for v in rcs.values() if v not in (0, 5)), 0)
 
 
+def _options(tests: list[str]) -> list[str]:
+    """The pytest arguments that are not test paths (``--deselect=...``, ``-k EXPR``): they apply
+    to the serial phase too."""
+    return [a for a in tests if not (ROOT / a.split("::")[0]).exists()]
+
+
 def _serial_modules(tests: list[str]) -> list[str]:
-    """The full-size GPU modules that lie under the requested test paths (options pass through)."""
+    """The full-size GPU modules that lie under the requested test paths."""
     paths = [t for t in tests if not t.startswith("-")]
     return [m for m in SERIAL_GPU_MODULES
             if any(m == p.rstrip("/") or m.startswith(p.rstrip("/") + "/") for p in paths)]

@@ -93,3 +93,11 @@ def test_a_failure_is_reported_when_it_happens(capsys) -> None:
     out = capsys.readouterr().out
     assert "t::ok" not in out
     assert "call FAILED: t::bad" in out and "AssertionError: 1 == 2" in out and "kl 1.2e-02" in out
+
+
+def test_the_serial_phase_keeps_the_options() -> None:
+    """``run --gpu-workers M --deselect=X tests``: the full-size modules' serial phase gets the
+    options too (a deselected full-size module stays deselected), not the test paths."""
+    args = ["-k", "not slow", "--deselect=tests/kernels/test_dequant.py", "tests", "tests/kernels/test_gpu_large.py"]
+    assert gpu_suite._options(args) == ["-k", "not slow", "--deselect=tests/kernels/test_dequant.py"]
+    assert "tests/kernels/test_gpu_large.py" in gpu_suite._serial_modules(args)
