@@ -57,15 +57,30 @@ def _collected(env: dict[str, str], *args: str) -> list[str]:
 
 def test_shards_split_the_tests_without_overlap() -> None:
     """``--shard K/N`` (tests/conftest.py, ``DEEPWELL_TEST_SHARD``): the N shards together are
-    the suite, each test in exactly one, after -k has chosen."""
-    args = ("tests/foundation/test_gpu_suite.py", "-k", "not nothing_matches_this")
-    whole = _collected({}, *args)
-    shards = [_collected({"DEEPWELL_TEST_SHARD": f"{k}/2"}, *args) for k in range(2)]
-    assert len(whole) >= 3 and all(shards)
-    assert sorted(shards[0] + shards[1]) == sorted(whole)
-    assert not set(shards[0]) & set(shards[1])
-    for bad in ("2/2", "x"):
-        assert "must be K/N" in _collected({"DEEPWELL_TEST_SHARD": bad}, *args)[0]
+    the suite, each test in exactly one, after -k has chosen; a bad spec is a usage error."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from tests.conftest import _shard, _Shard
+
+    items = [f"t{i}" for i in range(7)]
+    shards, dropped = [], []
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: dropped.extend(items)))
+    for k in range(3):
+        mine = list(items)
+        _Shard(*_shard(f"{k}/3")).pytest_collection_modifyitems(config, mine)  # type: ignore[arg-type]
+        shards.append(mine)
+    assert sorted(sum(shards, [])) == items and sum(map(len, shards)) == len(items)
+    assert len(dropped) == 2 * len(items)
+    for bad in ("3/3", "x", "1"):
+        with pytest.raises(pytest.UsageError, match="must be K/N"):
+            _shard(bad)
+    # and the environment variable reaches a real pytest run
+    here = "tests/foundation/test_gpu_suite.py"
+    tests = [n for n in globals() if n.startswith("test_")]
+    second = _collected({"DEEPWELL_TEST_SHARD": "1/2"}, here)
+    assert len(second) == len(tests) // 2 and all(t.startswith(here) for t in second), second
 
 
 def test_run_refuses_a_bad_shard() -> None:

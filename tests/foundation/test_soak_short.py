@@ -1,8 +1,8 @@
-"""The short soak of CI: ``benchmarks/soak.py`` with 3 sessions for 40 s against ``deepwell up``
-(the embedded SmolLM2 model on the CPU), SIGKILLing the KV-cache daemon at 8 s and the engine
-at 18 s. No completed generation may be lost or differ from the fault-free replay, the idle
+"""The short soak of CI: ``benchmarks/soak.py`` with 3 sessions for 30 s against ``deepwell up``
+(the embedded SmolLM2 model on the CPU), SIGKILLing the KV-cache daemon at 6 s and the engine
+at 14 s. No completed generation may be lost or differ from the fault-free replay, the idle
 engine and daemon must be back at their baseline, and the requests sent while the engine was
-down must get a 503 or a connection error, not hang. About 65-70 s on two shared cores."""
+down must get a 503 or a connection error, not hang. About 55-60 s on two shared cores."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from benchmarks import soak
 def test_short_soak_with_a_daemon_and_an_engine_kill(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     t0 = time.monotonic()
-    result = soak.main(["--sessions", "3", "--duration-s", "40", "--turns", "3", "--max-tokens", "12",
-                        "--kill", "daemon@8", "--kill", "engine@18", "--settle-s", "45",
+    result = soak.main(["--sessions", "3", "--duration-s", "30", "--turns", "3", "--max-tokens", "12",
+                        "--kill", "daemon@6", "--kill", "engine@14", "--settle-s", "45",
                         "--cpu-kv-gib", "0.25", "--arena-mib", "64", "--request-timeout-s", "90",
                         "--workdir", str(tmp_path / "work"), "--json", str(out)])
     elapsed = time.monotonic() - t0
