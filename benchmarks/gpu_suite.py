@@ -6,8 +6,8 @@ triton and transformers but none of the project's other dependencies, no network
 
 ``python benchmarks/gpu_suite.py prepare`` (here, with network) downloads the wheels the
 suite needs for the device's Python (3.12, x86-64) into ``.whl/`` and splits the SmolLM2
-GGUF (92 MB, over one call's limit) into ``.model/`` parts of at most ``--part-mib`` MiB;
-both folders are git-ignored and travel with ``carry``.
+GGUF's xz stream (86 MiB, over one call's limit) into ``.model/`` parts of at most
+``--part-mib`` MiB; both folders are git-ignored and travel with ``carry``.
 
 ``python3 benchmarks/gpu_suite.py run [PYTEST ARGS]`` (on the device) installs ``.whl/*.whl``
 into ``/tmp/site`` (put on ``PYTHONPATH`` for the tests' subprocesses too), stages the model
@@ -21,18 +21,19 @@ serial suite takes longer than one 10-minute call), then the ``gpu``-marked ones
 ``--gpu-workers M`` the ``gpu``-marked ones run in M workers too, except the full-size modules
 (``SERIAL_GPU_MODULES``), which follow alone on the card.
 
-Typical device calls (the wheels are ~23 MiB, the GGUF four parts of 28 MiB or less, the
-working tree ~5 MiB, and one call carries at most 64 MiB: three calls, each on the machine the
-one before left warm, so each must follow within its 30 s)::
+The whole suite in two device calls (the wheels are ~23 MiB, the model three parts of 32 MiB
+or less, the working tree ~5 MiB, and one call carries at most 64 MiB; the second call must
+follow within 30 s, while the machine the first left is warm)::
 
-    run(carry=[".model/part-0", ".model/part-1", ".model/manifest.json"],
-        command="python3 benchmarks/gpu_suite.py run --stage-only")
-    run(carry=[".model/part-2", ".model/manifest.json"], command="python3 benchmarks/gpu_suite.py run --stage-only")
-    run(carry=[".whl", ".model/part-3", ".model/manifest.json"],
-        command="python3 benchmarks/gpu_suite.py run --workers 12")
+    run(carry=[".whl", ".model/part-0", ".model/manifest.json"],
+        command="python3 benchmarks/gpu_suite.py run --gpu-workers 6 tests")
+    run(carry=[".model/part-1", ".model/part-2", ".model/manifest.json"],
+        command="python3 benchmarks/gpu_suite.py run --workers 14 --no-gpu-marked tests; "
+                "python3 benchmarks/gpu_suite.py run -m gpu tests/engine/test_prefix_reuse_real.py "
+                "tests/engine/test_batching_real.py tests/engine/test_kv_quant.py")
 
-(``--workers 12 --no-gpu-marked`` runs the tests not marked gpu alone, so the gpu-marked ones can
-go to other calls: ``--gpu-workers 6`` and its serial full-size modules.)
+The first runs the ``gpu``-marked tests (the SmolLM2 ones skip: the model is not complete yet);
+the second, once the model is, the tests not marked ``gpu`` and the ``gpu``-marked SmolLM2 modules.
 
 The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The ~300 ``gpu``-marked ones
 take about 18 minutes serially (an H200: 144 in 540 s); in six workers an H100 ran 266 in ~350 s
@@ -50,6 +51,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -104,18 +106,25 @@ def sha256(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- here
-def split(file: Path, dest: Path, part_bytes: int) -> int:
-    """``file`` as ``dest/part-N`` of at most ``part_bytes`` and ``dest/manifest.json``; returns N parts."""
+def split(file: Path, dest: Path, part_bytes: int, compress: str = "xz") -> int:
+    """``file`` as ``dest/part-N`` of at most ``part_bytes`` and ``dest/manifest.json``; returns N parts.
+    ``compress`` "xz": the parts are slices of the file's xz stream (the SmolLM2 GGUF: 93.8 -> 86.3
+    MiB, so it and the wheels travel in two calls), "none": of the file itself."""
+    if compress not in ("xz", "none"):
+        raise ValueError(f"compress must be 'xz' or 'none', not {compress!r}")
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.glob("part-*"):
         old.unlink()
+    data = file.read_bytes()
+    packed = lzma.compress(data, format=lzma.FORMAT_XZ, preset=6) if compress == "xz" else data
     parts = []
-    with file.open("rb") as f:
-        while chunk := f.read(part_bytes):
-            p = dest / f"part-{len(parts)}"
-            p.write_bytes(chunk)
-            parts.append({"name": p.name, "sha256": hashlib.sha256(chunk).hexdigest(), "bytes": len(chunk)})
-    manifest = {"file": file.name, "sha256": sha256(file), "bytes": file.stat().st_size, "parts": parts}
+    for start in range(0, len(packed), part_bytes):
+        chunk = packed[start:start + part_bytes]
+        p = dest / f"part-{len(parts)}"
+        p.write_bytes(chunk)
+        parts.append({"name": p.name, "sha256": hashlib.sha256(chunk).hexdigest(), "bytes": len(chunk)})
+    manifest = {"file": file.name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                "compression": compress, "parts": parts}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return len(parts)
 
@@ -142,9 +151,9 @@ def prepare(args: argparse.Namespace) -> int:
     from deepwell.engine_service.default_model import GGUF_NAME, ensure_default_model
 
     gguf = ensure_default_model()
-    parts = split(gguf, PARTS, args.part_mib << 20)
-    print(f".model: {GGUF_NAME} in {parts} parts of <= {args.part_mib} MiB (carry one or two per call, "
-          "with .model/manifest.json in the last)")
+    parts = split(gguf, PARTS, args.part_mib << 20, args.compress)
+    print(f".model: {GGUF_NAME} in {parts} parts of <= {args.part_mib} MiB ({args.compress}; carry "
+          ".model/manifest.json with every part)")
     return 1 if missing else 0
 
 
@@ -186,13 +195,15 @@ def stage_model(parts_dir: Path = PARTS, cache: Path | None = None) -> str:
         names = [p["name"] for p in manifest["parts"] if p not in have]
         return f"model parts staged: {len(have)}/{len(manifest['parts'])} (still to carry: {', '.join(names)})"
     partial = target.with_suffix(".partial")
+    unpack = lzma.LZMADecompressor(format=lzma.FORMAT_XZ) if manifest.get("compression") == "xz" else None
     with partial.open("wb") as out:
         for part in manifest["parts"]:
             data = (staged / part["name"]).read_bytes()
             if hashlib.sha256(data).hexdigest() != part["sha256"]:
+                out.close()
                 partial.unlink()
                 return f"model part {part['name']} is corrupt: carry it again"
-            out.write(data)
+            out.write(unpack.decompress(data) if unpack else data)
     if sha256(partial) != manifest["sha256"]:
         partial.unlink()
         return "assembled model does not match its SHA-256: prepare again"
@@ -288,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="here: download the device wheels into .whl/ and split the GGUF into .model/")
-    p.add_argument("--part-mib", type=int, default=28, help="size of one model part (default 28 MiB)")
+    p.add_argument("--part-mib", type=int, default=32, help="size of one model part (default 32 MiB)")
+    p.add_argument("--compress", choices=["xz", "none"], default="xz",
+                   help="the parts are slices of the GGUF's xz stream (default) or of the GGUF itself")
     r = sub.add_parser("run", help="on the device: install .whl/, stage the model, run pytest serially")
     r.add_argument("--stage-only", action="store_true", help="install and stage the model parts, run no tests")
     r.add_argument("--out", help="where the log and JUnit XML go (default $OUT)")

@@ -14,7 +14,7 @@ def test_parts_are_staged_across_calls_and_assembled_when_complete(tmp_path: Pat
     model = tmp_path / "m.gguf"
     model.write_bytes(os.urandom(10_000))
     parts = tmp_path / "parts"
-    assert gpu_suite.split(model, parts, 3_000) == 4
+    assert gpu_suite.split(model, parts, 3_000, compress="none") == 4
     manifest = json.loads((parts / "manifest.json").read_text())
     assert [p["bytes"] for p in manifest["parts"]] == [3000, 3000, 3000, 1000]
 
@@ -33,6 +33,20 @@ def test_parts_are_staged_across_calls_and_assembled_when_complete(tmp_path: Pat
     assert "assembled" in gpu_suite.stage_model(second, cache)
     assert (cache / "m.gguf").read_bytes() == model.read_bytes()
     assert "ready" in gpu_suite.stage_model(second, cache)
+
+
+def test_xz_parts_assemble_to_the_file(tmp_path: Path) -> None:
+    """The default: the parts are slices of the file's xz stream (a GGUF's vocabulary and
+    metadata compress), unpacked while they are assembled and checked against the file's hash."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"tokenizer.ggml.tokens " * 2_000 + os.urandom(4_000))
+    parts = tmp_path / "parts"
+    n = gpu_suite.split(model, parts, 2_000)
+    manifest = json.loads((parts / "manifest.json").read_text())
+    assert manifest["compression"] == "xz" and sum(p["bytes"] for p in manifest["parts"]) < model.stat().st_size
+    assert n == len(manifest["parts"]) >= 2
+    assert "assembled" in gpu_suite.stage_model(parts, tmp_path / "cache")
+    assert (tmp_path / "cache" / "m.gguf").read_bytes() == model.read_bytes()
 
 
 def test_a_corrupt_part_is_refused(tmp_path: Path) -> None:
