@@ -51,7 +51,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import lzma
 import os
 import shutil
 import subprocess
@@ -116,6 +115,8 @@ def split(file: Path, dest: Path, part_bytes: int, compress: str = "xz") -> int:
     for old in dest.glob("part-*"):
         old.unlink()
     data = file.read_bytes()
+    import lzma  # here and in stage_model: a Python built without it still runs the rest
+
     packed = lzma.compress(data, format=lzma.FORMAT_XZ, preset=6) if compress == "xz" else data
     parts = []
     for start in range(0, len(packed), part_bytes):
@@ -195,7 +196,14 @@ def stage_model(parts_dir: Path = PARTS, cache: Path | None = None) -> str:
         names = [p["name"] for p in manifest["parts"] if p not in have]
         return f"model parts staged: {len(have)}/{len(manifest['parts'])} (still to carry: {', '.join(names)})"
     partial = target.with_suffix(".partial")
-    unpack = lzma.LZMADecompressor(format=lzma.FORMAT_XZ) if manifest.get("compression") == "xz" else None
+    unpack = None
+    if manifest.get("compression") == "xz":
+        try:
+            import lzma
+        except ImportError:
+            return ("this Python has no lzma module: run `gpu_suite.py prepare --compress none` and carry "
+                    "the parts again")
+        unpack = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
     with partial.open("wb") as out:
         for part in manifest["parts"]:
             data = (staged / part["name"]).read_bytes()
