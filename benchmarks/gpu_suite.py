@@ -34,6 +34,9 @@ follow within 30 s, while the machine the first left is warm)::
 
 The first runs the ``gpu``-marked tests (the SmolLM2 ones skip: the model is not complete yet);
 the second, once the model is, the tests not marked ``gpu`` and the ``gpu``-marked SmolLM2 modules.
+A call stopped at its limit, or a session without device time, is resumed at the same commit
+with ``--done DIR``: the JUnit XML files earlier calls brought back, copied into the checkout
+(e.g. ``done/``, which travels as an untracked file), and the tests that passed there are left out.
 
 The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The ~300 ``gpu``-marked ones
 take about 18 minutes serially (an H200: 144 in 540 s); in six workers an H100 ran 266 in ~350 s
@@ -261,6 +264,10 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             return 2
     out = Path(args.out or os.environ.get("OUT") or ".")
     out.mkdir(parents=True, exist_ok=True)
+    if args.done:
+        files = done_files(args.done)
+        os.environ["DEEPWELL_TEST_DONE"] = os.pathsep.join(map(str, files))  # tests/conftest.py: _Done
+        print(f"leaving out what passed in {len(files)} earlier JUnit XML file(s)", flush=True)
     tests = pytest_args or ["tests"]
     if not args.workers and not args.gpu_workers:
         return _pytest(out, "gpu_suite", tests, args.shard)
@@ -295,6 +302,19 @@ def _options(tests: list[str]) -> list[str]:
     return [a for a in tests if not (ROOT / a.split("::")[0]).exists()]
 
 
+def done_files(paths: list[str]) -> list[Path]:
+    """``--done``: JUnit XML files, a folder standing for every ``*.xml`` under it."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(p.rglob("*.xml"))
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise SystemExit(f"--done {p}: no such file or folder")
+    return files
+
+
 def _serial_modules(tests: list[str]) -> list[str]:
     """The full-size GPU modules that lie under the requested test paths."""
     paths = [t for t in tests if not t.startswith("-")]
@@ -325,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--shard", default="", metavar="K/N",
                    help="run every N-th test from the K-th (0 <= K < N), counted after -m / -k: a suite longer "
                         "than one call as N calls")
+    r.add_argument("--done", action="append", default=[], metavar="XML",
+                   help="leave out the tests that passed in this JUnit XML file (or every *.xml under this "
+                        "folder; repeatable) of earlier calls at the same commit: a suite spread over calls or "
+                        "sessions goes on where it stopped (copy the files a call brought back into the checkout)")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "run" and args.shard and not _valid_shard(args.shard):
         ap.error(f"--shard {args.shard!r} must be K/N with 0 <= K < N")

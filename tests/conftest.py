@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SHARD_ENV = "DEEPWELL_TEST_SHARD"  # "K/N": run every N-th test from the K-th (benchmarks/gpu_suite.py --shard)
+DONE_ENV = "DEEPWELL_TEST_DONE"  # JUnit XML files (os.pathsep): leave out what passed there (gpu_suite.py --done)
 EARLY_ENV = "DEEPWELL_REPORT_EARLY"  # "1": print each failure's traceback when it happens
 
 
@@ -96,6 +98,41 @@ class _Shard:
         items[:] = keep
 
 
+def junit_key(nodeid: str) -> tuple[str, str]:
+    """(classname, name) of a test's node id as pytest's JUnit XML writes them."""
+    path, bracket, params = nodeid.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def passed_in(xml_files: list[str]) -> set[tuple[str, str]]:
+    """The tests with no failure, error or skip in these JUnit XML files."""
+    import xml.etree.ElementTree as ET
+
+    done = set()
+    for f in xml_files:
+        for case in ET.parse(f).iter("testcase"):
+            if not any(child.tag in ("failure", "error", "skipped") for child in case):
+                done.add((case.get("classname", ""), case.get("name", "")))
+    return done
+
+
+class _Done:
+    """Leaves out the tests that passed in earlier runs' JUnit XML (of the same commit): a suite
+    spread over device calls, or over sessions, goes on where it stopped."""
+
+    def __init__(self, done: set[tuple[str, str]]) -> None:
+        self.done = done
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        drop = [it for it in items if junit_key(it.nodeid) in self.done]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [it for it in items if junit_key(it.nodeid) not in self.done]
+
+
 class _EarlyReport:
     """Each failure's traceback on the terminal when it happens (a device call killed at its time
     limit never reaches pytest's summary)."""
@@ -108,6 +145,12 @@ class _EarlyReport:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get(DONE_ENV):
+        files = [f for f in os.environ[DONE_ENV].split(os.pathsep) if f]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise pytest.UsageError(f"{DONE_ENV}: no such JUnit XML file: {', '.join(missing)}")
+        config.pluginmanager.register(_Done(passed_in(files)), "deepwell-done")
     if os.environ.get(SHARD_ENV):
         config.pluginmanager.register(_Shard(*_shard(os.environ[SHARD_ENV])), "deepwell-shard")
     if os.environ.get(EARLY_ENV) == "1":

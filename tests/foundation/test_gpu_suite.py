@@ -130,3 +130,38 @@ def test_the_serial_phase_keeps_the_options() -> None:
     args = ["-k", "not slow", "--deselect=tests/kernels/test_dequant.py", "tests", "tests/kernels/test_gpu_large.py"]
     assert gpu_suite._options(args) == ["-k", "not slow", "--deselect=tests/kernels/test_dequant.py"]
     assert "tests/kernels/test_gpu_large.py" in gpu_suite._serial_modules(args)
+
+
+def test_node_ids_map_to_junit_names_as_pytest_writes_them() -> None:
+    from _pytest.junitxml import mangle_test_address
+
+    from tests.conftest import junit_key
+
+    for nodeid in ("tests/kernels/test_append.py::test_append[64-bf16]", "tests/a/test_b.py::TestC::test_d",
+                   "tests/x.py::test_y[a/b::c.py]", "tests/x.py::test_z"):
+        names = mangle_test_address(nodeid)
+        assert junit_key(nodeid) == (".".join(names[:-1]), names[-1]), nodeid
+
+
+def test_done_leaves_out_what_passed_in_earlier_runs(tmp_path: Path) -> None:
+    """``run --done XML`` (``DEEPWELL_TEST_DONE``): a test that passed there is left out; one
+    that failed, errored or skipped there, or is not there, runs again."""
+    import pytest
+
+    here = "tests/foundation/test_gpu_suite.py"
+    mod = "tests.foundation.test_gpu_suite"
+    tests = sorted(n for n in globals() if n.startswith("test_"))
+    passed, failed, skipped = tests[0], tests[1], tests[2]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "earlier.xml").write_text(
+        f'<testsuites><testsuite name="pytest"><testcase classname="{mod}" name="{passed}" time="1"/>'
+        f'<testcase classname="{mod}" name="{failed}"><failure message="x"/></testcase>'
+        f'<testcase classname="{mod}" name="{skipped}"><skipped message="y"/></testcase>'
+        f'<testcase classname="other.module" name="{tests[3]}"/></testsuite></testsuites>')
+    files = gpu_suite.done_files([str(tmp_path)])
+    assert files == [tmp_path / "a" / "earlier.xml"]
+    left = _collected({"DEEPWELL_TEST_DONE": str(files[0])}, here)
+    assert sorted(x.split("::")[1] for x in left) == [t for t in tests if t != passed], left
+    assert "no such JUnit XML file" in _collected({"DEEPWELL_TEST_DONE": str(tmp_path / "none.xml")}, here)[0]
+    with pytest.raises(SystemExit):
+        gpu_suite.done_files([str(tmp_path / "none")])
