@@ -316,10 +316,14 @@ def done_files(paths: list[str]) -> list[Path]:
 
 
 def _serial_modules(tests: list[str]) -> list[str]:
-    """The full-size GPU modules that lie under the requested test paths."""
-    paths = [t for t in tests if not t.startswith("-")]
-    return [m for m in SERIAL_GPU_MODULES
-            if any(m == p.rstrip("/") or m.startswith(p.rstrip("/") + "/") for p in paths)]
+    """What the serial phase runs of the requested test paths: the full-size GPU modules under a
+    folder, a full-size module named, or a test named in one."""
+    options = _options(tests)
+    out: list[str] = []
+    for p in (t for t in tests if t not in options):
+        f = p.split("::")[0].rstrip("/")
+        out += [p] if f in SERIAL_GPU_MODULES else [m for m in SERIAL_GPU_MODULES if m.startswith(f + "/")]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,10 +127,13 @@ class _Done:
         self.done = done
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        drop = [it for it in items if junit_key(it.nodeid) in self.done]
+        keep: list[pytest.Item] = []
+        drop: list[pytest.Item] = []
+        for it in items:
+            (drop if junit_key(it.nodeid) in self.done else keep).append(it)
         if drop:
             config.hook.pytest_deselected(items=drop)
-            items[:] = [it for it in items if junit_key(it.nodeid) not in self.done]
+            items[:] = keep
 
 
 class _EarlyReport:

@@ -130,6 +130,9 @@ def test_the_serial_phase_keeps_the_options() -> None:
     args = ["-k", "not slow", "--deselect=tests/kernels/test_dequant.py", "tests", "tests/kernels/test_gpu_large.py"]
     assert gpu_suite._options(args) == ["-k", "not slow", "--deselect=tests/kernels/test_dequant.py"]
     assert "tests/kernels/test_gpu_large.py" in gpu_suite._serial_modules(args)
+    assert gpu_suite._serial_modules(["tests/engine"]) == ["tests/engine/test_pool_sizing.py"]
+    one = "tests/kernels/test_dequant.py::test_a_gpu_case"  # deselected from the parallel phase with its module
+    assert gpu_suite._serial_modules([one, "tests/gateway"]) == [one]
 
 
 def test_node_ids_map_to_junit_names_as_pytest_writes_them() -> None:
