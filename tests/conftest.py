@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -100,10 +99,9 @@ class _Shard:
 
 def junit_key(nodeid: str) -> tuple[str, str]:
     """(classname, name) of a test's node id as pytest's JUnit XML writes them."""
-    path, bracket, params = nodeid.partition("[")
-    names = path.split("::")
-    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
-    names[-1] += bracket + params
+    from _pytest.junitxml import mangle_test_address  # the junitxml plugin's own mapping
+
+    names = mangle_test_address(nodeid)
     return ".".join(names[:-1]), names[-1]
 
 

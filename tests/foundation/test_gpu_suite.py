@@ -135,15 +135,20 @@ def test_the_serial_phase_keeps_the_options() -> None:
     assert gpu_suite._serial_modules([one, "tests/gateway"]) == [one]
 
 
-def test_node_ids_map_to_junit_names_as_pytest_writes_them() -> None:
-    from _pytest.junitxml import mangle_test_address
+def test_what_passed_in_a_real_junit_xml_is_left_out(tmp_path: Path) -> None:
+    """A JUnit XML that pytest itself wrote names its tests as ``junit_key`` does: the tests
+    that passed in it are left out of the next run, the rest stay."""
+    import subprocess
+    import sys
 
-    from tests.conftest import junit_key
-
-    for nodeid in ("tests/kernels/test_append.py::test_append[64-bf16]", "tests/a/test_b.py::TestC::test_d",
-                   "tests/x.py::test_y[a/b::c.py]", "tests/x.py::test_z"):
-        names = mangle_test_address(nodeid)
-        assert junit_key(nodeid) == (".".join(names[:-1]), names[-1]), nodeid
+    root = Path(__file__).resolve().parents[2]
+    here = "tests/foundation/test_gpu_suite.py"
+    xml = tmp_path / "earlier.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here, "-k", "xz or corrupt",
+                    f"--junitxml={xml}"], cwd=root, check=True, capture_output=True, timeout=120)
+    left = {x.split("::")[1] for x in _collected({"DEEPWELL_TEST_DONE": str(xml)}, here)}
+    ran = {"test_xz_parts_assemble_to_the_file", "test_a_corrupt_part_is_refused"}
+    assert not left & ran and left == {n for n in globals() if n.startswith("test_")} - ran, left
 
 
 def test_done_leaves_out_what_passed_in_earlier_runs(tmp_path: Path) -> None:
