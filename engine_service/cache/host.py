@@ -28,6 +28,7 @@ of steps). ``spill`` / ``restore`` are the same exchange on the calling thread (
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,7 @@ from deepwell.kvcache.v1 import kvcache_pb2 as pb
 from deepwell.kvclient.arena import ArenaMap, as_extents
 from deepwell.kvclient.client import KVClient
 from deepwell.logs import get_logger
+from deepwell.engine_service.cache import pinning
 from deepwell.engine_service.cache.identity import EntryShape
 from deepwell.engine_service.cache.types import Level
 from deepwell.engine_service.kv.pool import Region
@@ -102,6 +104,8 @@ class HostTier:
         # test seam: called after a copy, before the daemon confirms it ("spill" / "restore")
         self.after_copy: Callable[[str], None] | None = None
         self._arena: tuple[ArenaMap, torch.Tensor] | None = None
+        self._pinned = False  # the arena is page-locked (``pinning.pin`` succeeded)
+        self._arena_lock = threading.Lock()  # the worker's first lock and a caller's spill may race
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-tier")
         cuda = runner.device.type == "cuda"
         self._stream = torch.cuda.Stream(runner.device) if cuda else None
@@ -115,13 +119,14 @@ class HostTier:
     def close(self) -> None:
         """Finish the jobs in flight, then stop the worker (the client is the caller's)."""
         self._worker.shutdown(wait=True)
-        self._unregister()
+        with self._arena_lock:
+            self._unregister()
 
     def _unregister(self) -> None:
         """Drop the arena's page-locking (before its mapping can go away)."""
-        if self._arena is not None and self.runner.device.type == "cuda":
-            torch.cuda.cudart().cudaHostUnregister(self._arena[1].data_ptr())
-        self._arena = None
+        if self._arena is not None and self._pinned:
+            pinning.unpin(self._arena[1].data_ptr())
+        self._arena, self._pinned = None, False
 
     # -- asynchronous jobs -----------------------------------------------------------------
     def _submit(self, fn: Callable[[], bool]) -> Future[bool]:
@@ -153,13 +158,14 @@ class HostTier:
 
     # -- arena -----------------------------------------------------------------------------
     def _region(self, arena: ArenaMap, extents: list[tuple[int, int]], nbytes: int) -> Region:
-        if self._arena is None or self._arena[0] is not arena:  # first use, or a restarted daemon's arena
-            self._unregister()
-            whole = torch.frombuffer(arena.map, dtype=torch.uint8, count=arena.size)
-            if self.runner.device.type == "cuda":  # page-locked: device copies at full speed, async
-                torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), arena.size, 0)
-            self._arena = (arena, whole)
-        whole = self._arena[1]
+        with self._arena_lock:
+            if self._arena is None or self._arena[0] is not arena:  # first use, or a restarted daemon's arena
+                self._unregister()
+                whole = torch.frombuffer(arena.map, dtype=torch.uint8, count=arena.size)
+                if self.runner.device.type == "cuda":  # page-locked: device copies at full speed, async
+                    self._pinned = pinning.pin(whole.data_ptr(), arena.size)
+                self._arena = (arena, whole)
+            whole = self._arena[1]
         segments, need = [], nbytes
         for off, length in extents:
             if need <= 0:

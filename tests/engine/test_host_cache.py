@@ -64,6 +64,7 @@ class Node:
                 cache.drop(e, "pressure")
 
     def close(self) -> None:
+        self.host.close()
         self.client.close()
 
 

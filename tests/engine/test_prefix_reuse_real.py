@@ -93,6 +93,14 @@ class Engines:
             self.cached.attach_host(HostTier(self.client, r, fingerprint=fp, page_size=64,
                                              hybrid=r.memory_spec().hybrid))
 
+    def close(self) -> None:
+        """The host tier first (it unpins the arena while its mapping lives), then the client."""
+        host = self.cached.cache.host
+        if host is not None:
+            host.close()
+        if self.client is not None:
+            self.client.close()
+
     def spill_all(self) -> None:
         """Every device entry to the daemon, then off the device (what memory pressure does)."""
         cache = self.cached.cache
@@ -216,7 +224,7 @@ def test_host_entry(bases: dict, daemon: object, model: str, kv: str) -> None:
         p2 = p1 + gen + _prompt(10, 20, e.runners[0].vocab_size)
         e.check(p2, "host_entry", 155, session_key="t/h")
     finally:
-        e.client.close()  # type: ignore[union-attr]
+        e.close()
 
 
 @pytest.mark.parametrize("kv", ["fp32", "nvfp4"])
@@ -230,7 +238,7 @@ def test_session_lookup(bases: dict, daemon: object, kv: str) -> None:
         e.spill_all()
         e.check(p1[:40] + _prompt(12, 30, e.runners[0].vocab_size), "session_lookup", 40, session_key="t/k")
     finally:
-        e.client.close()  # type: ignore[union-attr]
+        e.close()
 
 
 @pytest.mark.gpu
@@ -261,7 +269,7 @@ def test_cuda_levels_with_the_host_tier(tmp_path_factory: pytest.TempPathFactory
         e.check(p2 + gen + _prompt(14, 20, vocab), "resident_frontier", 155, session_key="t/d")
         e.check(p2[:130] + _prompt(15, 30, vocab), "resident_checkpoint", 120, session_key="t/d")
     finally:
-        e.client.close()  # type: ignore[union-attr]
+        e.close()
 
 
 def test_other_kv_dtype_or_tenant_never_matches(bases: dict) -> None:
