@@ -104,7 +104,7 @@ class HostTier:
         # test seam: called after a copy, before the daemon confirms it ("spill" / "restore")
         self.after_copy: Callable[[str], None] | None = None
         self._arena: tuple[ArenaMap, torch.Tensor] | None = None
-        self._pinned = False  # the arena is page-locked (``pinning.pin`` succeeded)
+        self._pin: pinning.Pin | None = None  # the arena's page-locking (CUDA), released before it is dropped
         self._arena_lock = threading.Lock()  # the worker's first lock and a caller's spill may race
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-tier")
         cuda = runner.device.type == "cuda"
@@ -124,9 +124,9 @@ class HostTier:
 
     def _unregister(self) -> None:
         """Drop the arena's page-locking (before its mapping can go away)."""
-        if self._arena is not None and self._pinned:
-            pinning.unpin(self._arena[1].data_ptr())
-        self._arena, self._pinned = None, False
+        if self._pin is not None:
+            self._pin.release()
+        self._arena, self._pin = None, None
 
     # -- asynchronous jobs -----------------------------------------------------------------
     def _submit(self, fn: Callable[[], bool]) -> Future[bool]:
@@ -163,7 +163,7 @@ class HostTier:
                 self._unregister()
                 whole = torch.frombuffer(arena.map, dtype=torch.uint8, count=arena.size)
                 if self.runner.device.type == "cuda":  # page-locked: device copies at full speed, async
-                    self._pinned = pinning.pin(whole.data_ptr(), arena.size)
+                    self._pin = pinning.Pin(whole, whole.data_ptr(), arena.size)
                 self._arena = (arena, whole)
             whole = self._arena[1]
         segments, need = [], nbytes

@@ -1,5 +1,11 @@
 """Page-locking the daemon's arena for the host tier's device copies (``cudaHostRegister``),
-such that a failure stays where it happened.
+such that a failure stays where it happened and no mapping goes away while registered.
+
+A range must be unregistered before its mapping goes away: the driver keeps the registration
+(and the physical pages it locked) past the ``munmap``, and a later allocation placed at that
+address is then copied to the device from the *old* pages -- silently wrong bytes -- or the
+copy fails. ``Pin`` holds the buffer's owner until it unregisters, at ``release`` or when the
+``Pin`` itself is collected, so no path can drop the mapping first.
 
 The CUDA runtime keeps a failed call's error as the calling thread's *last error*, and torch
 checks that slot after every kernel launch: an unchecked ``cudaHostRegister`` that failed
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from typing import Any
 
 from deepwell.logs import get_logger
@@ -88,3 +95,24 @@ def unpin(ptr: int) -> bool:
         _failed(rt, "host_unpin_failed", code, 0)
         return False
     return True
+
+
+def _release(keep: object, ptr: int) -> None:
+    unpin(ptr)
+    del keep  # the mapping may go now
+
+
+class Pin:
+    """``[ptr, ptr + nbytes)`` of ``keep``'s buffer page-locked while this object lives: ``keep``
+    (what owns the mapping, e.g. a tensor over the mmap) stays referenced until the range is
+    unregistered, by ``release`` or when the ``Pin`` is collected. ``ok``: the lock took (else
+    the copies run pageable and there is nothing to release)."""
+
+    def __init__(self, keep: object, ptr: int, nbytes: int) -> None:
+        self.ok = pin(ptr, nbytes)
+        self._done = weakref.finalize(self, _release, keep, ptr) if self.ok else None
+
+    def release(self) -> None:
+        """Unregister now (idempotent)."""
+        if self._done is not None:
+            self._done()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
+import weakref
 from typing import Any
 
 import pytest
@@ -66,6 +68,50 @@ def test_without_a_runtime_nothing_is_pinned(monkeypatch: pytest.MonkeyPatch) ->
     assert not pinning.unpin(4096)
 
 
+class Owner:
+    """Stands for what owns a mapping (a tensor over the mmap)."""
+
+
+def test_a_pin_keeps_the_mapping_until_it_unregisters(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = FakeRuntime()
+    _use(monkeypatch, rt)
+    owner = Owner()
+    alive = weakref.ref(owner)
+    p = pinning.Pin(owner, 4096, 1 << 20)
+    del owner
+    gc.collect()
+    assert p.ok and alive() is not None  # registered: the mapping must stay
+    p.release()
+    p.release()
+    gc.collect()
+    assert alive() is None and rt.calls == ["register", "unregister"]
+
+
+def test_a_collected_pin_unregisters_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier dropped without ``close`` must not leave its arena registered past its mapping."""
+    rt = FakeRuntime()
+    _use(monkeypatch, rt)
+    owner = Owner()
+    alive = weakref.ref(owner)
+    p = pinning.Pin(owner, 4096, 1 << 20)
+    del owner, p
+    gc.collect()
+    assert alive() is None and rt.calls == ["register", "unregister"]
+
+
+def test_a_refused_pin_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = FakeRuntime(register=712)
+    _use(monkeypatch, rt)
+    owner = Owner()
+    alive = weakref.ref(owner)
+    p = pinning.Pin(owner, 4096, 1 << 20)
+    del owner
+    gc.collect()
+    assert not p.ok and alive() is None
+    p.release()
+    assert rt.calls == ["register"] and rt.last_error == 0
+
+
 @pytest.mark.gpu
 def test_on_cuda_a_second_pin_fails_and_the_next_op_runs() -> None:
     """The arena case: the same range registered twice (a mapping freed while registered and the
@@ -86,3 +132,18 @@ def test_on_cuda_a_second_pin_fails_and_the_next_op_runs() -> None:
         assert pinning.unpin(ptr)
     assert not pinning.unpin(ptr)
     assert float(torch.ones(8, device="cuda").sum()) == 8.0
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_dropped_pin_frees_the_range_for_the_next() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    buf = mmap.mmap(-1, 4 << 20)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    p = pinning.Pin(t, t.data_ptr(), len(buf))
+    assert p.ok
+    del p
+    gc.collect()
+    again = pinning.Pin(t, t.data_ptr(), len(buf))  # refused were the range still registered
+    assert again.ok
+    again.release()
