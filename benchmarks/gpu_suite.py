@@ -26,7 +26,7 @@ or less, the working tree ~5 MiB, and one call carries at most 64 MiB; the secon
 follow within 30 s, while the machine the first left is warm)::
 
     run(carry=[".whl", ".model/part-0", ".model/manifest.json"],
-        command="python3 benchmarks/gpu_suite.py run --gpu-workers 6 tests")
+        command="python3 benchmarks/gpu_suite.py run --deadline 540 --gpu-workers 6 tests")
     run(carry=[".model/part-1", ".model/part-2", ".model/manifest.json"],
         command="python3 benchmarks/gpu_suite.py run --workers 14 --no-gpu-marked tests; "
                 "python3 benchmarks/gpu_suite.py run -m gpu tests/engine/test_prefix_reuse_real.py "
@@ -37,6 +37,7 @@ the second, once the model is, the tests not marked ``gpu`` and the ``gpu``-mark
 A call stopped at its limit, or a session without device time, is resumed at the same commit
 with ``--done DIR``: the JUnit XML files earlier calls brought back, copied into the checkout
 (e.g. ``done/``, which travels as an untracked file), and the tests that passed there are left out.
+``--deadline S`` (below the call's limit) interrupts pytest in time for it to write that XML.
 
 The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The ~300 ``gpu``-marked ones
 take about 18 minutes serially (an H200: 144 in 540 s); in six workers an H100 ran 266 in ~350 s
@@ -56,8 +57,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,11 +226,18 @@ def stage_model(parts_dir: Path = PARTS, cache: Path | None = None) -> str:
     return f"model assembled: {target}"
 
 
-def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "") -> int:
+def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "", deadline: float | None = None) -> int:
     """One pytest run, its output echoed and written to ``out/<name>.log`` (JUnit: ``<name>.xml``):
     a line per test as it ends and each failure's traceback when it happens
     (``DEEPWELL_REPORT_EARLY``, tests/conftest.py), so a run stopped at the call's time limit
-    still names what failed and why; ``shard`` "K/N": every N-th test from the K-th."""
+    still names what failed and why; ``shard`` "K/N": every N-th test from the K-th.
+
+    ``deadline`` (``time.monotonic()``): pytest is interrupted then (SIGINT, as Ctrl-C), so it
+    still writes the JUnit XML of what finished (``--done`` resumes from it); killed if it has
+    not stopped ``INTERRUPT_GRACE_S`` later. Past the deadline nothing runs (exit 124)."""
+    if deadline is not None and deadline - time.monotonic() < 5:
+        print(f"{name}: not started, the --deadline has passed", flush=True)
+        return 124
     env = dict(os.environ, PYTHONUNBUFFERED="1", DEEPWELL_REPORT_EARLY="1")
     if shard:
         env["DEEPWELL_TEST_SHARD"] = shard
@@ -238,12 +249,34 @@ def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "") -> in
     with (out / f"{name}.log").open("w", buffering=1) as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            log.write(line)
-            log.flush()
-        return proc.wait()
+        timers = []
+        if deadline is not None:
+            left = max(0.0, deadline - time.monotonic())
+            timers = [threading.Timer(left, _stop, (proc, signal.SIGINT, name)),
+                      threading.Timer(left + INTERRUPT_GRACE_S, _stop, (proc, signal.SIGKILL, name))]
+            for t in timers:
+                t.daemon = True
+                t.start()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                log.write(line)
+                log.flush()
+            rc = proc.wait()
+        finally:
+            for t in timers:
+                t.cancel()
+        return 124 if deadline is not None and time.monotonic() >= deadline and rc != 0 else rc
+
+
+INTERRUPT_GRACE_S = 45.0  # an interrupted pytest's time to finish its test's teardown and write the XML
+
+
+def _stop(proc: subprocess.Popen[str], sig: int, name: str) -> None:
+    if proc.poll() is None:
+        print(f"{name}: --deadline reached, sending {signal.Signals(sig).name}", flush=True)
+        proc.send_signal(sig)
 
 
 def _valid_shard(spec: str) -> bool:
@@ -269,13 +302,14 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
         os.environ["DEEPWELL_TEST_DONE"] = os.pathsep.join(map(str, files))  # tests/conftest.py: _Done
         print(f"leaving out what passed in {len(files)} earlier JUnit XML file(s)", flush=True)
     tests = pytest_args or ["tests"]
+    deadline = time.monotonic() + args.deadline if args.deadline else None
     if not args.workers and not args.gpu_workers:
-        return _pytest(out, "gpu_suite", tests, args.shard)
+        return _pytest(out, "gpu_suite", tests, args.shard, deadline)
     rcs: dict[str, int] = {}
     if args.workers:
         # the tests not marked gpu in parallel workers (small models, little GPU memory each)
         rcs[f"not gpu-marked (-n {args.workers})"] = _pytest(
-            out, "gpu_suite_not_gpu", ["-n", str(args.workers), "-m", "not gpu", *tests], args.shard)
+            out, "gpu_suite_not_gpu", ["-n", str(args.workers), "-m", "not gpu", *tests], args.shard, deadline)
     if args.no_gpu_marked:
         pass  # only the tests not marked gpu (a call of its own; the gpu-marked ones in later calls)
     elif args.gpu_workers:
@@ -283,14 +317,14 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
         # compiling, which is CPU work), then the full-size ones alone on the card
         deselect = [f"--deselect={m}" for m in SERIAL_GPU_MODULES]
         rcs[f"gpu-marked (-n {args.gpu_workers})"] = _pytest(
-            out, "gpu_suite_gpu_parallel", ["-n", str(args.gpu_workers), "-m", "gpu", *deselect, *tests], args.shard)
+            out, "gpu_suite_gpu_parallel", ["-n", str(args.gpu_workers), "-m", "gpu", *deselect, *tests], args.shard, deadline)
         serial = _serial_modules(tests)
         if serial:
             rcs["gpu-marked, full size (serial)"] = _pytest(
-                out, "gpu_suite_gpu_serial", ["-m", "gpu", *_options(tests), *serial], args.shard)
+                out, "gpu_suite_gpu_serial", ["-m", "gpu", *_options(tests), *serial], args.shard, deadline)
     else:
         # serially: the large kernels fail for memory when many workers share the card
-        rcs["gpu-marked (serial)"] = _pytest(out, "gpu_suite_gpu", ["-m", "gpu", *tests], args.shard)
+        rcs["gpu-marked (serial)"] = _pytest(out, "gpu_suite_gpu", ["-m", "gpu", *tests], args.shard, deadline)
     print("; ".join(f"{k}: exit {v}" for k, v in rcs.items()), flush=True)
     # 5: a phase that selected nothing (e.g. only full-size modules requested)
     return next((v for v in rcs.values() if v not in (0, 5)), 0)
@@ -349,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--shard", default="", metavar="K/N",
                    help="run every N-th test from the K-th (0 <= K < N), counted after -m / -k: a suite longer "
                         "than one call as N calls")
+    r.add_argument("--deadline", type=float, default=0.0, metavar="SECONDS",
+                   help="stop pytest this long after the start (SIGINT: the JUnit XML of what finished is "
+                        "still written, for --done); set it below the call's time limit, e.g. 540 for 600")
     r.add_argument("--done", action="append", default=[], metavar="XML",
                    help="leave out the tests that passed in this JUnit XML file (or every *.xml under this "
                         "folder; repeatable) of earlier calls at the same commit: a suite spread over calls or "

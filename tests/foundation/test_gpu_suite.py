@@ -173,3 +173,21 @@ def test_done_leaves_out_what_passed_in_earlier_runs(tmp_path: Path) -> None:
     assert "no such JUnit XML file" in _collected({"DEEPWELL_TEST_DONE": str(tmp_path / "none.xml")}, here)[0]
     with pytest.raises(SystemExit):
         gpu_suite.done_files([str(tmp_path / "none")])
+
+
+def test_a_deadline_interrupts_pytest_and_keeps_the_junit_xml(tmp_path: Path) -> None:
+    """``run --deadline S``: pytest is interrupted (SIGINT) at the deadline and still writes the
+    JUnit XML of what finished, which ``--done`` then resumes from; past it nothing starts."""
+    import time
+    import xml.etree.ElementTree as ET
+
+    mod = tmp_path / "test_slow_suite.py"
+    mod.write_text("import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(300)\n")
+    t0 = time.monotonic()
+    rc = gpu_suite._pytest(tmp_path, "cut", [str(mod)], deadline=time.monotonic() + 8)
+    assert rc == 124 and time.monotonic() - t0 < 8 + gpu_suite.INTERRUPT_GRACE_S
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "cut.xml").getroot().iter("testcase")}
+    assert "test_quick" in cases and not list(cases["test_quick"])  # passed: no failure/skip child
+    assert "test_slow" not in cases or list(cases["test_slow"])  # never recorded as passed
+    assert gpu_suite._pytest(tmp_path, "late", [str(mod)], deadline=time.monotonic() + 1) == 124
+    assert not (tmp_path / "late.log").exists()
