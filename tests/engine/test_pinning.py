@@ -72,13 +72,17 @@ class Owner:
     """Stands for what owns a mapping (a tensor over the mmap)."""
 
 
-def test_a_pin_keeps_the_mapping_until_it_unregisters(monkeypatch: pytest.MonkeyPatch) -> None:
-    rt = FakeRuntime()
+def _pin(monkeypatch: pytest.MonkeyPatch, **codes: int) -> tuple[FakeRuntime, pinning.Pin, weakref.ref[Owner]]:
+    """A ``Pin`` over an ``Owner`` nothing else references, and a weak reference to that owner."""
+    rt = FakeRuntime(**codes)
     _use(monkeypatch, rt)
     owner = Owner()
-    alive = weakref.ref(owner)
     p = pinning.Pin(owner, 4096, 1 << 20)
-    del owner
+    return rt, p, weakref.ref(owner)
+
+
+def test_a_pin_keeps_the_mapping_until_it_unregisters(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt, p, alive = _pin(monkeypatch)
     gc.collect()
     assert p.ok and alive() is not None  # registered: the mapping must stay
     p.release()
@@ -89,23 +93,14 @@ def test_a_pin_keeps_the_mapping_until_it_unregisters(monkeypatch: pytest.Monkey
 
 def test_a_collected_pin_unregisters_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """A tier dropped without ``close`` must not leave its arena registered past its mapping."""
-    rt = FakeRuntime()
-    _use(monkeypatch, rt)
-    owner = Owner()
-    alive = weakref.ref(owner)
-    p = pinning.Pin(owner, 4096, 1 << 20)
-    del owner, p
+    rt, p, alive = _pin(monkeypatch)
+    del p
     gc.collect()
     assert alive() is None and rt.calls == ["register", "unregister"]
 
 
 def test_a_refused_pin_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    rt = FakeRuntime(register=712)
-    _use(monkeypatch, rt)
-    owner = Owner()
-    alive = weakref.ref(owner)
-    p = pinning.Pin(owner, 4096, 1 << 20)
-    del owner
+    rt, p, alive = _pin(monkeypatch, register=712)
     gc.collect()
     assert not p.ok and alive() is None
     p.release()
