@@ -50,6 +50,8 @@ from deepwell.engine_service.kv.pool import Region
 
 log = get_logger(__name__)
 
+LOCK_WAIT_S = 30.0  # how long the background page-locking waits for the daemon at attach
+
 
 class EntryBytes(Protocol):
     """The runner's side: an entry's bytes in and out of the pools (``TorchModelRunner``)."""
@@ -107,17 +109,25 @@ class HostTier:
         self._pin: pinning.Pin | None = None  # the arena's page-locking (CUDA), released before it is dropped
         self._arena_lock = threading.Lock()  # the worker's first lock and a caller's spill may race
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-tier")
+        self._closing = threading.Event()
         cuda = runner.device.type == "cuda"
         self._stream = torch.cuda.Stream(runner.device) if cuda else None
         if cuda:  # page-lock the arena now, not in the first spill (seconds for a large arena)
             self._worker.submit(self._lock_arena)
 
     def _lock_arena(self) -> None:
-        if self.client.wait_attached(30.0) and self.client.arena is not None:
-            self._region(self.client.arena, [], 0)
+        """Page-lock the arena once the client attaches (up to ``LOCK_WAIT_S``; else the first
+        spill does it); ``close`` cuts the wait short."""
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while not self._closing.is_set() and time.monotonic() < deadline:
+            if self.client.wait_attached(0.25):
+                if self.client.arena is not None:
+                    self._region(self.client.arena, [], 0)
+                return
 
     def close(self) -> None:
         """Finish the jobs in flight, then stop the worker (the client is the caller's)."""
+        self._closing.set()
         self._worker.shutdown(wait=True)
         with self._arena_lock:
             self._unregister()

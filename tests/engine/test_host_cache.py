@@ -252,3 +252,19 @@ def test_engine_process_restart_resumes_from_the_daemon(daemon: Daemon, tmp_path
     with engine_process(tmp_path / "c", [*args, "--prefix-cache", "off"]) as (address, _):
         cold, cold_cached = generate(address, p2)
     assert tokens == cold and cold_cached.host_entry == 0
+
+
+def test_close_cuts_the_wait_for_a_daemon_that_never_attached() -> None:
+    """The background page-locking (CUDA) waits for the daemon; an engine stopped meanwhile
+    must not wait out ``LOCK_WAIT_S`` at shutdown."""
+    client = KVClient("unix:///nonexistent/kvcache.sock", "test-engine", rpc_timeout_s=0.5, reconnect_max_s=0.2)
+    client.start(0.0)
+    tier = HostTier(client, FakeRunner(page_size=4, hybrid=True), fingerprint=FP, page_size=4, hybrid=True)
+    try:
+        tier._worker.submit(tier._lock_arena)  # what the constructor submits on CUDA
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        tier.close()
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        client.close()
