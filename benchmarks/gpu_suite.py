@@ -242,9 +242,12 @@ def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "", deadl
     if shard:
         env["DEEPWELL_TEST_SHARD"] = shard
         name = f"{name}-{shard.replace('/', 'of')}"
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rfEs", "--durations=25",
-           f"--junitxml={out / (name + '.xml')}", *pytest_args]
-    print(" ".join(cmd), flush=True)
+    args = ["-p", "no:cacheprovider", "-v", "-rfEs", "--durations=25", f"--junitxml={out / (name + '.xml')}",
+            *pytest_args]
+    print(" ".join([sys.executable, "-m", "pytest", *args]), flush=True)
+    # pytest with Ctrl-C's handler even where SIGINT came ignored (a job started in the background
+    # of a non-interactive shell, under nohup), so the --deadline's SIGINT stops it cleanly
+    cmd = [sys.executable, "-c", _PYTEST_WITH_SIGINT, *args]
     # line-buffered: a run killed at the call's time limit still leaves every line it printed
     with (out / f"{name}.log").open("w", buffering=1) as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -270,6 +273,8 @@ def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "", deadl
         return 124 if deadline is not None and time.monotonic() >= deadline and rc != 0 else rc
 
 
+_PYTEST_WITH_SIGINT = ("import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                       "sys.exit(pytest.console_main())")
 INTERRUPT_GRACE_S = 45.0  # an interrupted pytest's time to finish its test's teardown and write the XML
 
 
