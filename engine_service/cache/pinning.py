@@ -23,7 +23,6 @@ The runtime is reached through ``ctypes`` on the ``libcudart`` that torch loaded
 from __future__ import annotations
 
 import ctypes
-import functools
 import weakref
 from typing import Any
 
@@ -45,9 +44,15 @@ def _loaded_cudart() -> str | None:
     return None
 
 
-@functools.cache
+_runtime: Any | None = None
+
+
 def runtime() -> Any | None:
-    """The CUDA runtime torch uses, through ``ctypes`` (``None`` where it is not loaded)."""
+    """The CUDA runtime torch uses, through ``ctypes`` (``None`` while none is loaded: looked up
+    again on the next call, as torch loads it when CUDA is first used)."""
+    global _runtime
+    if _runtime is not None:
+        return _runtime
     path = _loaded_cudart()
     if path is None:
         return None
@@ -60,6 +65,7 @@ def runtime() -> Any | None:
     lib.cudaGetLastError.restype = ctypes.c_int
     lib.cudaGetErrorString.argtypes = [ctypes.c_int]
     lib.cudaGetErrorString.restype = ctypes.c_char_p
+    _runtime = lib
     return lib
 
 
