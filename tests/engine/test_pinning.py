@@ -142,3 +142,20 @@ def test_on_cuda_a_dropped_pin_frees_the_range_for_the_next() -> None:
     again = pinning.Pin(t, t.data_ptr(), len(buf))  # refused were the range still registered
     assert again.ok
     again.release()
+
+
+def test_a_runtime_not_loaded_yet_is_looked_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``runtime()`` asked before torch has loaded ``libcudart`` must not stay ``None``."""
+    from types import SimpleNamespace
+
+    loaded: list[str | None] = [None]
+    monkeypatch.setattr(pinning, "_runtime", None)
+    monkeypatch.setattr(pinning, "_loaded_cudart", lambda: loaded[0])
+    fns = ("cudaHostRegister", "cudaHostUnregister", "cudaGetLastError", "cudaGetErrorString")
+    monkeypatch.setattr(pinning.ctypes, "CDLL", lambda path: SimpleNamespace(
+        path=path, **{f: SimpleNamespace() for f in fns}))
+    assert pinning.runtime() is None
+    loaded[0] = "/opt/cuda/lib/libcudart.so.12"
+    rt = pinning.runtime()
+    assert rt is not None and rt.path == loaded[0]
+    assert pinning.runtime() is rt  # a hit is kept
