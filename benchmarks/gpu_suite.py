@@ -26,14 +26,14 @@ or less, the working tree ~5 MiB, and one call carries at most 64 MiB; the secon
 follow within 30 s, while the machine the first left is warm)::
 
     run(carry=[".whl", ".model/part-0", ".model/manifest.json"],
-        command="python3 benchmarks/gpu_suite.py run --deadline 540 --gpu-workers 6 tests")
+        command="python3 benchmarks/gpu_suite.py run --deadline 500 --workers 14 --no-gpu-marked --done done tests")
+    # copy the XML it brought back into done/, then at once:
     run(carry=[".model/part-1", ".model/part-2", ".model/manifest.json"],
-        command="python3 benchmarks/gpu_suite.py run --workers 14 --no-gpu-marked tests; "
-                "python3 benchmarks/gpu_suite.py run -m gpu tests/engine/test_prefix_reuse_real.py "
-                "tests/engine/test_batching_real.py tests/engine/test_kv_quant.py")
+        command="python3 benchmarks/gpu_suite.py run --deadline 500 --gpu-workers 6 --done done tests")
 
-The first runs the ``gpu``-marked tests (the SmolLM2 ones skip: the model is not complete yet);
-the second, once the model is, the tests not marked ``gpu`` and the ``gpu``-marked SmolLM2 modules.
+The first runs the tests not marked ``gpu`` (the SmolLM2 ones skip: the model is not complete
+yet); the second, once the model is, the ``gpu``-marked tests and the SmolLM2 tests the first
+skipped (``--done`` leaves out what passed before; a skip does not count as done).
 A call stopped at its limit, or a session without device time, is resumed at the same commit
 with ``--done DIR``: the JUnit XML files earlier calls brought back, copied into the checkout
 (e.g. ``done/``, which travels as an untracked file), and the tests that passed there are left out.
