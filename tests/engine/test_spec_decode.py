@@ -605,6 +605,7 @@ def test_speculation_across_a_host_restore(mtp_model: Path) -> None:
     a2 = _run(plain, [(22, 0, 10, 0)], prompts={22: turn2})[22]
     daemon = Daemon(arena_bytes=32 << 20, granule_bytes=1 << 20).start()
     client = KVClient(daemon.address, "test", rpc_timeout_s=5.0)
+    host = None
     try:
         assert client.start(10.0)
         core = _core(mtp_model, 3, cache=True)
@@ -636,6 +637,8 @@ def test_speculation_across_a_host_restore(mtp_model: Path) -> None:
         assert 0 < core.counters.spec_accepted < core.counters.spec_drafted
         core.blocks.check()  # (the cache holds turn 2's entries)
     finally:
+        if host is not None:
+            host.close()
         client.close()
         daemon.cleanup()
 
