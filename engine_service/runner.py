@@ -263,7 +263,8 @@ class TorchModelRunner:
         """Peak bytes one prefill step of ``num_tokens`` tokens allocates beyond the weights and
         the pools: its activations, an FP8 layer's weight dequantized for many rows, the MTP
         pass, the last row's logits. Measured on CUDA with one scratch forward through a float
-        pool and a scratch state slot (both freed after), before ``allocate``: ``build_core``
+        pool and a scratch state slot (both freed after; a short forward first keeps one-time
+        allocations out of the count), before ``allocate``: ``build_core``
         takes it off the KV pool's budget, so a full step still fits once the pool is sized.
         0 off CUDA (host memory is not budgeted this way)."""
         if self._device.type != "cuda" or num_tokens < 1:
@@ -274,6 +275,10 @@ class TorchModelRunner:
             if self.kv_spec.float_layout.num_layers else None
         state = StatePool(self.state_layout, 1, self._device) if self.state_layout is not None else None
         ids = [i % self.vocab_size for i in range(n)]
+        # a short forward first: what the first forward allocates once and keeps (cuBLAS's
+        # workspace, 32 MiB on Hopper; lazily built kernel tables) is gone from the free memory
+        # the pools are sized from, so it must not count as a step's activations as well
+        self._scratch_forward(ids[:min(n, self.page_size)], scratch, state, logits=True)
         torch.cuda.synchronize(self._device)
         base = torch.cuda.memory_allocated(self._device)
         torch.cuda.reset_peak_memory_stats(self._device)
