@@ -29,11 +29,12 @@ follow within 30 s, while the machine the first left is warm)::
         command="python3 benchmarks/gpu_suite.py run --deadline 500 --workers 14 --no-gpu-marked --done done tests")
     # copy the XML it brought back into done/, then at once:
     run(carry=[".model/part-1", ".model/part-2", ".model/manifest.json"],
-        command="python3 benchmarks/gpu_suite.py run --deadline 500 --gpu-workers 6 --done done tests")
+        command="python3 benchmarks/gpu_suite.py run --deadline 500 --workers 14 --gpu-workers 6 --done done tests")
 
 The first runs the tests not marked ``gpu`` (the SmolLM2 ones skip: the model is not complete
-yet); the second, once the model is, the ``gpu``-marked tests and the SmolLM2 tests the first
-skipped (``--done`` leaves out what passed before; a skip does not count as done).
+yet, and ``DEEPWELL_OFFLINE=1`` keeps them from trying PyPI); the second, once the model is, the
+SmolLM2 tests the first skipped and the ``gpu``-marked tests (``--done`` leaves out what passed
+before; a skip does not count as done).
 A call stopped at its limit, or a session without device time, is resumed at the same commit
 with ``--done DIR``: the JUnit XML files earlier calls brought back, copied into the checkout
 (e.g. ``done/``, which travels as an untracked file), and the tests that passed there are left out.
@@ -239,6 +240,9 @@ def _pytest(out: Path, name: str, pytest_args: list[str], shard: str = "", deadl
         print(f"{name}: not started, the --deadline has passed", flush=True)
         return 124
     env = dict(os.environ, PYTHONUNBUFFERED="1", DEEPWELL_REPORT_EARLY="1")
+    # no network here: a test needing the SmolLM2 GGUF before all its parts arrived skips at once
+    # (tests/engine/fixtures_smollm2.py), instead of failing after pip's retries
+    env.setdefault("DEEPWELL_OFFLINE", "1")
     if shard:
         env["DEEPWELL_TEST_SHARD"] = shard
         name = f"{name}-{shard.replace('/', 'of')}"

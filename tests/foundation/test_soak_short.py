@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks import soak
+from tests.engine.fixtures_smollm2 import smollm2_gguf_path
 
 
 @pytest.mark.timeout(400)
 def test_short_soak_with_a_daemon_and_an_engine_kill(tmp_path: Path) -> None:
+    smollm2_gguf_path()  # `deepwell up` serves the default model from the shared cache
     out = tmp_path / "soak.json"
     t0 = time.monotonic()
     result = soak.main(["--sessions", "3", "--duration-s", "30", "--turns", "3", "--max-tokens", "12",
