@@ -113,6 +113,26 @@ def sha256(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- here
+# what the tests run: a change to any of these files makes another tree (docs, .model/, done/ do not)
+TREE_DIRS = ("benchmarks", "deepwell", "engine_service", "gateway", "kernels", "kvcache_daemon", "protos", "tests")
+TREE_FILES = ("pyproject.toml", "setup.py")
+TREE_SUFFIXES = {".py", ".pyi", ".proto", ".jinja", ".json", ".toml"}
+
+
+def tree_digest(root: Path = ROOT) -> str:
+    """A digest of the source the suite runs (``TREE_DIRS``' code and data files, ``TREE_FILES``):
+    the device's copy of the checkout has no ``.git``, so this stands for the commit. ``run``
+    records it in each JUnit XML; ``--same-tree`` resumes only from XML of the same tree."""
+    h = hashlib.sha256()
+    files = [root / f for f in TREE_FILES if (root / f).is_file()]
+    for d in TREE_DIRS:
+        files += [f for f in (root / d).rglob("*") if f.suffix in TREE_SUFFIXES and f.is_file()
+                  and not any(part == "__pycache__" or part.startswith(".") for part in f.relative_to(root).parts)]
+    for f in sorted(files):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def split(file: Path, dest: Path, part_bytes: int, compress: str = "xz") -> int:
     """``file`` as ``dest/part-N`` of at most ``part_bytes`` and ``dest/manifest.json``; returns N parts.
     ``compress`` "xz": the parts are slices of the file's xz stream (the SmolLM2 GGUF: 93.8 -> 86.3
@@ -306,9 +326,19 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             return 2
     out = Path(args.out or os.environ.get("OUT") or ".")
     out.mkdir(parents=True, exist_ok=True)
+    tree = tree_digest()
+    os.environ["DEEPWELL_TEST_TREE"] = tree  # recorded in the JUnit XML (tests/conftest.py)
+    print(f"source tree {tree}", flush=True)
     if args.done:
         files = done_files(args.done)
         os.environ["DEEPWELL_TEST_DONE"] = os.pathsep.join(map(str, files))  # tests/conftest.py: _Done
+        if args.same_tree:
+            os.environ["DEEPWELL_TEST_DONE_TREE"] = tree
+        for f in files:
+            was = xml_tree(f)
+            counted = not args.same_tree or was == tree
+            print(f"  {f}: tree {was or 'unrecorded'}{' (this one)' if was == tree else ''}"
+                  f"{'' if counted else ': not counted (--same-tree)'}", flush=True)
         print(f"leaving out what passed in {len(files)} earlier JUnit XML file(s)", flush=True)
     tests = pytest_args or ["tests"]
     deadline = time.monotonic() + args.deadline if args.deadline else None
@@ -343,6 +373,16 @@ def _options(tests: list[str]) -> list[str]:
     """The pytest arguments that are not test paths (``--deselect=...``, ``-k EXPR``): they apply
     to the serial phase too."""
     return [a for a in tests if not (ROOT / a.split("::")[0]).exists()]
+
+
+def xml_tree(path: Path) -> str:
+    """The source tree a JUnit XML file was written at (its ``deepwell_tree`` property), or ''."""
+    import xml.etree.ElementTree as ET
+
+    for prop in ET.parse(path).iter("property"):
+        if prop.get("name") == "deepwell_tree":
+            return prop.get("value", "")
+    return ""
 
 
 def done_files(paths: list[str]) -> list[Path]:
@@ -399,11 +439,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave out the tests that passed in this JUnit XML file (or every *.xml under this "
                         "folder; repeatable) of earlier calls at the same commit: a suite spread over calls or "
                         "sessions goes on where it stopped (copy the files a call brought back into the checkout)")
+    r.add_argument("--same-tree", action="store_true",
+                   help="with --done: count only the XML written at this same source tree (tree_digest), so "
+                        "the calls add up to one pass of one commit")
+    sub.add_parser("tree", help="print the source tree's digest, as run records it in the JUnit XML")
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "run" and args.shard and not _valid_shard(args.shard):
         ap.error(f"--shard {args.shard!r} must be K/N with 0 <= K < N")
     if args.cmd == "run" and args.no_gpu_marked and not args.workers:
         ap.error("--no-gpu-marked runs the tests not marked gpu in --workers N workers: give --workers")
+    if args.cmd == "tree":
+        print(tree_digest())
+        return 0
     if args.cmd == "prepare":
         if rest:
             ap.error(f"unexpected arguments: {rest}")

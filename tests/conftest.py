@@ -68,6 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 SHARD_ENV = "DEEPWELL_TEST_SHARD"  # "K/N": run every N-th test from the K-th (benchmarks/gpu_suite.py --shard)
 DONE_ENV = "DEEPWELL_TEST_DONE"  # JUnit XML files (os.pathsep): leave out what passed there (gpu_suite.py --done)
+TREE_ENV = "DEEPWELL_TEST_TREE"  # the source tree's digest, recorded in the JUnit XML (gpu_suite.py tree_digest)
+DONE_TREE_ENV = "DEEPWELL_TEST_DONE_TREE"  # with DONE_ENV: count only XML recorded at this tree (--same-tree)
 EARLY_ENV = "DEEPWELL_REPORT_EARLY"  # "1": print each failure's traceback when it happens
 
 
@@ -105,13 +107,17 @@ def junit_key(nodeid: str) -> tuple[str, str]:
     return ".".join(names[:-1]), names[-1]
 
 
-def passed_in(xml_files: list[str]) -> set[tuple[str, str]]:
-    """The tests with no failure, error or skip in these JUnit XML files."""
+def passed_in(xml_files: list[str], tree: str = "") -> set[tuple[str, str]]:
+    """The tests with no failure, error or skip in these JUnit XML files (with ``tree``: only
+    in the files recorded at that source tree)."""
     import xml.etree.ElementTree as ET
 
     done = set()
     for f in xml_files:
-        for case in ET.parse(f).iter("testcase"):
+        root = ET.parse(f)
+        if tree and not any(p.get("name") == "deepwell_tree" and p.get("value") == tree for p in root.iter("property")):
+            continue
+        for case in root.iter("testcase"):
             if not any(child.tag in ("failure", "error", "skipped") for child in case):
                 done.add((case.get("classname", ""), case.get("name", "")))
     return done
@@ -145,13 +151,24 @@ class _EarlyReport:
             sys.stdout.flush()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """``DEEPWELL_TEST_TREE``: the JUnit XML says which source tree it ran (``--same-tree``)."""
+    tree = os.environ.get(TREE_ENV)
+    if tree:
+        from _pytest.junitxml import xml_key
+
+        log_xml = session.config.stash.get(xml_key, None)  # None: no --junitxml, or an xdist worker
+        if log_xml is not None:
+            log_xml.add_global_property("deepwell_tree", tree)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get(DONE_ENV):
         files = [f for f in os.environ[DONE_ENV].split(os.pathsep) if f]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise pytest.UsageError(f"{DONE_ENV}: no such JUnit XML file: {', '.join(missing)}")
-        config.pluginmanager.register(_Done(passed_in(files)), "deepwell-done")
+        config.pluginmanager.register(_Done(passed_in(files, os.environ.get(DONE_TREE_ENV, ""))), "deepwell-done")
     if os.environ.get(SHARD_ENV):
         config.pluginmanager.register(_Shard(*_shard(os.environ[SHARD_ENV])), "deepwell-shard")
     if os.environ.get(EARLY_ENV) == "1":

@@ -145,10 +145,42 @@ def test_what_passed_in_a_real_junit_xml_is_left_out(tmp_path: Path) -> None:
     here = "tests/foundation/test_gpu_suite.py"
     xml = tmp_path / "earlier.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", here, "-k", "xz or corrupt",
-                    f"--junitxml={xml}"], cwd=root, check=True, capture_output=True, timeout=120)
+                    f"--junitxml={xml}"], cwd=root, check=True, capture_output=True, timeout=120,
+                   env={**os.environ, "DEEPWELL_TEST_TREE": "0123abcd"})
     left = {x.split("::")[1] for x in _collected({"DEEPWELL_TEST_DONE": str(xml)}, here)}
     ran = {"test_xz_parts_assemble_to_the_file", "test_a_corrupt_part_is_refused"}
     assert not left & ran and left == {n for n in globals() if n.startswith("test_")} - ran, left
+    # the run recorded its source tree; --same-tree counts only XML of the tree it runs
+    assert gpu_suite.xml_tree(xml) == "0123abcd"
+    same = _collected({"DEEPWELL_TEST_DONE": str(xml), "DEEPWELL_TEST_DONE_TREE": "0123abcd"}, here)
+    other = _collected({"DEEPWELL_TEST_DONE": str(xml), "DEEPWELL_TEST_DONE_TREE": "ffff0000"}, here)
+    assert {x.split("::")[1] for x in same} == left and ran <= {x.split("::")[1] for x in other}, other
+
+
+def test_the_tree_digest_follows_the_code_not_the_rest(tmp_path: Path) -> None:
+    """``tree_digest`` (what ``run`` records and ``--same-tree`` compares): the same files give
+    the same digest; a changed, added or renamed source file another; docs, caches and files
+    outside the source folders none."""
+    import shutil
+
+    root = tmp_path / "a"
+    (root / "engine_service").mkdir(parents=True)
+    (root / "tests" / "__pycache__").mkdir(parents=True)
+    (root / "docs").mkdir()
+    (root / "pyproject.toml").write_text("[project]\n")
+    (root / "engine_service" / "x.py").write_text("A = 1\n")
+    (root / "tests" / "test_x.py").write_text("def test(): pass\n")
+    d = gpu_suite.tree_digest(root)
+    assert len(d) == 16 and gpu_suite.tree_digest(shutil.copytree(root, tmp_path / "b")) == d
+    (root / "docs" / "x.md").write_text("notes")
+    (root / "tests" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    (root / "done.xml").write_text("<testsuites/>")
+    assert gpu_suite.tree_digest(root) == d
+    (root / "engine_service" / "x.py").write_text("A = 2\n")
+    assert gpu_suite.tree_digest(root) != d
+    (root / "engine_service" / "x.py").write_text("A = 1\n")
+    (root / "engine_service" / "x.py").rename(root / "engine_service" / "y.py")
+    assert gpu_suite.tree_digest(root) != d
 
 
 def test_done_leaves_out_what_passed_in_earlier_runs(tmp_path: Path) -> None:
