@@ -39,6 +39,9 @@ A call stopped at its limit, or a session without device time, is resumed at the
 with ``--done DIR``: the JUnit XML files earlier calls brought back, copied into the checkout
 (e.g. ``done/``, which travels as an untracked file), and the tests that passed there are left out.
 ``--deadline S`` (below the call's limit) interrupts pytest in time for it to write that XML.
+Each XML records the source tree's digest (``tree_digest``; ``gpu_suite.py tree`` prints it here),
+and ``--same-tree`` counts only XML of the tree being run: calls resumed that way add up to one
+pass of one commit.
 
 The not-``gpu`` tests take ~5 minutes in 12 workers on an H100 host. The ~300 ``gpu``-marked ones
 take about 18 minutes serially (an H200: 144 in 540 s); in six workers an H100 ran 266 in ~350 s
