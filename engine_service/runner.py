@@ -279,6 +279,8 @@ class TorchModelRunner:
         # workspace, 32 MiB on Hopper; lazily built kernel tables) is gone from the free memory
         # the pools are sized from, so it must not count as a step's activations as well
         self._scratch_forward(ids[:min(n, self.page_size)], scratch, state, logits=True)
+        if state is not None:
+            state.reset(0)  # the measured forward starts a sequence: its slot holds no state
         torch.cuda.synchronize(self._device)
         base = torch.cuda.memory_allocated(self._device)
         torch.cuda.reset_peak_memory_stats(self._device)
