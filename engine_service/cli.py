@@ -405,9 +405,12 @@ async def serve(cfg: EngineConfig) -> int:
     token = internal_token(cfg.internal_token_file, cfg.listen, log)
     model_path, default_name = cfg.model, ""
     if not model_path:
-        from deepwell.engine_service.default_model import MODEL_ID, ensure_default_model
+        from deepwell.engine_service.default_model import MODEL_ID, DefaultModelError, ensure_default_model
 
-        model_path, default_name = str(ensure_default_model()), MODEL_ID
+        try:
+            model_path, default_name = str(ensure_default_model()), MODEL_ID
+        except DefaultModelError as exc:  # no network, no cache: say so and how, not a traceback
+            raise configs.ConfigError(f"no --model given and the default model is not available: {exc}") from None
     device = resolve_device(cfg.device)
     if cfg.cpu_threads:
         import torch

