@@ -345,6 +345,7 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
     from deepwell.engine_service.kv.quant_pool import KVSettingsError
     from deepwell.engine_service.layers.fp8_linear import FP8EnvError
     from deepwell.engine_service.layers.invariant import RowInvarianceError
+    from deepwell.engine_service.models.spec import UnsupportedModelError
     from deepwell.kernels import pdl
 
     try:  # the kernels' switches in the environment, before any weight loads
@@ -366,6 +367,8 @@ def _build_runner(build_runner: Any, cfg: EngineConfig, source: Any, device: Any
         raise configs.ConfigError(f"invalid batch_invariant=True: {exc}") from None
     except FP8EnvError as exc:  # DEEPWELL_FP8_* out of range
         raise configs.ConfigError(f"invalid environment: {exc}") from None
+    except UnsupportedModelError as exc:  # an architecture, activation or config this engine cannot serve
+        raise configs.ConfigError(f"invalid model={cfg.model or 'the default model'!r}: {exc}") from None
 
 
 def _tp_builder(cfg: EngineConfig) -> Any:
@@ -418,7 +421,10 @@ async def serve(cfg: EngineConfig) -> int:
         torch.set_num_threads(cfg.cpu_threads)
     dtype = resolve_dtype(cfg.dtype, device)
     loop = asyncio.get_running_loop()
-    source = await loop.run_in_executor(None, lambda: open_model(model_path, weights=not cfg.random_weights))
+    try:
+        source = await loop.run_in_executor(None, lambda: open_model(model_path, weights=not cfg.random_weights))
+    except (ValueError, OSError) as exc:  # no such path, not a model, an unreadable or malformed file
+        raise configs.ConfigError(f"invalid model={model_path!r}: {exc}") from None
     if not cfg.model:  # the embedded default model: its model card's sampling defaults
         from deepwell.engine_service.default_model import GENERATION_DEFAULTS
 

@@ -10,7 +10,7 @@ from typing import Any
 from deepwell.engine_service.layers.attention import AttentionSpec
 from deepwell.engine_service.layers.rope import RopeSpec
 from deepwell.engine_service.models.registry import Family, register
-from deepwell.engine_service.models.spec import FULL, ModelArgs, cfg_get, check_silu
+from deepwell.engine_service.models.spec import FULL, ModelArgs, UnsupportedModelError, cfg_get, check_silu
 
 
 def _dense_args(
@@ -25,7 +25,7 @@ def _dense_args(
     layers = int(cfg_get(cfg, "num_hidden_layers"))
     windowed = sliding_window_layers(cfg, layers)
     if windowed:
-        raise ValueError(f"sliding-window attention is not supported: {len(windowed)} of {layers} layers (from "
+        raise UnsupportedModelError(f"sliding-window attention is not supported: {len(windowed)} of {layers} layers (from "
                          f"layer {windowed[0]}) would attend within a window of {cfg.get('sliding_window', 4096)} "
                          f"tokens by this config (layer_types, or use_sliding_window from max_window_layers="
                          f"{cfg.get('max_window_layers', 28)} on); serve a config whose layers all use full attention")

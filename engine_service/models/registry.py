@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from deepwell.engine_service.models.spec import ModelArgs
+from deepwell.engine_service.models.spec import ModelArgs, UnsupportedModelError
 
 Adapter = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
@@ -91,7 +91,7 @@ def resolve(config: dict[str, Any]) -> tuple[Family, dict[str, Any]]:
         for fam in fams:
             if arch in fam.architectures:
                 return fam, tc
-    raise ValueError(
+    raise UnsupportedModelError(
         f"unsupported architecture (model_type={config.get('model_type')!r}, "
         f"architectures={config.get('architectures')!r}); supported model types: "
         f"{', '.join(supported())}"

@@ -14,6 +14,11 @@ from deepwell.engine_service.layers.attention import AttentionSpec
 from deepwell.engine_service.layers.gdn import GDNSpec
 from deepwell.engine_service.layers.rope import RopeSpec
 
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint this engine cannot serve (its architecture, activation, attention pattern or a
+    config key it needs): the engine refuses it at start with this reason."""
+
 FULL = "full_attention"
 LINEAR = "linear_attention"
 
@@ -23,14 +28,14 @@ _MISSING = object()
 def cfg_get(cfg: dict[str, Any], key: str, default: Any = _MISSING) -> Any:
     val = cfg.get(key, default)
     if val is _MISSING or (val is None and default is _MISSING):
-        raise ValueError(f"config.json is missing {key!r}")
+        raise UnsupportedModelError(f"config.json is missing {key!r}")
     return val
 
 
 def check_silu(cfg: dict[str, Any]) -> None:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,26 @@ def test_bad_config_exits_2() -> None:
     assert r.returncode == 2 and "invalid token_budget=0: must be >= 1" in r.stderr, r.stderr
 
 
+def test_a_model_it_cannot_read_or_serve_exits_2_with_the_reason(model_dir: Path, tmp_path: Path) -> None:
+    """A path that is not a model, a file that is not a GGUF, an architecture the engine does
+    not have: each a usage error naming the model and why, never a traceback."""
+    import shutil
+
+    bad_gguf = tmp_path / "x.gguf"
+    bad_gguf.write_bytes(b"not a gguf")
+    other = shutil.copytree(model_dir, tmp_path / "bert")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg.update(model_type="bert", architectures=["BertModel"])
+    cfg.pop("text_config", None)
+    (other / "config.json").write_text(json.dumps(cfg))
+    for model, why in ((tmp_path / "none", "does not exist"), (bad_gguf, "not a GGUF file"),
+                       (other, "unsupported architecture (model_type='bert'")):
+        r = subprocess.run([sys.executable, "-m", "deepwell.engine_service", "--model", str(model), "--listen",
+                            "127.0.0.1:0"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and f"invalid model={str(model)!r}" in r.stderr and why in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
 async def test_full_queue_is_resource_exhausted() -> None:
     """In-process server over a FakeRunner whose step thread is not started: nothing is ever
     admitted, so the waiting queue fills deterministically."""
