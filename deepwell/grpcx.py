@@ -24,6 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from deepwell.configs import ConfigError
+
 from deepwell import logs
 
 REQUEST_ID_KEY = "x-request-id"
@@ -195,6 +197,10 @@ async def _maybe_await(value: Any) -> Any:
     return value
 
 
+class BindError(ConfigError, OSError):
+    """A gRPC server could not listen on its address: a usage error (the CLIs print it and exit 2)."""
+
+
 def build_server(
     address: str,
     register: Sequence[Callable[[grpc.aio.Server], None]],
@@ -227,11 +233,15 @@ def build_server(
     old_umask = os.umask(0o077) if address.startswith("unix:") else None
     try:
         port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's "Failed to bind to address ..."
+        port = 0
     finally:
         if old_umask is not None:
             os.umask(old_umask)
-    if port == 0 and not address.startswith("unix:"):
-        raise OSError(f"could not bind gRPC server to {address!r} (address in use?)")
+    if port == 0:
+        where = ("is another process serving on that socket, and does its directory exist and allow writing?"
+                 if address.startswith("unix:") else "is the port in use, or the host not an address of this machine?")
+        raise BindError(f"invalid listen address {address!r}: cannot serve on it ({where})")
     return ServerHandle(server=server, health=health_servicer, bound_port=port, address=address)
 
 

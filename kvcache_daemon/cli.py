@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     logs.setup_logging("kvcache", cfg.log_level)
     try:
         return asyncio.run(serve(cfg))
+    except configs.ConfigError:  # e.g. an address it cannot serve on: a usage error (exit 2)
+        raise
     except (ArenaError, OSError, ValueError) as exc:  # ValueError: a bad internal token file
         print(f"deepwell kvcache: {exc}", file=sys.stderr)
         return 1
