@@ -300,6 +300,24 @@ def test_a_model_it_cannot_read_or_serve_exits_2_with_the_reason(model_dir: Path
         assert "Traceback" not in r.stderr
 
 
+def test_a_listen_address_in_use_exits_2_and_leaves_nothing_running(model_dir: Path) -> None:
+    """The engine binds after loading its model and starting its step thread: a port in use is a
+    usage error naming it, and the process still exits (nothing left waiting on that thread)."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "deepwell.engine_service", "--model", str(model_dir), "--listen",
+                            f"127.0.0.1:{port}", "--metrics-port", "-1"], capture_output=True, text=True, timeout=120)
+    finally:
+        busy.close()
+    assert r.returncode == 2 and f"engine: invalid listen address '127.0.0.1:{port}'" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 async def test_full_queue_is_resource_exhausted() -> None:
     """In-process server over a FakeRunner whose step thread is not started: nothing is ever
     admitted, so the waiting queue fills deterministically."""
