@@ -24,9 +24,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deepwell.configs import ConfigError
-
 from deepwell import logs
+from deepwell.configs import ConfigError
 
 REQUEST_ID_KEY = "x-request-id"
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

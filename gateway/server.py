@@ -32,7 +32,6 @@ def _http_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         raise ConfigError(f"invalid host/port {host}:{port}: cannot listen there ({exc.strerror or exc}; is the port "
                           "in use, or the host not an address of this machine?)") from None
-    sock.set_inheritable(True)
     return sock
 
 
